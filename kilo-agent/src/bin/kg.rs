@@ -1,0 +1,4 @@
+//! `kg`: the kilo-rs agent.
+fn main() -> anyhow::Result<()> {
+    anyhow::bail!("kg: not implemented yet")
+}

@@ -1,0 +1,14 @@
+//! kilo-rs: a Kilo-compatible WireGuard mesh agent whose datapath is a TC eBPF program.
+//!
+//! Modules follow the data flow, one direction:
+//! backend → mesh → topology → plan → reconcilers (datapath, reconcile) → telemetry.
+//! Everything up to and including `plan` is pure: no I/O.
+
+pub mod backend;
+pub mod datapath;
+pub mod kgctl;
+pub mod mesh;
+pub mod plan;
+pub mod reconcile;
+pub mod telemetry;
+pub mod topology;

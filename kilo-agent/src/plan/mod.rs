@@ -1,0 +1,128 @@
+//! The plan: everything one node must have, derived purely from a topology.
+//!
+//! This is the contract between the pure core and the reconcilers. It holds no
+//! secrets (the private key stays with the agent), is ordered deterministically
+//! (so two equal plans compare and print equal), and is what `--dry-run`,
+//! `kgctl plan`, the mesh harness and the benchmarks all consume.
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+};
+
+use ipnet::IpNet;
+
+use crate::mesh::{Endpoint, Key};
+
+/// Kilo's route table for the intra-location return path (`kiloTableIndex`).
+pub const KILO_TABLE: u32 = 1107;
+/// The kernel's main routing table.
+pub const MAIN_TABLE: u32 = 254;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Addresses of the WireGuard interface (a leader's WireGuard IP, with the subnet's mask).
+    pub addresses: Vec<IpNet>,
+    pub wireguard: WireGuardPlan,
+    /// Sorted and free of duplicates.
+    pub routes: Vec<Route>,
+    /// Sorted and free of duplicates.
+    pub rules: Vec<Rule>,
+    pub datapath: DatapathPlan,
+}
+
+/// The WireGuard device's configuration, without the private key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WireGuardPlan {
+    pub listen_port: u16,
+    /// In Kilo's order (segments, then peers). Empty on a node that is not a leader.
+    pub peers: Vec<WireGuardPeer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireGuardPeer {
+    pub public_key: Key,
+    pub preshared_key: Option<Key>,
+    pub endpoint: Option<Endpoint>,
+    pub allowed_ips: Vec<IpNet>,
+    /// Seconds; 0 = off.
+    pub persistent_keepalive: u16,
+}
+
+/// Which interface a route or rule refers to; the reconciler resolves it to an ifindex.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Device {
+    /// The WireGuard interface (`--interface`, default kilo0).
+    WireGuard,
+    /// The interface that holds the node's private (internal) IP.
+    Private,
+    /// The IPIP encapsulation device (tunl0).
+    Tunnel,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Route {
+    pub dst: IpNet,
+    pub gateway: Option<IpAddr>,
+    pub src: Option<IpAddr>,
+    pub device: Device,
+    pub onlink: bool,
+    pub table: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rule {
+    pub src: Option<IpNet>,
+    pub dst: Option<IpNet>,
+    pub iif: Option<Device>,
+    pub table: u32,
+}
+
+/// The datapath maps' desired contents: what Kilo keeps in iptables, as sets of CIDRs.
+///
+/// Every key is truncated (no host bits), so each is a valid LPM-trie key.
+/// A packet is masqueraded when `(src ∈ nat_sources or dst ∈ masquerade_destinations)
+/// and dst ∉ mesh_destinations` (longest prefix match everywhere).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatapathPlan {
+    /// Kilo's `KILO-NAT -d X -j RETURN`: destinations inside the mesh (segment allowed IPs,
+    /// WireGuard IPs, peer allowed IPs, service CIDRs), never masqueraded.
+    pub mesh_destinations: BTreeMap<IpNet, DatapathEntry>,
+    /// Kilo's `POSTROUTING -s X -j KILO-NAT`: the local pod CIDR and peer allowed IPs.
+    pub nat_sources: BTreeMap<IpNet, DatapathEntry>,
+    /// Kilo's `POSTROUTING -d X -j KILO-NAT`: this location's allowed-location IPs.
+    pub masquerade_destinations: BTreeMap<IpNet, DatapathEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DatapathEntry {
+    pub kind: EntryKind,
+    /// The node, segment, peer or flag the entry comes from (a metrics label).
+    pub owner: String,
+    /// Where the fast path may redirect traffic to this destination (mesh destinations only;
+    /// never set for service CIDRs, which kube-proxy must DNAT first).
+    pub next_hop: Option<NextHop>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum EntryKind {
+    /// A pod CIDR or internal IP of a node (a segment's allowed IPs).
+    Node,
+    /// A segment's WireGuard IP.
+    WireGuardIp,
+    /// A Peer's allowed IP.
+    Peer,
+    /// A `--service-cidr`.
+    Service,
+    /// The local pod CIDR (NAT source).
+    LocalPods,
+    /// An allowed-location IP of this location.
+    AllowedLocation,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NextHop {
+    /// Straight into the WireGuard interface (this node is a leader).
+    WireGuard,
+    /// To a gateway (the location's leader) through a device.
+    Gateway { address: IpAddr, device: Device },
+}

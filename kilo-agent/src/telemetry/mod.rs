@@ -1,0 +1,1 @@
+//! Telemetry: Prometheus metrics (Kilo's names plus ours), health and readiness.

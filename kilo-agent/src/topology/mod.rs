@@ -1,0 +1,1 @@
+//! Topology (pure): segments, leaders, WireGuard IPs and allowed IPs from nodes and peers, with Kilo semantics.

@@ -1,0 +1,267 @@
+//! `cargo xtask`: the project's own installer and task runner.
+//!
+//! It runs on whatever stable toolchain the machine has, installs the pinned
+//! toolchains and tools (see `pins.rs`), then drives cargo with them.
+mod pins;
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "kilo-rs developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install (idempotently) the pinned toolchains, bpf-linker and the Debian packages the tests use.
+    Setup,
+    /// Build the eBPF object (release, bpfel-unknown-none).
+    BuildEbpf,
+    /// Run every test tier: formatting, clippy, pure, datapath, node (root tiers skip elsewhere).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Run the benchmarks and print their reports.
+    Bench {
+        /// Which benchmark to run (default: all).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup(),
+        Task::BuildEbpf => {
+            setup()?;
+            build_ebpf()
+        }
+        Task::Test { args } => {
+            setup()?;
+            test(&args)
+        }
+        Task::Bench { args } => {
+            setup()?;
+            bench(&args)
+        }
+    }
+}
+
+fn root_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Where expensive tools are cached, outside git, keyed on their version.
+fn cache_dir() -> PathBuf {
+    env::var_os("KILO_CACHE_DIR").map_or_else(
+        || PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs"),
+        PathBuf::from,
+    )
+}
+
+fn bpf_linker_dir() -> PathBuf {
+    cache_dir().join(format!("bpf-linker-{}-{}", pins::BPF_LINKER, pins::NIGHTLY))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `cargo` of the pinned stable toolchain, run from the workspace root.
+fn cargo() -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root_dir())
+        .env("RUSTUP_TOOLCHAIN", pins::STABLE)
+        .env("KILO_CACHE_DIR", cache_dir());
+    cmd
+}
+
+fn setup() -> Result<()> {
+    install_toolchains()?;
+    install_bpf_linker()?;
+    install_debian_packages()?;
+    Ok(())
+}
+
+fn install_toolchains() -> Result<()> {
+    let installed = output(Command::new("rustup").args(["toolchain", "list"]))?;
+    let has = |name: &str| installed.lines().any(|l| l.starts_with(name));
+    if !has(pins::STABLE) {
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            pins::STABLE,
+            "--profile",
+            "minimal",
+            "--component",
+            "clippy,rustfmt",
+        ]))?;
+    }
+    let nightly_ok = has(pins::NIGHTLY)
+        && output(Command::new("rustup").args([
+            "component",
+            "list",
+            "--installed",
+            "--toolchain",
+            pins::NIGHTLY,
+        ]))?
+        .lines()
+        .any(|l| l.starts_with("rust-src"));
+    if !nightly_ok {
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            pins::NIGHTLY,
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
+        ]))?;
+    }
+    Ok(())
+}
+
+/// bpf-linker linked against the pinned nightly's own libLLVM, so no system LLVM is needed.
+fn install_bpf_linker() -> Result<()> {
+    let dir = bpf_linker_dir();
+    if dir.join("bin/bpf-linker").exists() {
+        return Ok(());
+    }
+    let sysroot = output(Command::new("rustc").args([
+        &format!("+{}", pins::NIGHTLY),
+        "--print",
+        "sysroot",
+    ]))?;
+    let libdir = Path::new(sysroot.trim()).join("lib");
+    let so = std::fs::read_dir(&libdir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so"))
+        .with_context(|| format!("no libLLVM.so in {}", libdir.display()))?;
+    let libdir = libdir.display();
+    let rustflags =
+        format!("-C link-arg=-L{libdir} -C link-arg=-l:{so} -C link-arg=-Wl,-rpath,{libdir}");
+    let staging = dir.with_extension("partial");
+    run(Command::new("cargo")
+        .env("RUSTFLAGS", rustflags)
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .args([
+            &format!("+{}", pins::NIGHTLY),
+            "install",
+            "bpf-linker",
+            "--locked",
+            "--version",
+            pins::BPF_LINKER,
+            "--no-default-features",
+            "--features",
+            &format!("{},no-llvm-linking", pins::BPF_LINKER_LLVM),
+            "--root",
+        ])
+        .arg(&staging))?;
+    std::fs::rename(&staging, &dir)?;
+    Ok(())
+}
+
+fn install_debian_packages() -> Result<()> {
+    let missing: Vec<&str> = pins::DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p]))
+                .map(|s| !s.contains("install ok installed"))
+                .unwrap_or(true)
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        eprintln!(
+            "xtask: not root, not installing Debian packages {missing:?}; the root-only test tiers will skip"
+        );
+        return Ok(());
+    }
+    run(Command::new("apt-get").arg("update").arg("-qq"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).is_ok_and(|s| s.trim() == "0")
+}
+
+fn build_ebpf() -> Result<()> {
+    let path = env::join_paths(
+        std::iter::once(bpf_linker_dir().join("bin"))
+            .chain(env::split_paths(&env::var_os("PATH").unwrap_or_default())),
+    )?;
+    run(Command::new("cargo")
+        .current_dir(root_dir())
+        .env("RUSTUP_TOOLCHAIN", pins::NIGHTLY)
+        .env("PATH", path)
+        .args([
+            "build",
+            "--package",
+            "kilo-ebpf",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+        ]))?;
+    eprintln!(
+        "eBPF object: {}",
+        root_dir()
+            .join("target/bpfel-unknown-none/release/kilo-ebpf")
+            .display()
+    );
+    Ok(())
+}
+
+fn test(args: &[String]) -> Result<()> {
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    run(cargo().args([
+        "clippy",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(cargo().args(["test"]).args(args))
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    run(cargo()
+        .args(["run", "--release", "--package", "kilo-agent", "--example", "bench", "--"])
+        .args(args))
+}

@@ -1,0 +1,20 @@
+//! Every pinned tool version in one place (kilo-agent/build.rs reads this file too).
+
+/// The stable toolchain that builds the agent (aya 0.16 needs rustc >= 1.98).
+pub const STABLE: &str = "1.99.1";
+/// The dated nightly that builds the eBPF object (`-Z build-std=core`); its LLVM is 23.
+pub const NIGHTLY: &str = "nightly-2026-10-30";
+/// bpf-linker, built against the nightly's own libLLVM (no system LLVM needed).
+pub const BPF_LINKER: &str = "0.13.0";
+/// The LLVM major of NIGHTLY, which bpf-linker must be built for.
+pub const BPF_LINKER_LLVM: &str = "llvm-23";
+/// Debian packages the tests use.
+pub const DEBIAN_PACKAGES: &[&str] = &[
+    "iproute2",
+    "wireguard-go",
+    "wireguard-tools",
+    "nftables",
+    "bpftool",
+    "busybox",
+    "iperf3",
+];
