@@ -1,0 +1,15 @@
+//! Helpers shared by the integration tests: root checks and throwaway network namespaces.
+#![allow(dead_code)]
+
+pub mod netns;
+
+/// True when the test may create namespaces and load BPF programs. Elsewhere root-only tests
+/// print why they skip and pass.
+pub fn require_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        eprintln!("SKIP {test}: needs root (network namespaces, BPF)");
+    }
+    root
+}

@@ -1,0 +1,101 @@
+//! Throwaway network namespaces (`ip netns`), removed on drop on every path.
+//!
+//! Tests may run tools (`ip`, `ping`, `nft`); the agent itself never does.
+use std::{
+    fs::File,
+    os::fd::AsRawFd,
+    process::{Command, Output},
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A named network namespace that exists until dropped.
+pub struct NetNs {
+    pub name: String,
+}
+
+impl NetNs {
+    /// Creates `krs-<tag>-<pid>-<n>` with loopback up.
+    pub fn new(tag: &str) -> Self {
+        let name = format!(
+            "krs-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        sh(&format!("ip netns add {name}"));
+        let ns = NetNs { name };
+        ns.sh("ip link set lo up");
+        ns
+    }
+
+    /// Runs a shell command inside the namespace and panics with its output if it fails.
+    pub fn sh(&self, cmd: &str) -> String {
+        sh(&format!("ip netns exec {} sh -c '{}'", self.name, cmd))
+    }
+
+    /// Runs a shell command inside the namespace and returns its output whatever the status.
+    pub fn try_sh(&self, cmd: &str) -> Output {
+        try_sh(&format!("ip netns exec {} sh -c '{}'", self.name, cmd))
+    }
+
+    /// Runs `f` on a fresh thread that has entered this namespace (for netlink, BPF, sockets).
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            enter(&path);
+            f()
+        })
+        .join()
+        .expect("thread in namespace panicked")
+    }
+
+    /// Enters this namespace on the current thread for good (for dedicated threads/runtimes).
+    pub fn enter_current_thread(&self) {
+        enter(&format!("/run/netns/{}", self.name));
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = try_sh(&format!("ip netns del {}", self.name));
+    }
+}
+
+fn enter(path: &str) {
+    let file = File::open(path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+    // SAFETY: a valid namespace fd; affects only the calling thread.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+}
+
+/// Joins two namespaces with a veth pair: `a_if` in `a`, `b_if` in `b`, both up.
+pub fn veth(a: &NetNs, a_if: &str, b: &NetNs, b_if: &str) {
+    let tmp = format!("krs{}", NEXT.fetch_add(1, Ordering::Relaxed));
+    sh(&format!(
+        "ip link add {tmp}a type veth peer name {tmp}b && \
+         ip link set {tmp}a netns {} && ip link set {tmp}b netns {}",
+        a.name, b.name
+    ));
+    a.sh(&format!("ip link set {tmp}a name {a_if} && ip link set {a_if} up"));
+    b.sh(&format!("ip link set {tmp}b name {b_if} && ip link set {b_if} up"));
+}
+
+pub fn sh(cmd: &str) -> String {
+    let out = try_sh(cmd);
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn try_sh(cmd: &str) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{cmd}`: {e}"))
+}
