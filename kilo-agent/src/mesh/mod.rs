@@ -12,7 +12,7 @@ pub use k8s_openapi::api::core::v1::Node as KubeNode;
 pub use key::{Key, KeyError};
 
 /// The raw objects a backend has seen, keyed by name: the input of everything pure.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     pub nodes: BTreeMap<String, KubeNode>,
     pub peers: BTreeMap<String, Peer>,
