@@ -16,9 +16,11 @@ fn main() -> anyhow::Result<()> {
     let nightly = pin("NIGHTLY")?;
     let linker = pin("BPF_LINKER")?;
     // bpf-linker lives in a cache outside git (see xtask setup); put it on PATH.
-    let cache = env::var_os("KILO_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs")
-    });
+    let cache = env::var_os("KILO_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs")
+        });
     let bin = cache.join(format!("bpf-linker-{linker}-{nightly}/bin"));
     if !bin.join("bpf-linker").exists() && env::var_os("AYA_BUILD_SKIP").is_none() {
         anyhow::bail!(

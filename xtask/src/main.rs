@@ -32,6 +32,8 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// Build a three-node mesh in network namespaces and show it working (needs root).
+    Demo,
     /// Run the benchmarks and print their reports.
     Bench {
         /// Which benchmark to run (default: all).
@@ -50,6 +52,10 @@ fn main() -> Result<()> {
         Task::Test { args } => {
             setup()?;
             test(&args)
+        }
+        Task::Demo => {
+            setup()?;
+            demo()
         }
         Task::Bench { args } => {
             setup()?;
@@ -155,11 +161,8 @@ fn install_bpf_linker() -> Result<()> {
     if dir.join("bin/bpf-linker").exists() {
         return Ok(());
     }
-    let sysroot = output(Command::new("rustc").args([
-        &format!("+{}", pins::NIGHTLY),
-        "--print",
-        "sysroot",
-    ]))?;
+    let sysroot =
+        output(Command::new("rustc").args([&format!("+{}", pins::NIGHTLY), "--print", "sysroot"]))?;
     let libdir = Path::new(sysroot.trim()).join("lib");
     let so = std::fs::read_dir(&libdir)?
         .filter_map(|e| e.ok())
@@ -248,20 +251,48 @@ fn build_ebpf() -> Result<()> {
     Ok(())
 }
 
+fn demo() -> Result<()> {
+    if !is_root() {
+        bail!("the demo builds network namespaces and loads BPF programs: run it as root");
+    }
+    run(cargo().args(["build", "--package", "kilo-agent", "--bins"]))?;
+    run(Command::new("bash")
+        .arg(root_dir().join("xtask/scripts/demo.sh"))
+        .arg(root_dir().join("target/debug")))
+}
+
 fn test(args: &[String]) -> Result<()> {
     run(cargo().args(["fmt", "--all", "--check"]))?;
-    run(cargo().args([
-        "clippy",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
+    run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     run(cargo().args(["test"]).args(args))
 }
 
+/// Benchmarks are examples named `bench_<what>` in kilo-agent; `cargo xtask bench [what]` runs
+/// one, no argument runs them all. Each prints its own side-by-side report.
 fn bench(args: &[String]) -> Result<()> {
-    run(cargo()
-        .args(["run", "--release", "--package", "kilo-agent", "--example", "bench", "--"])
-        .args(args))
+    let examples = root_dir().join("kilo-agent/examples");
+    let mut all: Vec<String> = std::fs::read_dir(&examples)
+        .with_context(|| format!("reading {}", examples.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("bench_")
+                .and_then(|n| n.strip_suffix(".rs"))
+                .map(str::to_owned)
+        })
+        .collect();
+    all.sort();
+    let (chosen, rest): (Vec<String>, &[String]) = match args.split_first() {
+        Some((what, rest)) if all.contains(what) => (vec![what.clone()], rest),
+        Some((what, _)) => bail!("no benchmark {what:?}; have {all:?}"),
+        None => (all, &[]),
+    };
+    for what in chosen {
+        run(cargo()
+            .args(["run", "--release", "--package", "kilo-agent", "--example"])
+            .arg(format!("bench_{what}"))
+            .arg("--")
+            .args(rest))?;
+    }
+    Ok(())
 }

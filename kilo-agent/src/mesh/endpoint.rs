@@ -100,14 +100,25 @@ mod tests {
 
     #[test]
     fn parses_kilo_forms() {
-        for s in ["10.1.0.1:51820", "[fd00::1]:51820", "node-a.example.com:51820"] {
+        for s in [
+            "10.1.0.1:51820",
+            "[fd00::1]:51820",
+            "node-a.example.com:51820",
+        ] {
             assert_eq!(s.parse::<Endpoint>().unwrap().to_string(), s);
         }
     }
 
     #[test]
     fn rejects_malformed() {
-        for s in ["10.1.0.1", "fd00::1:51820", "Host_Name:1", ":51820", "a:0", "a:65536"] {
+        for s in [
+            "10.1.0.1",
+            "fd00::1:51820",
+            "Host_Name:1",
+            ":51820",
+            "a:0",
+            "a:65536",
+        ] {
             assert!(s.parse::<Endpoint>().is_err(), "{s}");
         }
     }

@@ -54,7 +54,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_keys() {
-        assert!(matches!("a2V5MQ==".parse::<Key>(), Err(KeyError::Length(4))));
+        assert!(matches!(
+            "a2V5MQ==".parse::<Key>(),
+            Err(KeyError::Length(4))
+        ));
         assert!(matches!("!!".parse::<Key>(), Err(KeyError::Base64(_))));
     }
 

@@ -4,10 +4,7 @@
 //! secrets (the private key stays with the agent), is ordered deterministically
 //! (so two equal plans compare and print equal), and is what `--dry-run`,
 //! `kgctl plan`, the mesh harness and the benchmarks all consume.
-use std::{
-    collections::BTreeMap,
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
 

@@ -77,8 +77,12 @@ pub fn veth(a: &NetNs, a_if: &str, b: &NetNs, b_if: &str) {
          ip link set {tmp}a netns {} && ip link set {tmp}b netns {}",
         a.name, b.name
     ));
-    a.sh(&format!("ip link set {tmp}a name {a_if} && ip link set {a_if} up"));
-    b.sh(&format!("ip link set {tmp}b name {b_if} && ip link set {b_if} up"));
+    a.sh(&format!(
+        "ip link set {tmp}a name {a_if} && ip link set {a_if} up"
+    ));
+    b.sh(&format!(
+        "ip link set {tmp}b name {b_if} && ip link set {b_if} up"
+    ));
 }
 
 pub fn sh(cmd: &str) -> String {
