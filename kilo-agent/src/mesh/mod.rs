@@ -174,3 +174,6 @@ pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, String> {
         .parse::<ipnet::IpNet>()
         .map_err(|_| format!("invalid CIDR {s:?}"))
 }
+
+#[cfg(test)]
+mod proptests;
