@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 )]
 #[serde(rename_all = "camelCase")]
 pub struct PeerSpec {
-    /// CIDRs routed to this peer (at least one).
+    /// CIDRs routed to this peer (at least one). Kilo spells it `allowedIPs`, which
+    /// `camelCase` would turn into `allowedIps`.
+    #[serde(rename = "allowedIPs")]
     pub allowed_ips: Vec<String>,
     /// Base64 WireGuard public key (32 bytes).
     pub public_key: String,

@@ -1,15 +1,34 @@
 //! Typed mesh state: Nodes and Peers parsed from Kubernetes-shaped objects
 //! (`kilo.squat.ai/*` annotations, the Peer CRD), with Kilo's validation.
+//!
+//! Owns: the raw [`Snapshot`], its typed form ([`Node`], [`MeshPeer`]), the parsers and
+//! their per-object errors ([`ObjectError`]), and the on-disk object loader ([`objects`]).
+//! Parsing is pure; only [`objects::load_dir`] reads files.
+//!
+//! Differences from Kilo (each covered by a test in `node.rs`/`peer.rs`):
+//! - Kilo silently ignores an invalid annotation or Peer field (a bad key becomes the zero key,
+//!   a bad keepalive becomes 0, a bad `force-endpoint` falls back to `endpoint`). Here every
+//!   invalid value is an [`ObjectError`] naming the object and the field, and that object is
+//!   skipped while all others are kept.
+//! - A Peer endpoint with both `ip` and `dns` uses the IP, as the CRD documents; Kilo's
+//!   translation code lets the DNS name win.
+//! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip`
+//!   may hold one CIDR per family, comma-separated (`192.168.0.1/24,fd00::1/64`).
 mod crd;
 mod endpoint;
 mod key;
+mod node;
+pub mod objects;
+mod peer;
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, fmt, str::FromStr};
 
 pub use crd::{DnsOrIp, Peer, PeerEndpoint, PeerSpec};
 pub use endpoint::{Endpoint, EndpointError, Host};
 pub use k8s_openapi::api::core::v1::Node as KubeNode;
 pub use key::{Key, KeyError};
+pub use node::{CHECK_IN_PERIOD_SECS, DEFAULT_TOPOLOGY_LABEL, Node, annotations};
+pub use peer::MeshPeer;
 
 /// The raw objects a backend has seen, keyed by name: the input of everything pure.
 #[derive(Debug, Clone, Default)]
@@ -17,3 +36,144 @@ pub struct Snapshot {
     pub nodes: BTreeMap<String, KubeNode>,
     pub peers: BTreeMap<String, Peer>,
 }
+
+/// How finely the mesh is cut into WireGuard segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Granularity {
+    /// Kilo's default: one segment (one leader, one WireGuard IP) per location.
+    #[default]
+    Location,
+    /// Kilo's `full`: every node is its own segment.
+    Full,
+    /// Every node is its own segment, but nodes of the same location talk over the private
+    /// network; only nodes of different locations have WireGuard tunnels (see `topology`).
+    Cross,
+}
+
+impl Granularity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Granularity::Location => "location",
+            Granularity::Full => "full",
+            Granularity::Cross => "cross",
+        }
+    }
+}
+
+impl fmt::Display for Granularity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("unknown granularity {0:?} (expected location, full or cross)")]
+pub struct GranularityError(pub String);
+
+impl FromStr for Granularity {
+    type Err = GranularityError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "location" => Ok(Granularity::Location),
+            "full" => Ok(Granularity::Full),
+            "cross" => Ok(Granularity::Cross),
+            _ => Err(GranularityError(s.into())),
+        }
+    }
+}
+
+/// Which kind of object an [`ObjectError`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ObjectKind {
+    Node,
+    Peer,
+    /// A file that could not be read or parsed as an object (`objects::load_dir`).
+    File,
+}
+
+impl fmt::Display for ObjectKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ObjectKind::Node => "node",
+            ObjectKind::Peer => "peer",
+            ObjectKind::File => "file",
+        })
+    }
+}
+
+/// One invalid value of one object, e.g.
+/// `node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x"`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, thiserror::Error)]
+#[error("{kind} {name:?}: {field}: {problem}")]
+pub struct ObjectError {
+    pub kind: ObjectKind,
+    /// The object's name (or the file's path).
+    pub name: String,
+    /// `annotation kilo.squat.ai/...`, `label ...`, `spec.podCIDR`, `spec.allowedIPs[1]`, ...
+    pub field: String,
+    pub problem: String,
+}
+
+impl ObjectError {
+    pub fn new(
+        kind: ObjectKind,
+        name: impl Into<String>,
+        field: impl Into<String>,
+        problem: impl Into<String>,
+    ) -> Self {
+        ObjectError {
+            kind,
+            name: name.into(),
+            field: field.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// The typed form of a [`Snapshot`]: every object that parsed, and one error per bad value.
+#[derive(Debug, Clone, Default)]
+pub struct Parsed {
+    pub nodes: BTreeMap<String, Node>,
+    pub peers: BTreeMap<String, MeshPeer>,
+    /// Objects listed here are absent from `nodes`/`peers`; all others are kept.
+    pub errors: Vec<ObjectError>,
+}
+
+/// Parses every object of a snapshot. A bad object is reported (all its bad fields) and skipped.
+pub fn parse_snapshot(snapshot: &Snapshot, topology_label: &str) -> Parsed {
+    let mut out = Parsed::default();
+    for (name, kn) in &snapshot.nodes {
+        match Node::from_kube(kn, topology_label) {
+            Ok(mut n) => {
+                if n.name.is_empty() {
+                    n.name = name.clone();
+                }
+                out.nodes.insert(n.name.clone(), n);
+            }
+            Err(errs) => out.errors.extend(errs),
+        }
+    }
+    for (name, p) in &snapshot.peers {
+        match MeshPeer::from_crd(p) {
+            Ok(mut mp) => {
+                if mp.name.is_empty() {
+                    mp.name = name.clone();
+                }
+                out.peers.insert(mp.name.clone(), mp);
+            }
+            Err(errs) => out.errors.extend(errs),
+        }
+    }
+    out
+}
+
+/// Parses a CIDR the way Kilo's `normalizeIP` does: the address keeps its host bits
+/// (`10.5.0.1/24` stays `10.5.0.1/24`).
+pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, String> {
+    s.trim()
+        .parse::<ipnet::IpNet>()
+        .map_err(|_| format!("invalid CIDR {s:?}"))
+}
+
+#[cfg(test)]
+mod proptests;

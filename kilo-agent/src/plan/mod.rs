@@ -4,7 +4,14 @@
 //! secrets (the private key stays with the agent), is ordered deterministically
 //! (so two equal plans compare and print equal), and is what `--dry-run`,
 //! `kgctl plan`, the mesh harness and the benchmarks all consume.
+mod build;
+
 use std::{collections::BTreeMap, net::IpAddr};
+
+pub use build::{
+    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, normalize_wireguard,
+    plan_for, topology_for,
+};
 
 use ipnet::IpNet;
 
@@ -123,3 +130,6 @@ pub enum NextHop {
     /// To a gateway (the location's leader) through a device.
     Gateway { address: IpAddr, device: Device },
 }
+
+#[cfg(test)]
+mod tests;

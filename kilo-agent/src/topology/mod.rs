@@ -1,1 +1,560 @@
-//! Topology (pure): segments, leaders, WireGuard IPs and allowed IPs from nodes and peers, with Kilo semantics.
+//! Topology (pure): segments, leaders, WireGuard IPs and allowed IPs from ready nodes and
+//! peers, with Kilo's `NewTopology` semantics (`pkg/mesh/topology.go`), plus `cross`
+//! granularity and IPv6/dual-stack.
+//!
+//! # Granularities
+//! - `location` (Kilo's default): one segment per location (`location:<name>`); a node without
+//!   an internal IP is its own segment (`node:<name>`). Each segment has one leader (Kilo's
+//!   `findLeader`: first annotated leader with a public endpoint, else first annotated, else
+//!   first with a public endpoint, else the first node by name), one WireGuard IP and one
+//!   WireGuard key (the leader's). Only leaders run WireGuard; other nodes route through them.
+//! - `full`: every node is its own segment (`node:<name>`) and leader.
+//! - `cross`: every node is its own segment (`node:<name>`) with its own WireGuard IP and
+//!   tunnel, but segments are grouped by location (the *group*, `location:<name>`, or
+//!   `node:<name>` for a node without an internal IP). Nodes of the same group talk over the
+//!   private network, without WireGuard (pod CIDRs and WireGuard IPs of the other nodes are
+//!   routed via their private IP, IPIP-encapsulated as `--encapsulate` says); every node has a
+//!   WireGuard peer for every node of every *other* group and for every Peer, so there is no
+//!   leader bottleneck. The allowed-location IPs of a location are attached to one node of it
+//!   (the one `findLeader` would choose), since a CIDR can belong to one WireGuard peer only.
+//!   External peers see every node as a peer (as in `full`).
+//!
+//! For `location` and `full` the group is the segment itself, so all rules below read the same.
+//!
+//! # IPv6 and dual-stack
+//! Pod CIDRs (`spec.podCIDRs`), internal IPs (one per family), endpoints, allowed IPs and the
+//! WireGuard subnet may be IPv6. The WireGuard subnet has one family; the plan routes the
+//! other family over the WireGuard interface without a gateway (WireGuard picks the peer by
+//! allowed IP), and via a leader's private IP of the destination's family.
+//!
+//! # Deliberate differences from Kilo (each has a test)
+//! - `isPublic` treats all of `fc00::/7` (RFC 4193) as private; Kilo checks only `fd00::/16`.
+//! - Running out of WireGuard IPs is an error; Kilo's allocator hands out an empty IP once
+//!   before failing.
+//! - `conf()` stays byte-compatible with Kilo (CIDRs as written, duplicates kept); the plan
+//!   normalizes (see `plan`).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+};
+
+use ipnet::IpNet;
+
+use crate::{
+    mesh::{Endpoint, Granularity, Key, MeshPeer, Node},
+    plan::WireGuardPeer,
+};
+
+const LOGICAL_PREFIX: &str = "location:";
+const NODE_PREFIX: &str = "node:";
+
+/// What `NewTopology` takes besides the nodes and peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    pub granularity: Granularity,
+    /// The local node.
+    pub hostname: String,
+    pub port: u16,
+    /// `--subnet`: the WireGuard overlay network (Kilo's default 10.4.0.0/16).
+    pub subnet: IpNet,
+    pub service_cidrs: Vec<IpNet>,
+    /// Seconds the local node sends keepalives at (Kilo: its own annotation).
+    pub persistent_keepalive: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TopologyError {
+    #[error("the local node {0:?} is not among the ready nodes")]
+    LocalNodeMissing(String),
+    #[error("subnet {subnet} has no address left for segment {segment:?}")]
+    OutOfAddresses { subnet: IpNet, segment: String },
+}
+
+/// One node inside a segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentNode {
+    pub name: String,
+    pub pod_cidrs: Vec<IpNet>,
+    /// Host bits kept; at most one per family.
+    pub internal_ips: Vec<IpNet>,
+    pub endpoint: Option<Endpoint>,
+}
+
+impl SegmentNode {
+    pub fn private_ip(&self, v6: bool) -> Option<IpAddr> {
+        self.internal_ips
+            .iter()
+            .find(|n| n.addr().is_ipv6() == v6)
+            .map(|n| n.addr())
+    }
+}
+
+/// One WireGuard peer of the mesh: a location (or a node), led by one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// `location:<name>` or `node:<name>`.
+    pub location: String,
+    /// Which segments share a private network: equal to `location` except in `cross`.
+    pub group: String,
+    /// Sorted by name.
+    pub nodes: Vec<SegmentNode>,
+    /// Index into `nodes`.
+    pub leader: usize,
+    /// Pod CIDRs and internal IPs (/32, /128) of every node, then the WireGuard IP.
+    pub allowed_ips: Vec<IpNet>,
+    /// The leader's.
+    pub endpoint: Option<Endpoint>,
+    pub key: Key,
+    pub persistent_keepalive: u16,
+    pub wireguard_ip: IpAddr,
+    pub allowed_location_ips: Vec<IpNet>,
+}
+
+impl Segment {
+    pub fn leader_name(&self) -> &str {
+        &self.nodes[self.leader].name
+    }
+    pub fn hostnames(&self) -> impl Iterator<Item = &str> {
+        self.nodes.iter().map(|n| n.name.as_str())
+    }
+    pub fn cidrs(&self) -> impl Iterator<Item = IpNet> + '_ {
+        self.nodes.iter().flat_map(|n| n.pod_cidrs.iter().copied())
+    }
+    pub fn private_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.internal_ips.iter().map(|i| i.addr()))
+    }
+}
+
+/// The logical structure of the overlay as seen from one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    pub granularity: Granularity,
+    pub hostname: String,
+    pub port: u16,
+    /// The local segment's location key.
+    pub location: String,
+    /// The local segment's group (see the module docs).
+    pub group: String,
+    /// The local node leads its segment (always true in `full` and `cross`).
+    pub leader: bool,
+    pub persistent_keepalive: u16,
+    /// The local node's internal IPs (host bits and mask kept).
+    pub private_ips: Vec<IpNet>,
+    /// The local node's pod CIDRs.
+    pub pod_cidrs: Vec<IpNet>,
+    /// `--subnet`, truncated.
+    pub subnet: IpNet,
+    /// The local WireGuard IP with the subnet's prefix length on a leader, else the subnet.
+    pub wireguard_cidr: IpNet,
+    pub service_cidrs: Vec<IpNet>,
+    /// Sorted by location key.
+    pub segments: Vec<Segment>,
+    /// Sorted by name, allowed IPs deduplicated (an IP claimed by an earlier peer is dropped).
+    pub peers: Vec<MeshPeer>,
+    pub discovered_endpoints: BTreeMap<Key, SocketAddr>,
+}
+
+/// Kilo's `isPublic`, with IPv6 ULA fixed to `fc00::/7`.
+pub fn is_public(ip: Option<IpAddr>) -> bool {
+    match ip {
+        None => false,
+        Some(IpAddr::V4(v4)) => {
+            let o = v4.octets();
+            !(o[0] == 10 || (o[0] == 172 && o[1] & 0xf0 == 0x10) || (o[0] == 192 && o[1] == 168))
+        }
+        Some(IpAddr::V6(v6)) => v6.segments()[0] & 0xfe00 != 0xfc00,
+    }
+}
+
+/// Kilo's `findLeader` over nodes sorted by name.
+pub fn find_leader(nodes: &[&Node]) -> usize {
+    let mut leaders = Vec::new();
+    let mut public = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let ip = n.endpoint.as_ref().and_then(Endpoint::ip);
+        if n.leader {
+            if is_public(ip) {
+                return i;
+            }
+            leaders.push(i);
+        }
+        if ip.is_some() && is_public(ip) {
+            public.push(i);
+        }
+    }
+    leaders.first().or(public.first()).copied().unwrap_or(0)
+}
+
+/// One-address CIDR (/32 or /128).
+pub fn host_net(ip: IpAddr) -> IpNet {
+    IpNet::from(ip)
+}
+
+fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
+    let ip = match subnet.network() {
+        IpAddr::V4(a) => IpAddr::V4(Ipv4Addr::from(
+            u32::from(a).checked_add(u32::try_from(n).ok()?)?,
+        )),
+        IpAddr::V6(a) => IpAddr::V6(Ipv6Addr::from(u128::from(a).checked_add(n)?)),
+    };
+    subnet.contains(&ip).then_some(ip)
+}
+
+fn intersect(a: &IpNet, b: &IpNet) -> bool {
+    a.contains(&b.addr()) || b.contains(&a.addr())
+}
+
+impl Topology {
+    /// Kilo's `NewTopology`. `nodes` and `peers` should hold only ready objects.
+    pub fn new(
+        nodes: &BTreeMap<String, Node>,
+        peers: &BTreeMap<String, MeshPeer>,
+        opts: &Options,
+    ) -> Result<Topology, TopologyError> {
+        let local = nodes
+            .get(&opts.hostname)
+            .ok_or_else(|| TopologyError::LocalNodeMissing(opts.hostname.clone()))?;
+        let group_of = |n: &Node| -> String {
+            match opts.granularity {
+                Granularity::Full => format!("{NODE_PREFIX}{}", n.name),
+                _ if n.internal_ips.is_empty() => format!("{NODE_PREFIX}{}", n.name),
+                _ => format!("{LOGICAL_PREFIX}{}", n.location),
+            }
+        };
+        let location_of = |n: &Node| -> String {
+            match opts.granularity {
+                Granularity::Location => group_of(n),
+                Granularity::Full | Granularity::Cross => format!("{NODE_PREFIX}{}", n.name),
+            }
+        };
+        // BTreeMap iteration gives nodes sorted by name inside each location, and locations
+        // sorted by key: Kilo's two sorts.
+        let mut by_location: BTreeMap<String, Vec<&Node>> = BTreeMap::new();
+        let mut by_group: BTreeMap<String, Vec<&Node>> = BTreeMap::new();
+        for n in nodes.values() {
+            by_location.entry(location_of(n)).or_default().push(n);
+            by_group.entry(group_of(n)).or_default().push(n);
+        }
+        // In cross, a location's allowed-location IPs go to the node findLeader picks.
+        let mut cross_alips: BTreeMap<String, Vec<IpNet>> = BTreeMap::new();
+        if opts.granularity == Granularity::Cross {
+            for (g, members) in &by_group {
+                let owner = members[find_leader(members)];
+                let ips = merged_alips(members);
+                cross_alips.insert(format!("{NODE_PREFIX}{}", owner.name), ips);
+                let _ = g;
+            }
+        }
+        let location = location_of(local);
+        let group = group_of(local);
+        let mut leader = false;
+        let mut segments = Vec::with_capacity(by_location.len());
+        for (loc, members) in &by_location {
+            let li = find_leader(members);
+            if *loc == location && members[li].name == opts.hostname {
+                leader = true;
+            }
+            let mut allowed_ips = Vec::new();
+            for n in members {
+                allowed_ips.extend(n.pod_cidrs.iter().copied());
+                allowed_ips.extend(n.internal_ips.iter().map(|i| host_net(i.addr())));
+            }
+            let allowed_location_ips = if opts.granularity == Granularity::Cross {
+                cross_alips.remove(loc).unwrap_or_default()
+            } else {
+                merged_alips(members)
+            };
+            let l = members[li];
+            segments.push(Segment {
+                location: loc.clone(),
+                group: group_of(l),
+                nodes: members
+                    .iter()
+                    .map(|n| SegmentNode {
+                        name: n.name.clone(),
+                        pod_cidrs: n.pod_cidrs.clone(),
+                        internal_ips: n.internal_ips.clone(),
+                        endpoint: n.endpoint.clone(),
+                    })
+                    .collect(),
+                leader: li,
+                allowed_ips,
+                endpoint: l.endpoint.clone(),
+                key: l.key.unwrap_or(Key([0; 32])),
+                persistent_keepalive: l.persistent_keepalive,
+                wireguard_ip: opts.subnet.network(),
+                allowed_location_ips,
+            });
+        }
+        let subnet = opts.subnet.trunc();
+        let mut t = Topology {
+            granularity: opts.granularity,
+            hostname: opts.hostname.clone(),
+            port: opts.port,
+            location,
+            group,
+            leader,
+            persistent_keepalive: opts.persistent_keepalive,
+            private_ips: local.internal_ips.clone(),
+            pod_cidrs: local.pod_cidrs.clone(),
+            subnet,
+            wireguard_cidr: subnet,
+            service_cidrs: opts.service_cidrs.clone(),
+            segments,
+            peers: dedup_peer_ips(peers.values()),
+            discovered_endpoints: local.discovered_endpoints.clone(),
+        };
+        for i in 0..t.segments.len() {
+            let ip = nth_address(subnet, i as u128 + 1).ok_or_else(|| {
+                TopologyError::OutOfAddresses {
+                    subnet,
+                    segment: t.segments[i].location.clone(),
+                }
+            })?;
+            let s = &mut t.segments[i];
+            s.wireguard_ip = ip;
+            s.allowed_ips.push(host_net(ip));
+            if t.leader && s.location == t.location {
+                t.wireguard_cidr =
+                    IpNet::new(ip, subnet.prefix_len()).expect("prefix of the subnet");
+            }
+            for n in &by_location[&s.location] {
+                for (k, v) in &n.discovered_endpoints {
+                    t.discovered_endpoints.entry(*k).or_insert(*v);
+                }
+            }
+            let alips = std::mem::take(&mut t.segments[i].allowed_location_ips);
+            t.segments[i].allowed_location_ips = t.filter_allowed_location_ips(alips, i);
+        }
+        Ok(t)
+    }
+
+    /// Kilo's `filterAllowedLocationIPs`, run while segments get their WireGuard IPs (so it
+    /// sees the later segments' allowed IPs without their WireGuard IP, as Kilo does).
+    fn filter_allowed_location_ips(&self, ips: Vec<IpNet>, seg: usize) -> Vec<IpNet> {
+        let group = &self.segments[seg].group;
+        ips.into_iter()
+            .filter(|ip| {
+                for s in &self.segments {
+                    if s.group != *group && s.allowed_location_ips.iter().any(|i| intersect(ip, i))
+                    {
+                        return false;
+                    }
+                    if s.allowed_ips.iter().any(|i| i.contains(&ip.addr())) {
+                        return false;
+                    }
+                }
+                !self
+                    .peers
+                    .iter()
+                    .any(|p| p.allowed_ips.iter().any(|i| intersect(ip, i)))
+            })
+            .collect()
+    }
+
+    /// The local segment.
+    pub fn local_segment(&self) -> Option<&Segment> {
+        self.segments.iter().find(|s| s.location == self.location)
+    }
+
+    /// Kilo's `updateEndpoint`: a discovered endpoint replaces the configured one only for
+    /// NAT-ed (non-zero keepalive) segments and peers.
+    pub fn update_endpoint(
+        &self,
+        endpoint: Option<&Endpoint>,
+        key: &Key,
+        keepalive: u16,
+    ) -> Option<Endpoint> {
+        if keepalive == 0 {
+            return endpoint.cloned();
+        }
+        match self.discovered_endpoints.get(key) {
+            Some(a) => Some(Endpoint::from(*a)),
+            None => endpoint.cloned(),
+        }
+    }
+
+    /// Kilo's `Conf()` peers: one per segment of another group, then one per Peer.
+    /// CIDRs as written, in Kilo's order (what `kgctl showconf node` prints).
+    pub fn conf(&self) -> Vec<WireGuardPeer> {
+        let mut out = Vec::new();
+        for s in &self.segments {
+            if s.group == self.group {
+                continue;
+            }
+            out.push(WireGuardPeer {
+                public_key: s.key,
+                preshared_key: None,
+                endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
+                allowed_ips: s
+                    .allowed_ips
+                    .iter()
+                    .chain(&s.allowed_location_ips)
+                    .copied()
+                    .collect(),
+                persistent_keepalive: self.persistent_keepalive,
+            });
+        }
+        for p in &self.peers {
+            out.push(WireGuardPeer {
+                public_key: p.public_key,
+                preshared_key: p.preshared_key,
+                endpoint: self.update_endpoint(
+                    p.endpoint.as_ref(),
+                    &p.public_key,
+                    p.persistent_keepalive,
+                ),
+                allowed_ips: p.allowed_ips.clone(),
+                persistent_keepalive: self.persistent_keepalive,
+            });
+        }
+        out
+    }
+
+    /// Kilo's `PeerConf(name)`: every segment, then every other Peer, with the named peer's
+    /// keepalive (and its preshared key on the segment entries).
+    pub fn peer_conf(&self, name: &str) -> Vec<WireGuardPeer> {
+        let me = self.peers.iter().find(|p| p.name == name);
+        let pka = me.map_or(0, |p| p.persistent_keepalive);
+        let psk = me.and_then(|p| p.preshared_key);
+        let mut out = Vec::new();
+        for s in &self.segments {
+            out.push(WireGuardPeer {
+                public_key: s.key,
+                preshared_key: psk,
+                endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
+                allowed_ips: s
+                    .allowed_ips
+                    .iter()
+                    .chain(&s.allowed_location_ips)
+                    .copied()
+                    .collect(),
+                persistent_keepalive: pka,
+            });
+        }
+        for p in self.peers.iter().filter(|p| p.name != name) {
+            out.push(WireGuardPeer {
+                public_key: p.public_key,
+                preshared_key: None,
+                endpoint: self.update_endpoint(
+                    p.endpoint.as_ref(),
+                    &p.public_key,
+                    p.persistent_keepalive,
+                ),
+                allowed_ips: p.allowed_ips.clone(),
+                persistent_keepalive: pka,
+            });
+        }
+        out
+    }
+
+    /// Kilo's `AsPeer()`: the local segment as a peer (allowed IPs without the
+    /// allowed-location IPs, configured endpoint, no keepalive).
+    pub fn as_peer(&self) -> Option<WireGuardPeer> {
+        self.local_segment().map(|s| WireGuardPeer {
+            public_key: s.key,
+            preshared_key: None,
+            endpoint: s.endpoint.clone(),
+            allowed_ips: s.allowed_ips.clone(),
+            persistent_keepalive: 0,
+        })
+    }
+
+    /// Number of nodes in all segments.
+    pub fn node_count(&self) -> usize {
+        self.segments.iter().map(|s| s.nodes.len()).sum()
+    }
+
+    /// A text dump in the format of the golden files' `## topology` section.
+    pub fn dump(&self) -> String {
+        fn list<T: std::fmt::Display>(it: impl IntoIterator<Item = T>) -> String {
+            let v: Vec<String> = it.into_iter().map(|x| x.to_string()).collect();
+            format!("[{}]", v.join(" "))
+        }
+        let ep = |e: &Option<Endpoint>| e.as_ref().map(ToString::to_string).unwrap_or_default();
+        let mut o = String::new();
+        let _ = writeln!(o, "leader: {}", self.leader);
+        let _ = writeln!(o, "location: {}", self.location);
+        let _ = writeln!(o, "wireGuardCIDR: {}", self.wireguard_cidr);
+        let _ = writeln!(
+            o,
+            "privateIP: {}",
+            self.private_ips
+                .first()
+                .map_or("<nil>".to_string(), ToString::to_string)
+        );
+        let _ = writeln!(
+            o,
+            "subnet: {}",
+            self.pod_cidrs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        for (i, s) in self.segments.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "segment[{i}]: location={} leader={} endpoint={} key={} wireGuardIP={}",
+                s.location,
+                s.leader_name(),
+                ep(&s.endpoint),
+                s.key,
+                s.wireguard_ip
+            );
+            let _ = writeln!(
+                o,
+                "  hostnames={} cidrs={} privateIPs={}",
+                list(s.hostnames()),
+                list(s.cidrs()),
+                list(s.private_ips())
+            );
+            let _ = writeln!(o, "  allowedIPs={}", list(&s.allowed_ips));
+            let _ = writeln!(o, "  allowedLocationIPs={}", list(&s.allowed_location_ips));
+        }
+        for p in &self.peers {
+            let _ = writeln!(
+                o,
+                "peer: name={} key={} endpoint={} allowedIPs={}",
+                p.name,
+                p.public_key,
+                ep(&p.endpoint),
+                list(&p.allowed_ips)
+            );
+        }
+        o
+    }
+}
+
+/// The allowed-location IPs of a location's nodes, merged (first occurrence) and sorted by text.
+fn merged_alips(members: &[&Node]) -> Vec<IpNet> {
+    let mut seen = BTreeSet::new();
+    let mut v: Vec<IpNet> = members
+        .iter()
+        .flat_map(|n| n.allowed_location_ips.iter().copied())
+        .filter(|ip| seen.insert(ip.to_string()))
+        .collect();
+    v.sort_by_key(|ip| ip.to_string());
+    v
+}
+
+/// Kilo's `deduplicatePeerIPs`: peers in name order; an allowed IP already claimed (same text)
+/// by an earlier peer is dropped.
+fn dedup_peer_ips<'a>(peers: impl Iterator<Item = &'a MeshPeer>) -> Vec<MeshPeer> {
+    let mut seen = BTreeSet::new();
+    peers
+        .map(|p| {
+            let mut p = p.clone();
+            p.allowed_ips.retain(|ip| seen.insert(ip.to_string()));
+            p
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+pub(crate) mod testutil;

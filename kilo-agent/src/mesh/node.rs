@@ -1,0 +1,540 @@
+//! A Kubernetes Node's Kilo view: the `kilo.squat.ai/*` annotations, the topology label and
+//! the pod CIDRs, parsed and validated.
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+};
+
+use ipnet::IpNet;
+use serde::Deserialize;
+
+use super::{Endpoint, Granularity, Key, KubeNode, ObjectError, ObjectKind, parse_cidr};
+
+/// The annotation keys, exactly Kilo's.
+pub mod annotations {
+    pub const ENDPOINT: &str = "kilo.squat.ai/endpoint";
+    pub const FORCE_ENDPOINT: &str = "kilo.squat.ai/force-endpoint";
+    pub const INTERNAL_IP: &str = "kilo.squat.ai/internal-ip";
+    pub const FORCE_INTERNAL_IP: &str = "kilo.squat.ai/force-internal-ip";
+    pub const KEY: &str = "kilo.squat.ai/key";
+    pub const LAST_SEEN: &str = "kilo.squat.ai/last-seen";
+    pub const LEADER: &str = "kilo.squat.ai/leader";
+    pub const LOCATION: &str = "kilo.squat.ai/location";
+    pub const PERSISTENT_KEEPALIVE: &str = "kilo.squat.ai/persistent-keepalive";
+    pub const WIREGUARD_IP: &str = "kilo.squat.ai/wireguard-ip";
+    pub const DISCOVERED_ENDPOINTS: &str = "kilo.squat.ai/discovered-endpoints";
+    pub const ALLOWED_LOCATION_IPS: &str = "kilo.squat.ai/allowed-location-ips";
+    pub const GRANULARITY: &str = "kilo.squat.ai/granularity";
+    pub const CNI_COMPATIBILITY_IP: &str = "kilo.squat.ai/cni-compatibility-ip";
+}
+
+/// Kilo's default `--topology-label`.
+pub const DEFAULT_TOPOLOGY_LABEL: &str = "topology.kubernetes.io/region";
+/// Kilo's check-in period; a node whose last-seen is older than twice this is not ready.
+pub const CHECK_IN_PERIOD_SECS: i64 = 30;
+
+/// A node as the mesh sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    pub name: String,
+    /// `force-endpoint`, else `endpoint`.
+    pub endpoint: Option<Endpoint>,
+    /// `force-internal-ip`, else `internal-ip`: at most one per family, IPv4 first, host bits
+    /// kept (the mask says which subnet the node is on, for `--encapsulate=crosssubnet`).
+    pub internal_ips: Vec<IpNet>,
+    /// `force-internal-ip` is `""` or `"-"`: the node has no internal IP on purpose.
+    pub no_internal_ip: bool,
+    pub cni_compatibility_ip: Option<IpNet>,
+    pub key: Option<Key>,
+    /// Unix seconds.
+    pub last_seen: Option<i64>,
+    /// The `leader` annotation is present (its value is ignored, as in Kilo).
+    pub leader: bool,
+    /// `location` annotation, else the topology label, else `""`.
+    pub location: String,
+    /// Seconds this node sends keepalives at; non-zero also marks it as behind NAT.
+    pub persistent_keepalive: u16,
+    /// `spec.podCIDRs`, else `spec.podCIDR`; truncated (no host bits).
+    pub pod_cidrs: Vec<IpNet>,
+    pub wireguard_ip: Option<IpNet>,
+    /// Public key → endpoint observed by this node (NAT traversal).
+    pub discovered_endpoints: BTreeMap<Key, SocketAddr>,
+    pub allowed_location_ips: Vec<IpNet>,
+    pub granularity: Option<Granularity>,
+}
+
+impl Node {
+    /// Kilo's `Node.Ready`: an endpoint, a non-zero key, a pod CIDR and, when `now` (unix
+    /// seconds) is given, a last-seen younger than two check-in periods.
+    pub fn ready(&self, now: Option<i64>) -> bool {
+        self.endpoint.is_some()
+            && self.key.is_some_and(|k| k != Key([0; 32]))
+            && !self.pod_cidrs.is_empty()
+            && match now {
+                None => true,
+                Some(now) => self
+                    .last_seen
+                    .is_some_and(|ls| now - ls < 2 * CHECK_IN_PERIOD_SECS),
+            }
+    }
+
+    /// The first internal IP (IPv4 first): Kilo's single `InternalIP`.
+    pub fn internal_ip(&self) -> Option<IpNet> {
+        self.internal_ips.first().copied()
+    }
+
+    /// Parses a Kubernetes Node. All invalid values are returned, each naming its field.
+    pub fn from_kube(kn: &KubeNode, topology_label: &str) -> Result<Node, Vec<ObjectError>> {
+        let name = kn.metadata.name.clone().unwrap_or_default();
+        let empty = BTreeMap::new();
+        let ann = kn.metadata.annotations.as_ref().unwrap_or(&empty);
+        let labels = kn.metadata.labels.as_ref().unwrap_or(&empty);
+        let mut errs = Vec::new();
+        let mut err = |field: String, problem: String| {
+            errs.push(ObjectError::new(
+                ObjectKind::Node,
+                name.clone(),
+                field,
+                problem,
+            ))
+        };
+        let a = |k: &str| format!("annotation {k}");
+        let get = |k: &str| ann.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+
+        let mut endpoint = None;
+        for k in [annotations::FORCE_ENDPOINT, annotations::ENDPOINT] {
+            if let Some(v) = get(k) {
+                match v.parse::<Endpoint>() {
+                    Ok(e) => {
+                        if endpoint.is_none() {
+                            endpoint = Some(e)
+                        }
+                    }
+                    Err(e) => err(a(k), format!("invalid endpoint {v:?}: {e}")),
+                }
+            }
+        }
+
+        let mut internal_ips = Vec::new();
+        let mut no_internal_ip = false;
+        let force = ann.get(annotations::FORCE_INTERNAL_IP).map(|s| s.trim());
+        let (key, value) = match force {
+            Some("") | Some("-") => {
+                no_internal_ip = true;
+                (annotations::FORCE_INTERNAL_IP, None)
+            }
+            Some(v) => (annotations::FORCE_INTERNAL_IP, Some(v)),
+            None => (annotations::INTERNAL_IP, get(annotations::INTERNAL_IP)),
+        };
+        if let Some(v) = value {
+            match parse_cidr_list(v) {
+                Ok(ips) => {
+                    let v4 = ips.iter().filter(|n| matches!(n, IpNet::V4(_))).count();
+                    if v4 > 1 || ips.len() - v4 > 1 {
+                        err(a(key), format!("at most one CIDR per family, got {v:?}"));
+                    } else {
+                        internal_ips = ips;
+                        internal_ips.sort_by_key(|n| matches!(n, IpNet::V6(_)));
+                    }
+                }
+                Err(e) => err(a(key), e),
+            }
+        }
+
+        let cni_compatibility_ip = get(annotations::CNI_COMPATIBILITY_IP).and_then(|v| {
+            parse_cidr(v)
+                .map_err(|e| err(a(annotations::CNI_COMPATIBILITY_IP), e))
+                .ok()
+        });
+
+        let key = get(annotations::KEY).and_then(|v| {
+            v.parse::<Key>()
+                .map_err(|e| err(a(annotations::KEY), format!("invalid WireGuard key: {e}")))
+                .ok()
+        });
+
+        let last_seen = get(annotations::LAST_SEEN).and_then(|v| {
+            v.parse::<i64>()
+                .map_err(|_| {
+                    err(
+                        a(annotations::LAST_SEEN),
+                        format!("invalid unix time {v:?}"),
+                    )
+                })
+                .ok()
+        });
+
+        let leader = ann.contains_key(annotations::LEADER);
+        let location = ann
+            .get(annotations::LOCATION)
+            .or_else(|| labels.get(topology_label))
+            .cloned()
+            .unwrap_or_default();
+
+        let persistent_keepalive = match get(annotations::PERSISTENT_KEEPALIVE) {
+            None => 0,
+            Some(v) => v.parse::<u16>().unwrap_or_else(|_| {
+                err(
+                    a(annotations::PERSISTENT_KEEPALIVE),
+                    format!("invalid keepalive {v:?}: expected seconds in 0..=65535"),
+                );
+                0
+            }),
+        };
+
+        let mut pod_cidrs = Vec::new();
+        let spec = kn.spec.as_ref();
+        let list = spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default();
+        if !list.is_empty() {
+            for (i, c) in list.iter().enumerate() {
+                match parse_cidr(c) {
+                    Ok(n) => pod_cidrs.push(n.trunc()),
+                    Err(e) => err(format!("spec.podCIDRs[{i}]"), e),
+                }
+            }
+        } else if let Some(c) = spec
+            .and_then(|s| s.pod_cidr.as_deref())
+            .filter(|c| !c.is_empty())
+        {
+            match parse_cidr(c) {
+                Ok(n) => pod_cidrs.push(n.trunc()),
+                Err(e) => err("spec.podCIDR".into(), e),
+            }
+        }
+
+        let wireguard_ip = get(annotations::WIREGUARD_IP).and_then(|v| {
+            parse_cidr(v)
+                .map_err(|e| err(a(annotations::WIREGUARD_IP), e))
+                .ok()
+        });
+
+        let mut discovered_endpoints = BTreeMap::new();
+        if let Some(v) = get(annotations::DISCOVERED_ENDPOINTS) {
+            match parse_discovered(v) {
+                Ok(m) => discovered_endpoints = m,
+                Err(e) => err(a(annotations::DISCOVERED_ENDPOINTS), e),
+            }
+        }
+
+        let mut allowed_location_ips = Vec::new();
+        if let Some(v) = get(annotations::ALLOWED_LOCATION_IPS) {
+            match parse_cidr_list(v) {
+                Ok(l) => allowed_location_ips = l,
+                Err(e) => err(a(annotations::ALLOWED_LOCATION_IPS), e),
+            }
+        }
+
+        let granularity = get(annotations::GRANULARITY).and_then(|v| {
+            v.parse::<Granularity>()
+                .map_err(|e| err(a(annotations::GRANULARITY), e.to_string()))
+                .ok()
+        });
+
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        Ok(Node {
+            name,
+            endpoint,
+            internal_ips,
+            no_internal_ip,
+            cni_compatibility_ip,
+            key,
+            last_seen,
+            leader,
+            location,
+            persistent_keepalive,
+            pod_cidrs,
+            wireguard_ip,
+            discovered_endpoints,
+            allowed_location_ips,
+            granularity,
+        })
+    }
+}
+
+/// A comma-separated list of CIDRs; empty items are ignored.
+fn parse_cidr_list(v: &str) -> Result<Vec<IpNet>, String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(parse_cidr)
+        .collect()
+}
+
+/// Go's `net.UDPAddr` JSON: `{"IP":"1.2.3.4","Port":51820,"Zone":""}`.
+#[derive(Deserialize)]
+struct UdpAddr {
+    #[serde(rename = "IP")]
+    ip: String,
+    #[serde(rename = "Port")]
+    port: u16,
+}
+
+fn parse_discovered(v: &str) -> Result<BTreeMap<Key, SocketAddr>, String> {
+    let raw: BTreeMap<String, Option<UdpAddr>> =
+        serde_json::from_str(v).map_err(|e| format!("invalid JSON: {e}"))?;
+    let mut out = BTreeMap::new();
+    for (k, addr) in raw {
+        let key = k
+            .parse::<Key>()
+            .map_err(|e| format!("invalid WireGuard key {k:?}: {e}"))?;
+        let Some(addr) = addr else { continue };
+        let ip = addr
+            .ip
+            .parse::<IpAddr>()
+            .map_err(|_| format!("invalid IP {:?} for key {k:?}", addr.ip))?;
+        out.insert(key, SocketAddr::new(ip, addr.port));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::NodeSpec;
+    use kube::api::ObjectMeta;
+
+    const KEY1: &str = "a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+
+    pub(crate) fn kube_node(name: &str, ann: &[(&str, &str)], pod_cidr: Option<&str>) -> KubeNode {
+        KubeNode {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                annotations: Some(
+                    ann.iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(NodeSpec {
+                pod_cidr: pod_cidr.map(Into::into),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn ready_node() -> Node {
+        Node::from_kube(
+            &kube_node(
+                "n",
+                &[
+                    (annotations::ENDPOINT, "2.2.2.2:51820"),
+                    (annotations::INTERNAL_IP, "1.1.1.1/32"),
+                    (annotations::KEY, KEY1),
+                    (annotations::LAST_SEEN, "1000"),
+                ],
+                Some("10.2.0.0/16"),
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        )
+        .unwrap()
+    }
+
+    /// Kilo's TestReady cases.
+    #[test]
+    fn ready_like_kilo() {
+        let now = Some(1010);
+        assert!(ready_node().ready(now), "valid");
+        let empty = Node::from_kube(&kube_node("e", &[], None), DEFAULT_TOPOLOGY_LABEL).unwrap();
+        assert!(!empty.ready(now), "empty fields");
+        let mut n = ready_node();
+        n.endpoint = None;
+        assert!(!n.ready(now), "empty endpoint");
+        let mut n = ready_node();
+        n.key = None;
+        assert!(!n.ready(now), "empty key");
+        let mut n = ready_node();
+        n.key = Some(Key([0; 32]));
+        assert!(!n.ready(now), "zero key");
+        let mut n = ready_node();
+        n.internal_ips.clear();
+        assert!(n.ready(now), "empty internal IP is still ready, as in Kilo");
+        let mut n = ready_node();
+        n.pod_cidrs.clear();
+        assert!(!n.ready(now), "empty subnet");
+        assert!(!ready_node().ready(Some(1000 + 60)), "stale last-seen");
+        assert!(ready_node().ready(Some(1000 + 59)));
+        let mut n = ready_node();
+        n.last_seen = None;
+        assert!(!n.ready(now), "no last-seen");
+        assert!(n.ready(None), "no clock: freshness not checked");
+    }
+
+    #[test]
+    fn parses_every_annotation() {
+        let kn = kube_node(
+            "a",
+            &[
+                (annotations::ENDPOINT, "10.1.0.1:51820"),
+                (annotations::FORCE_ENDPOINT, "[2001:db8::1]:51821"),
+                (annotations::INTERNAL_IP, "192.168.0.1/24"),
+                (annotations::KEY, KEY1),
+                (annotations::LAST_SEEN, "1700000000"),
+                (annotations::LEADER, ""),
+                (annotations::PERSISTENT_KEEPALIVE, "25"),
+                (annotations::WIREGUARD_IP, "10.4.0.1/16"),
+                (
+                    annotations::DISCOVERED_ENDPOINTS,
+                    r#"{"a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=":{"IP":"5.6.7.8","Port":4242,"Zone":""}}"#,
+                ),
+                (
+                    annotations::ALLOWED_LOCATION_IPS,
+                    "192.168.178.3/32, 10.9.0.0/16",
+                ),
+                (annotations::GRANULARITY, "full"),
+            ],
+            Some("10.2.1.7/24"),
+        );
+        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        assert_eq!(n.endpoint.unwrap().to_string(), "[2001:db8::1]:51821");
+        assert_eq!(
+            n.internal_ips,
+            vec!["192.168.0.1/24".parse::<IpNet>().unwrap()]
+        );
+        assert_eq!(n.key.unwrap().to_string(), KEY1);
+        assert_eq!(n.last_seen, Some(1700000000));
+        assert!(n.leader);
+        assert_eq!(n.persistent_keepalive, 25);
+        assert_eq!(n.pod_cidrs, vec!["10.2.1.0/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(n.wireguard_ip.unwrap().to_string(), "10.4.0.1/16");
+        assert_eq!(
+            n.discovered_endpoints.values().next().unwrap().to_string(),
+            "5.6.7.8:4242"
+        );
+        assert_eq!(n.allowed_location_ips.len(), 2);
+        assert_eq!(n.granularity, Some(Granularity::Full));
+    }
+
+    #[test]
+    fn location_annotation_overrides_label() {
+        let mut kn = kube_node("a", &[], None);
+        kn.metadata.labels = Some(
+            [(DEFAULT_TOPOLOGY_LABEL.to_string(), "eu".to_string())]
+                .into_iter()
+                .collect(),
+        );
+        assert_eq!(
+            Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)
+                .unwrap()
+                .location,
+            "eu"
+        );
+        assert_eq!(Node::from_kube(&kn, "other/label").unwrap().location, "");
+        kn.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(annotations::LOCATION.into(), "us".into());
+        assert_eq!(
+            Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)
+                .unwrap()
+                .location,
+            "us"
+        );
+    }
+
+    #[test]
+    fn force_internal_ip() {
+        for v in ["", "-"] {
+            let kn = kube_node(
+                "a",
+                &[
+                    (annotations::INTERNAL_IP, "1.1.1.1/32"),
+                    (annotations::FORCE_INTERNAL_IP, v),
+                ],
+                None,
+            );
+            let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+            assert!(n.internal_ips.is_empty() && n.no_internal_ip, "{v:?}");
+        }
+        let kn = kube_node(
+            "a",
+            &[
+                (annotations::INTERNAL_IP, "1.1.1.1/32"),
+                (annotations::FORCE_INTERNAL_IP, "fd00::1/64,2.2.2.2/24"),
+            ],
+            None,
+        );
+        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        assert_eq!(
+            n.internal_ips,
+            vec![
+                "2.2.2.2/24".parse::<IpNet>().unwrap(),
+                "fd00::1/64".parse().unwrap()
+            ]
+        );
+    }
+
+    #[test]
+    fn dual_stack_pod_cidrs() {
+        let mut kn = kube_node("a", &[], Some("10.2.1.0/24"));
+        kn.spec.as_mut().unwrap().pod_cidrs =
+            Some(vec!["10.2.1.0/24".into(), "fd00:2:1::/64".into()]);
+        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        assert_eq!(n.pod_cidrs.len(), 2);
+        assert!(matches!(n.pod_cidrs[1], IpNet::V6(_)));
+    }
+
+    #[test]
+    fn every_bad_value_names_object_and_field() {
+        let cases: &[(&str, &str)] = &[
+            (annotations::ENDPOINT, "nope"),
+            (annotations::FORCE_ENDPOINT, "1.2.3.4"),
+            (annotations::INTERNAL_IP, "x"),
+            (annotations::FORCE_INTERNAL_IP, "1.2.3.4"),
+            (annotations::KEY, "short"),
+            (annotations::LAST_SEEN, "NOW"),
+            (annotations::PERSISTENT_KEEPALIVE, "-1"),
+            (annotations::WIREGUARD_IP, "10.4.0.1"),
+            (annotations::DISCOVERED_ENDPOINTS, "{"),
+            (annotations::ALLOWED_LOCATION_IPS, "10.0.0.0/8,bad"),
+            (annotations::GRANULARITY, "mesh"),
+            (annotations::CNI_COMPATIBILITY_IP, "1.2.3"),
+        ];
+        for (k, v) in cases {
+            let errs = Node::from_kube(&kube_node("b", &[(k, v)], None), DEFAULT_TOPOLOGY_LABEL)
+                .unwrap_err();
+            assert_eq!(errs.len(), 1, "{k}={v}: {errs:?}");
+            let msg = errs[0].to_string();
+            assert!(
+                msg.starts_with(&format!("node \"b\": annotation {k}: ")),
+                "{msg}"
+            );
+        }
+        let errs = Node::from_kube(
+            &kube_node("b", &[], Some("10.2.0.0/33")),
+            DEFAULT_TOPOLOGY_LABEL,
+        )
+        .unwrap_err();
+        assert_eq!(
+            errs[0].to_string(),
+            r#"node "b": spec.podCIDR: invalid CIDR "10.2.0.0/33""#
+        );
+        let errs = Node::from_kube(
+            &kube_node("b", &[(annotations::INTERNAL_IP, "x")], None),
+            DEFAULT_TOPOLOGY_LABEL,
+        )
+        .unwrap_err();
+        assert_eq!(
+            errs[0].to_string(),
+            r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#
+        );
+    }
+
+    #[test]
+    fn empty_written_annotations_mean_absent() {
+        // Kilo writes "" for the internal and WireGuard IPs of nodes that have none.
+        let kn = kube_node(
+            "c",
+            &[
+                (annotations::INTERNAL_IP, ""),
+                (annotations::WIREGUARD_IP, ""),
+            ],
+            None,
+        );
+        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        assert!(n.internal_ips.is_empty() && n.wireguard_ip.is_none() && !n.no_internal_ip);
+    }
+}

@@ -1,0 +1,190 @@
+//! Kubernetes-shaped objects on disk: one Node or Peer per file, YAML or JSON.
+//! Used by `kgctl --backend file` and the file backend. [`parse_object`] is pure;
+//! [`load_dir`] reads a directory (the only I/O in `mesh`).
+use std::path::Path;
+
+use super::{KubeNode, ObjectError, ObjectKind, Peer, Snapshot};
+
+/// One parsed object.
+#[derive(Debug, Clone)]
+pub enum Object {
+    Node(Box<KubeNode>),
+    Peer(Box<Peer>),
+}
+
+impl Object {
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            Object::Node(n) => n.metadata.name.as_deref(),
+            Object::Peer(p) => p.metadata.name.as_deref(),
+        }
+    }
+}
+
+fn file_err(path: &str, field: &str, problem: impl Into<String>) -> ObjectError {
+    ObjectError::new(ObjectKind::File, path, field, problem)
+}
+
+/// Parses one object (YAML or JSON; JSON is YAML) of kind `Node` or `Peer`.
+pub fn parse_object(bytes: &[u8], path: &str) -> Result<Object, ObjectError> {
+    let value: serde_yaml::Value = serde_yaml::from_slice(bytes)
+        .map_err(|e| file_err(path, "content", format!("not YAML or JSON: {e}")))?;
+    let kind = value
+        .get("kind")
+        .and_then(|k| k.as_str())
+        .ok_or_else(|| file_err(path, "kind", "missing"))?
+        .to_string();
+    let api = value
+        .get("apiVersion")
+        .and_then(|k| k.as_str())
+        .unwrap_or("")
+        .to_string();
+    let obj = match kind.as_str() {
+        "Node" => {
+            if !api.is_empty() && api != "v1" {
+                return Err(file_err(path, "apiVersion", format!("{api:?} is not v1")));
+            }
+            Object::Node(Box::new(serde_yaml::from_value(value).map_err(|e| {
+                file_err(path, "content", format!("not a Node: {e}"))
+            })?))
+        }
+        "Peer" => {
+            if !api.is_empty() && api != "kilo.squat.ai/v1alpha1" {
+                return Err(file_err(
+                    path,
+                    "apiVersion",
+                    format!("{api:?} is not kilo.squat.ai/v1alpha1"),
+                ));
+            }
+            Object::Peer(Box::new(serde_yaml::from_value(value).map_err(|e| {
+                file_err(path, "content", format!("not a Peer: {e}"))
+            })?))
+        }
+        other => {
+            return Err(file_err(
+                path,
+                "kind",
+                format!("{other:?} is neither Node nor Peer"),
+            ));
+        }
+    };
+    match obj.name() {
+        Some(n) if !n.is_empty() => Ok(obj),
+        _ => Err(file_err(path, "metadata.name", "missing")),
+    }
+}
+
+/// Whether `load_dir` considers a file: `*.yaml`, `*.yml`, `*.json`, not hidden.
+pub fn is_object_file(path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    !name.starts_with('.')
+        && matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("yaml" | "yml" | "json")
+        )
+}
+
+/// Adds a parsed object to a snapshot; a second object with the same kind and name is an error.
+pub fn insert(snapshot: &mut Snapshot, obj: Object, path: &str) -> Result<(), ObjectError> {
+    let name = obj.name().unwrap_or_default().to_string();
+    let dup = match obj {
+        Object::Node(n) => snapshot.nodes.insert(name.clone(), *n).is_some(),
+        Object::Peer(p) => snapshot.peers.insert(name.clone(), *p).is_some(),
+    };
+    if dup {
+        return Err(file_err(
+            path,
+            "metadata.name",
+            format!("{name:?} is defined twice; this file wins"),
+        ));
+    }
+    Ok(())
+}
+
+/// Loads every object file of `dir` (sorted by file name). Bad files are reported, not fatal.
+pub fn load_dir(dir: &Path) -> (Snapshot, Vec<ObjectError>) {
+    let mut snapshot = Snapshot::default();
+    let mut errors = Vec::new();
+    let dir_s = dir.display().to_string();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            errors.push(file_err(&dir_s, "directory", e.to_string()));
+            return (snapshot, errors);
+        }
+    };
+    let mut paths: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && is_object_file(p))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let p = path.display().to_string();
+        let res = std::fs::read(&path)
+            .map_err(|e| file_err(&p, "content", e.to_string()))
+            .and_then(|b| parse_object(&b, &p))
+            .and_then(|o| insert(&mut snapshot, o, &p));
+        if let Err(e) = res {
+            errors.push(e);
+        }
+    }
+    (snapshot, errors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_and_json() {
+        let y = b"apiVersion: v1\nkind: Node\nmetadata:\n  name: a\n  annotations:\n    kilo.squat.ai/location: \"1\"\nspec:\n  podCIDR: 10.2.1.0/24\n";
+        assert!(matches!(
+            parse_object(y, "a.yaml").unwrap(),
+            Object::Node(_)
+        ));
+        let j = br#"{"apiVersion":"kilo.squat.ai/v1alpha1","kind":"Peer","metadata":{"name":"p"},"spec":{"allowedIPs":["10.5.0.1/32"],"publicKey":"x"}}"#;
+        assert!(matches!(
+            parse_object(j, "p.json").unwrap(),
+            Object::Peer(_)
+        ));
+    }
+
+    #[test]
+    fn bad_files_are_errors() {
+        for (b, field) in [
+            (&b"{"[..], "content"),
+            (b"kind: Pod\nmetadata: {name: x}\n", "kind"),
+            (
+                b"apiVersion: v1\nkind: Node\nmetadata: {}\n",
+                "metadata.name",
+            ),
+            (
+                b"apiVersion: v2\nkind: Node\nmetadata: {name: a}\n",
+                "apiVersion",
+            ),
+            (b"metadata: {name: a}\n", "kind"),
+        ] {
+            let e = parse_object(b, "f.yaml").unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().starts_with("file \"f.yaml\": "));
+        }
+    }
+
+    #[test]
+    fn load_dir_keeps_good_files() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join("a.yaml"),
+            "apiVersion: v1\nkind: Node\nmetadata: {name: a}\n",
+        )
+        .unwrap();
+        std::fs::write(d.path().join("b.yaml"), "kind: Node\nmetadata: {name: a}\n").unwrap();
+        std::fs::write(d.path().join("c.json"), "{").unwrap();
+        std::fs::write(d.path().join("README.md"), "not an object").unwrap();
+        let (s, errs) = load_dir(d.path());
+        assert_eq!(s.nodes.len(), 1);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let (_, errs) = load_dir(&d.path().join("missing"));
+        assert_eq!(errs.len(), 1);
+    }
+}

@@ -1,0 +1,351 @@
+//! A Peer custom resource's mesh view, validated like Kilo's `Peer.Validate()`.
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::{
+    Endpoint, Host, Key, ObjectError, ObjectKind, Peer, PeerEndpoint, PeerSpec, parse_cidr,
+};
+
+/// An external WireGuard peer of the mesh.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MeshPeer {
+    pub name: String,
+    /// As written (host bits kept, as Kilo does); never empty.
+    pub allowed_ips: Vec<IpNet>,
+    pub public_key: Key,
+    pub endpoint: Option<Endpoint>,
+    /// Seconds; non-zero marks the peer as behind NAT (its endpoint may roam).
+    pub persistent_keepalive: u16,
+    pub preshared_key: Option<Key>,
+}
+
+impl MeshPeer {
+    /// Kilo's `Peer.Ready`: allowed IPs and a non-zero public key.
+    pub fn ready(&self) -> bool {
+        !self.allowed_ips.is_empty() && self.public_key != Key([0; 32])
+    }
+
+    pub fn from_crd(p: &Peer) -> Result<MeshPeer, Vec<ObjectError>> {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let mut errs = Vec::new();
+        let mut err = |field: String, problem: String| {
+            errs.push(ObjectError::new(
+                ObjectKind::Peer,
+                name.clone(),
+                field,
+                problem,
+            ))
+        };
+        let s = &p.spec;
+        let mut allowed_ips = Vec::new();
+        for (i, a) in s.allowed_ips.iter().enumerate() {
+            match parse_cidr(a) {
+                Ok(n) => allowed_ips.push(n),
+                Err(e) => err(format!("spec.allowedIPs[{i}]"), e),
+            }
+        }
+        if s.allowed_ips.is_empty() {
+            err(
+                "spec.allowedIPs".into(),
+                "at least one CIDR is required".into(),
+            );
+        }
+        let public_key = match s.public_key.parse::<Key>() {
+            Ok(k) if k != Key([0; 32]) => Some(k),
+            Ok(_) => {
+                err(
+                    "spec.publicKey".into(),
+                    "the zero key is not a public key".into(),
+                );
+                None
+            }
+            Err(e) => {
+                err(
+                    "spec.publicKey".into(),
+                    format!("invalid WireGuard key: {e}"),
+                );
+                None
+            }
+        };
+        let endpoint = s.endpoint.as_ref().and_then(|e| match parse_endpoint(e) {
+            Ok(e) => Some(e),
+            Err((field, problem)) => {
+                err(field, problem);
+                None
+            }
+        });
+        let persistent_keepalive = match s.persistent_keepalive {
+            None => 0,
+            Some(k) => u16::try_from(k).unwrap_or_else(|_| {
+                err(
+                    "spec.persistentKeepalive".into(),
+                    format!("{k} is not in 0..=65535 seconds"),
+                );
+                0
+            }),
+        };
+        let preshared_key = match s.preshared_key.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(v) => v
+                .parse::<Key>()
+                .map_err(|e| {
+                    err(
+                        "spec.presharedKey".into(),
+                        format!("invalid WireGuard key: {e}"),
+                    )
+                })
+                .ok(),
+        };
+        match public_key {
+            Some(public_key) if errs.is_empty() => Ok(MeshPeer {
+                name,
+                allowed_ips,
+                public_key,
+                endpoint,
+                persistent_keepalive,
+                preshared_key,
+            }),
+            _ => Err(errs),
+        }
+    }
+
+    /// This peer as a Peer object (what `kgctl showconf --as-peer -o yaml` prints).
+    pub fn to_crd(&self) -> Peer {
+        let endpoint = self.endpoint.as_ref().map(|e| PeerEndpoint {
+            dns_or_ip: match &e.host {
+                Host::Ip(ip) => super::DnsOrIp {
+                    dns: None,
+                    ip: Some(ip.to_string()),
+                },
+                Host::Dns(d) => super::DnsOrIp {
+                    dns: Some(d.clone()),
+                    ip: None,
+                },
+            },
+            port: e.port.into(),
+        });
+        let mut p = Peer::new(
+            &self.name,
+            PeerSpec {
+                allowed_ips: self.allowed_ips.iter().map(ToString::to_string).collect(),
+                public_key: self.public_key.to_string(),
+                endpoint,
+                persistent_keepalive: (self.persistent_keepalive > 0)
+                    .then_some(self.persistent_keepalive.into()),
+                preshared_key: self.preshared_key.map(|k| k.to_string()),
+            },
+        );
+        p.metadata.name = Some(self.name.clone());
+        p
+    }
+}
+
+/// `spec.endpoint`: the IP wins over the DNS name when both are given (as the CRD documents).
+fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
+    let port = u16::try_from(e.port)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| {
+            (
+                "spec.endpoint.port".to_string(),
+                format!("{} is not a UDP port", e.port),
+            )
+        })?;
+    let ip = e
+        .dns_or_ip
+        .ip
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty());
+    let dns = e
+        .dns_or_ip
+        .dns
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty());
+    if let Some(ip) = ip {
+        let ip: IpAddr = ip.parse().map_err(|_| {
+            (
+                "spec.endpoint.dnsOrIP.ip".to_string(),
+                format!("invalid IP address {ip:?}"),
+            )
+        })?;
+        if let Some(d) = dns {
+            // Still validate the name, so a typo is reported even when the IP wins.
+            format!("{d}:{port}").parse::<Endpoint>().map_err(|e| {
+                (
+                    "spec.endpoint.dnsOrIP.dns".to_string(),
+                    format!("invalid DNS name {d:?}: {e}"),
+                )
+            })?;
+        }
+        return Ok(Endpoint {
+            host: Host::Ip(ip),
+            port,
+        });
+    }
+    if let Some(d) = dns {
+        return match format!("{d}:{port}").parse::<Endpoint>() {
+            Ok(
+                ep @ Endpoint {
+                    host: Host::Dns(_), ..
+                },
+            ) => Ok(ep),
+            _ => Err((
+                "spec.endpoint.dnsOrIP.dns".to_string(),
+                format!("invalid DNS name {d:?}"),
+            )),
+        };
+    }
+    Err((
+        "spec.endpoint.dnsOrIP".to_string(),
+        "either an IP address or a DNS name is required".to_string(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::DnsOrIp;
+
+    const KEY: &str = "a2V5NQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+
+    fn crd(spec: PeerSpec) -> Peer {
+        Peer::new("p", spec)
+    }
+
+    fn spec() -> PeerSpec {
+        PeerSpec {
+            allowed_ips: vec!["10.5.0.1/24".into()],
+            public_key: KEY.into(),
+            ..Default::default()
+        }
+    }
+
+    fn ep(ip: Option<&str>, dns: Option<&str>, port: u32) -> Option<PeerEndpoint> {
+        Some(PeerEndpoint {
+            dns_or_ip: DnsOrIp {
+                ip: ip.map(Into::into),
+                dns: dns.map(Into::into),
+            },
+            port,
+        })
+    }
+
+    #[test]
+    fn valid_peer_keeps_host_bits() {
+        let p = MeshPeer::from_crd(&crd(spec())).unwrap();
+        assert_eq!(p.allowed_ips[0].to_string(), "10.5.0.1/24");
+        assert!(p.ready());
+        assert_eq!(p.endpoint, None);
+    }
+
+    #[test]
+    fn endpoints() {
+        let mut s = spec();
+        s.endpoint = ep(Some("192.168.0.1"), None, 51820);
+        assert_eq!(
+            MeshPeer::from_crd(&crd(s.clone()))
+                .unwrap()
+                .endpoint
+                .unwrap()
+                .to_string(),
+            "192.168.0.1:51820"
+        );
+        s.endpoint = ep(Some("fd00::1"), None, 51820);
+        assert_eq!(
+            MeshPeer::from_crd(&crd(s.clone()))
+                .unwrap()
+                .endpoint
+                .unwrap()
+                .to_string(),
+            "[fd00::1]:51820"
+        );
+        s.endpoint = ep(None, Some("peer.example.com"), 51820);
+        assert_eq!(
+            MeshPeer::from_crd(&crd(s.clone()))
+                .unwrap()
+                .endpoint
+                .unwrap()
+                .to_string(),
+            "peer.example.com:51820"
+        );
+    }
+
+    /// Deliberate difference: Kilo's translatePeer lets the DNS name win; the CRD says the IP wins.
+    #[test]
+    fn ip_wins_over_dns() {
+        let mut s = spec();
+        s.endpoint = ep(Some("1.2.3.4"), Some("peer.example.com"), 51820);
+        assert_eq!(
+            MeshPeer::from_crd(&crd(s))
+                .unwrap()
+                .endpoint
+                .unwrap()
+                .to_string(),
+            "1.2.3.4:51820"
+        );
+    }
+
+    #[test]
+    fn every_bad_value_names_object_and_field() {
+        let mut cases: Vec<(PeerSpec, &str)> = Vec::new();
+        let mut s = spec();
+        s.allowed_ips = vec![];
+        cases.push((s, "spec.allowedIPs"));
+        let mut s = spec();
+        s.allowed_ips = vec!["10.0.0.0/8".into(), "x".into()];
+        cases.push((s, "spec.allowedIPs[1]"));
+        let mut s = spec();
+        s.public_key = "".into();
+        cases.push((s, "spec.publicKey"));
+        let mut s = spec();
+        s.public_key = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into();
+        cases.push((s, "spec.publicKey"));
+        let mut s = spec();
+        s.persistent_keepalive = Some(-1);
+        cases.push((s, "spec.persistentKeepalive"));
+        let mut s = spec();
+        s.preshared_key = Some("zz".into());
+        cases.push((s, "spec.presharedKey"));
+        let mut s = spec();
+        s.endpoint = ep(Some("1.2.3"), None, 1);
+        cases.push((s, "spec.endpoint.dnsOrIP.ip"));
+        let mut s = spec();
+        s.endpoint = ep(None, Some("Bad_Name"), 1);
+        cases.push((s, "spec.endpoint.dnsOrIP.dns"));
+        let mut s = spec();
+        s.endpoint = ep(None, None, 1);
+        cases.push((s, "spec.endpoint.dnsOrIP"));
+        let mut s = spec();
+        s.endpoint = ep(Some("1.2.3.4"), None, 0);
+        cases.push((s, "spec.endpoint.port"));
+        let mut s = spec();
+        s.endpoint = ep(Some("1.2.3.4"), None, 70000);
+        cases.push((s, "spec.endpoint.port"));
+        for (s, field) in cases {
+            let errs = MeshPeer::from_crd(&crd(s.clone())).unwrap_err();
+            assert_eq!(errs.len(), 1, "{s:?}: {errs:?}");
+            assert!(
+                errs[0]
+                    .to_string()
+                    .starts_with(&format!("peer \"p\": {field}: ")),
+                "{}",
+                errs[0]
+            );
+        }
+    }
+
+    #[test]
+    fn crd_round_trip() {
+        let mut s = spec();
+        s.endpoint = ep(Some("1.2.3.4"), None, 51820);
+        s.persistent_keepalive = Some(10);
+        s.preshared_key = Some(KEY.into());
+        let p = MeshPeer::from_crd(&crd(s.clone())).unwrap();
+        let back = p.to_crd();
+        assert_eq!(back.spec, s);
+        assert_eq!(MeshPeer::from_crd(&back).unwrap(), p);
+    }
+}

@@ -1,0 +1,593 @@
+//! The plan builder: Kilo's `Conf()`, `Routes()` and `Rules()` for one node, as desired state.
+//!
+//! # Deliberate differences from Kilo (each has a test in `tests/golden.rs` or below)
+//! - Route destinations and datapath keys are truncated (`10.5.0.1/24` → `10.5.0.0/24`): the
+//!   kernel rejects a route with host bits, and an LPM key must have none.
+//! - One destination is routed to one place: when Kilo emits two routes for the same
+//!   destination in the same table (two nodes sharing an internal IP, two peers claiming the
+//!   same network), the first one in Kilo's order wins; Kilo adds both and the last
+//!   `RouteReplace` wins by accident.
+//! - The WireGuard plan is normalized: allowed IPs truncated, every CIDR on one peer only (the
+//!   first in Kilo's order), and entries sharing a public key merged into one peer (the kernel
+//!   keeps one peer per key; Kilo's config would silently replace the first entry's allowed
+//!   IPs with the second's). `kgctl showconf` still prints Kilo's text.
+//! - IPIP (tunl0) carries IPv4 only: IPv6 routes inside a location use the private interface.
+//! - Routes to a destination whose family differs from the WireGuard subnet's go to the
+//!   WireGuard interface without a gateway (WireGuard picks the peer by allowed IP).
+use std::{
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    fmt,
+    net::IpAddr,
+    str::FromStr,
+};
+
+use ipnet::IpNet;
+
+use super::{
+    DatapathEntry, DatapathPlan, Device, EntryKind, KILO_TABLE, MAIN_TABLE, NextHop, Plan, Route,
+    Rule, WireGuardPeer, WireGuardPlan,
+};
+use crate::{
+    mesh::{self, Granularity, ObjectError, Snapshot},
+    topology::{self, Segment, Topology, TopologyError, host_net},
+};
+
+/// `--encapsulate`: when traffic inside a location is IPIP-encapsulated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Encapsulation {
+    Never,
+    /// Only when the gateway is outside the local private subnet.
+    CrossSubnet,
+    #[default]
+    Always,
+}
+
+impl FromStr for Encapsulation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "never" => Ok(Encapsulation::Never),
+            "crosssubnet" => Ok(Encapsulation::CrossSubnet),
+            "always" => Ok(Encapsulation::Always),
+            _ => Err(format!(
+                "unknown encapsulation {s:?} (never, crosssubnet, always)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Encapsulation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Encapsulation::Never => "never",
+            Encapsulation::CrossSubnet => "crosssubnet",
+            Encapsulation::Always => "always",
+        })
+    }
+}
+
+/// Where the keepalive the local node sends to its WireGuard peers comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeepaliveSource {
+    /// The local node's `kilo.squat.ai/persistent-keepalive` annotation (what `kg` does).
+    #[default]
+    LocalNode,
+    /// A fixed value in seconds (Kilo's unit tests and goldens use 0).
+    Fixed(u16),
+}
+
+/// Everything besides the snapshot that decides one node's plan.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The local node's name (`--hostname`).
+    pub hostname: String,
+    pub granularity: Granularity,
+    /// `--subnet` (10.4.0.0/16).
+    pub subnet: IpNet,
+    /// `--port` (51820).
+    pub port: u16,
+    /// `--service-cidr` (none).
+    pub service_cidrs: Vec<IpNet>,
+    /// `--local` (true): manage routes inside the location.
+    pub local: bool,
+    /// `--encapsulate` (always).
+    pub encapsulate: Encapsulation,
+    /// `--cni` (true): the local pod CIDR is a NAT source.
+    pub cni: bool,
+    /// `--topology-label` (topology.kubernetes.io/region).
+    pub topology_label: String,
+    pub persistent_keepalive: KeepaliveSource,
+    /// Unix seconds, for the last-seen freshness check of readiness; `None` skips that check
+    /// (the caller reads the clock; this code stays pure).
+    pub now: Option<i64>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            hostname: String::new(),
+            granularity: Granularity::Location,
+            subnet: "10.4.0.0/16".parse().expect("valid default subnet"),
+            port: 51820,
+            service_cidrs: Vec::new(),
+            local: true,
+            encapsulate: Encapsulation::Always,
+            cni: true,
+            topology_label: mesh::DEFAULT_TOPOLOGY_LABEL.to_string(),
+            persistent_keepalive: KeepaliveSource::LocalNode,
+            now: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Object(#[from] ObjectError),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+}
+
+/// What [`plan_for`] returns.
+#[derive(Debug, Clone, Default)]
+pub struct Planned {
+    /// `None` when the local node is not in the snapshot, not ready, or the topology failed.
+    pub plan: Option<Plan>,
+    pub topology: Option<Topology>,
+    /// Per-object problems (those objects were skipped) and topology errors.
+    pub errors: Vec<PlanError>,
+    /// Ready nodes and peers (Kilo's `kilo_nodes` / `kilo_peers`).
+    pub ready_nodes: usize,
+    pub ready_peers: usize,
+}
+
+/// Parses the snapshot, keeps ready objects and computes the topology seen from
+/// `settings.hostname` (None if that node is absent or not ready).
+pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
+    let parsed = mesh::parse_snapshot(snapshot, &settings.topology_label);
+    let mut out = Planned {
+        errors: parsed.errors.into_iter().map(PlanError::from).collect(),
+        ..Default::default()
+    };
+    let nodes: BTreeMap<_, _> = parsed
+        .nodes
+        .into_iter()
+        .filter(|(_, n)| n.ready(settings.now))
+        .collect();
+    let peers: BTreeMap<_, _> = parsed
+        .peers
+        .into_iter()
+        .filter(|(_, p)| p.ready())
+        .collect();
+    out.ready_nodes = nodes.len();
+    out.ready_peers = peers.len();
+    let Some(local) = nodes.get(&settings.hostname) else {
+        return out;
+    };
+    let opts = topology::Options {
+        granularity: settings.granularity,
+        hostname: settings.hostname.clone(),
+        port: settings.port,
+        subnet: settings.subnet.trunc(),
+        service_cidrs: settings.service_cidrs.clone(),
+        persistent_keepalive: match settings.persistent_keepalive {
+            KeepaliveSource::LocalNode => local.persistent_keepalive,
+            KeepaliveSource::Fixed(k) => k,
+        },
+    };
+    match Topology::new(&nodes, &peers, &opts) {
+        Ok(t) => out.topology = Some(t),
+        Err(e) => out.errors.push(e.into()),
+    }
+    out
+}
+
+/// THE entry point of the agent: snapshot + settings → the plan for the local node.
+pub fn plan_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
+    let mut out = topology_for(snapshot, settings);
+    out.plan = out.topology.as_ref().map(|t| build(t, settings));
+    out
+}
+
+/// Normalizes Kilo's WireGuard peers for a device: allowed IPs truncated, each CIDR on the
+/// first peer that claims it, peers with the same public key merged into the first.
+pub fn normalize_wireguard(peers: Vec<WireGuardPeer>) -> Vec<WireGuardPeer> {
+    let mut out: Vec<WireGuardPeer> = Vec::with_capacity(peers.len());
+    let mut by_key: BTreeMap<mesh::Key, usize> = BTreeMap::new();
+    let mut claimed: BTreeSet<IpNet> = BTreeSet::new();
+    for p in peers {
+        let ips: Vec<IpNet> = p
+            .allowed_ips
+            .iter()
+            .map(IpNet::trunc)
+            .filter(|n| claimed.insert(*n))
+            .collect();
+        match by_key.entry(p.public_key) {
+            Entry::Occupied(e) => {
+                let q = &mut out[*e.get()];
+                q.allowed_ips.extend(ips);
+                if q.endpoint.is_none() {
+                    q.endpoint = p.endpoint;
+                }
+                if q.preshared_key.is_none() {
+                    q.preshared_key = p.preshared_key;
+                }
+            }
+            Entry::Vacant(e) => {
+                e.insert(out.len());
+                out.push(WireGuardPeer {
+                    allowed_ips: ips,
+                    ..p
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Collects routes, first one per (table, destination) wins.
+#[derive(Default)]
+struct Routes {
+    seen: BTreeSet<(u32, IpNet)>,
+    routes: Vec<Route>,
+    rules: BTreeSet<Rule>,
+}
+
+impl Routes {
+    fn add(&mut self, mut r: Route) {
+        r.dst = r.dst.trunc();
+        if self.seen.insert((r.table, r.dst)) {
+            self.routes.push(r);
+        }
+    }
+    fn rule(&mut self, r: Rule) {
+        self.rules.insert(Rule {
+            src: r.src.map(|n| n.trunc()),
+            dst: r.dst.map(|n| n.trunc()),
+            ..r
+        });
+    }
+}
+
+fn same_family(a: &IpNet, b: IpAddr) -> bool {
+    a.addr().is_ipv6() == b.is_ipv6()
+}
+
+/// Builds the plan of the topology's local node (Kilo's `Routes()`, `Conf()`, `Rules()`).
+pub fn build(t: &Topology, s: &Settings) -> Plan {
+    let my_priv = |v6: bool| {
+        t.private_ips
+            .iter()
+            .find(|n| n.addr().is_ipv6() == v6)
+            .copied()
+    };
+    let src_for = |dst: &IpNet| my_priv(dst.addr().is_ipv6()).map(|n| n.addr());
+    let enc = s.encapsulate;
+    // Kilo's encapsulateRoute, IPv4 only.
+    let encap = |mut r: Route| -> Route {
+        if r.dst.addr().is_ipv6() {
+            return r;
+        }
+        let priv4 = my_priv(false);
+        let cross = enc == Encapsulation::CrossSubnet
+            && priv4.is_some_and(|p| r.gateway.is_none_or(|g| !p.contains(&g)));
+        if enc == Encapsulation::Always || cross {
+            r.device = Device::Tunnel;
+            if r.src.is_none() {
+                r.src = priv4.map(|p| p.addr());
+            }
+        }
+        r
+    };
+    let via = |dst: IpNet, gw: Option<IpAddr>, dev: Device, src: Option<IpAddr>| Route {
+        dst,
+        gateway: gw,
+        src,
+        device: dev,
+        onlink: gw.is_some(),
+        table: MAIN_TABLE,
+    };
+    let mut rt = Routes::default();
+    let local_group: Vec<&Segment> = t.segments.iter().filter(|x| x.group == t.group).collect();
+    let my_primary = t.private_ips.first().map(|n| n.addr());
+
+    // Routes to the other nodes of the local location (`--local`), Kilo's intra-location block.
+    let local_routes = |rt: &mut Routes, iif_rule: bool| {
+        let Some(_) = my_primary else { return };
+        for seg in &local_group {
+            for n in &seg.nodes {
+                if n.internal_ips.first().map(|i| i.addr()) == my_primary || n.name == t.hostname {
+                    continue;
+                }
+                for c in &n.pod_cidrs {
+                    if let Some(gw) = n.private_ip(c.addr().is_ipv6()) {
+                        rt.add(encap(via(*c, Some(gw), Device::Private, None)));
+                    }
+                }
+                if t.granularity == Granularity::Cross {
+                    // The node's own WireGuard IP lives on its kilo0: reach it privately.
+                    let wg = host_net(seg.wireguard_ip);
+                    if let Some(gw) = n.private_ip(wg.addr().is_ipv6()) {
+                        rt.add(encap(via(wg, Some(gw), Device::Private, None)));
+                    }
+                }
+                let (Some(p4), Some(mine)) = (n.private_ip(false), my_priv(false)) else {
+                    continue;
+                };
+                if enc == Encapsulation::Always
+                    || (enc == Encapsulation::CrossSubnet && !mine.contains(&p4))
+                {
+                    let dst = host_net(p4);
+                    rt.add(Route {
+                        dst,
+                        gateway: Some(p4),
+                        src: Some(mine.addr()),
+                        device: Device::Tunnel,
+                        onlink: true,
+                        table: KILO_TABLE,
+                    });
+                    for c in t.pod_cidrs.iter().filter(|c| !c.addr().is_ipv6()) {
+                        rt.rule(Rule {
+                            src: Some(*c),
+                            dst: Some(dst),
+                            iif: None,
+                            table: KILO_TABLE,
+                        });
+                    }
+                    if iif_rule {
+                        rt.rule(Rule {
+                            src: None,
+                            dst: Some(dst),
+                            iif: Some(Device::WireGuard),
+                            table: KILO_TABLE,
+                        });
+                    }
+                }
+            }
+        }
+    };
+
+    let mut local_done = false;
+    if t.leader {
+        for seg in &t.segments {
+            if seg.group == t.group {
+                if s.local && !local_done {
+                    local_routes(&mut rt, true);
+                }
+                local_done = true;
+                continue;
+            }
+            let wg = |dst: &IpNet| same_family(dst, seg.wireguard_ip).then_some(seg.wireguard_ip);
+            let ep_ip = t
+                .update_endpoint(seg.endpoint.as_ref(), &seg.key, seg.persistent_keepalive)
+                .and_then(|e| e.ip());
+            for n in &seg.nodes {
+                for c in &n.pod_cidrs {
+                    rt.add(via(*c, wg(c), Device::WireGuard, src_for(c)));
+                }
+                for p in &n.internal_ips {
+                    if Some(p.addr()) == ep_ip {
+                        continue;
+                    }
+                    let d = host_net(p.addr());
+                    rt.add(via(d, wg(&d), Device::WireGuard, src_for(&d)));
+                }
+            }
+            for a in &seg.allowed_location_ips {
+                rt.add(via(*a, wg(a), Device::WireGuard, src_for(a)));
+            }
+        }
+        for p in &t.peers {
+            for a in &p.allowed_ips {
+                rt.add(via(*a, None, Device::WireGuard, src_for(a)));
+            }
+        }
+    } else if let Some(ls) = t.local_segment() {
+        let leader = &ls.nodes[ls.leader];
+        let gw = |dst: &IpNet| leader.private_ip(dst.addr().is_ipv6());
+        let route = |rt: &mut Routes, dst: IpNet| {
+            if let Some(g) = gw(&dst) {
+                rt.add(encap(via(dst, Some(g), Device::Private, None)));
+            }
+        };
+        for seg in &t.segments {
+            route(&mut rt, host_net(seg.wireguard_ip));
+            if seg.group == t.group {
+                if s.local && !local_done {
+                    local_routes(&mut rt, false);
+                }
+                local_done = true;
+                continue;
+            }
+            for c in seg.cidrs() {
+                route(&mut rt, c);
+            }
+            for p in seg.private_ips() {
+                route(&mut rt, host_net(p));
+            }
+            for a in &seg.allowed_location_ips {
+                route(&mut rt, *a);
+            }
+        }
+        for p in &t.peers {
+            for a in &p.allowed_ips {
+                route(&mut rt, *a);
+            }
+        }
+    }
+    let mut routes = rt.routes;
+    routes.sort();
+
+    let wireguard = WireGuardPlan {
+        listen_port: t.port,
+        peers: if t.leader {
+            normalize_wireguard(t.conf())
+        } else {
+            Vec::new()
+        },
+    };
+    Plan {
+        addresses: if t.leader {
+            vec![t.wireguard_cidr]
+        } else {
+            Vec::new()
+        },
+        wireguard,
+        routes,
+        rules: rt.rules.into_iter().collect(),
+        datapath: datapath(t, s),
+    }
+}
+
+/// The datapath maps that replace Kilo's iptables rules (`Topology.Rules`).
+fn datapath(t: &Topology, s: &Settings) -> DatapathPlan {
+    let mut d = DatapathPlan::default();
+    let leader_gw = |dst: &IpNet| -> Option<NextHop> {
+        if t.leader {
+            return Some(NextHop::WireGuard);
+        }
+        let ls = t.local_segment()?;
+        let ip = ls.nodes[ls.leader].private_ip(dst.addr().is_ipv6())?;
+        Some(NextHop::Gateway {
+            address: ip,
+            device: Device::Private,
+        })
+    };
+    let put = |m: &mut BTreeMap<IpNet, DatapathEntry>,
+               n: IpNet,
+               kind: EntryKind,
+               owner: &str,
+               next_hop: Option<NextHop>| {
+        m.entry(n.trunc()).or_insert_with(|| DatapathEntry {
+            kind,
+            owner: owner.to_string(),
+            next_hop,
+        });
+    };
+    for seg in &t.segments {
+        let remote = seg.group != t.group;
+        let hop = |n: &IpNet| if remote { leader_gw(n) } else { None };
+        let wg = host_net(seg.wireguard_ip);
+        put(
+            &mut d.mesh_destinations,
+            wg,
+            EntryKind::WireGuardIp,
+            &seg.location,
+            hop(&wg),
+        );
+        for n in &seg.nodes {
+            for c in &n.pod_cidrs {
+                put(
+                    &mut d.mesh_destinations,
+                    *c,
+                    EntryKind::Node,
+                    &n.name,
+                    hop(c),
+                );
+            }
+            for p in &n.internal_ips {
+                let h = host_net(p.addr());
+                put(
+                    &mut d.mesh_destinations,
+                    h,
+                    EntryKind::Node,
+                    &n.name,
+                    hop(&h),
+                );
+            }
+        }
+        if !remote {
+            for a in &seg.allowed_location_ips {
+                put(
+                    &mut d.masquerade_destinations,
+                    *a,
+                    EntryKind::AllowedLocation,
+                    &seg.location,
+                    None,
+                );
+            }
+        }
+    }
+    if s.cni {
+        for c in &t.pod_cidrs {
+            put(
+                &mut d.nat_sources,
+                *c,
+                EntryKind::LocalPods,
+                &t.hostname,
+                None,
+            );
+        }
+    }
+    for p in &t.peers {
+        for a in &p.allowed_ips {
+            put(&mut d.nat_sources, *a, EntryKind::Peer, &p.name, None);
+            put(
+                &mut d.mesh_destinations,
+                *a,
+                EntryKind::Peer,
+                &p.name,
+                leader_gw(a),
+            );
+        }
+    }
+    for c in &t.service_cidrs {
+        put(
+            &mut d.mesh_destinations,
+            *c,
+            EntryKind::Service,
+            "service-cidr",
+            None,
+        );
+    }
+    d
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Device::WireGuard => "kilo0",
+            Device::Private => "eth0",
+            Device::Tunnel => "tunl0",
+        })
+    }
+}
+
+/// `route DST [via GW] dev DEV [src SRC] [table T] [onlink]`, the golden files' layout without
+/// the protocol (Device prints Kilo's test names: kilo0, eth0, tunl0).
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "route {}", self.dst)?;
+        if let Some(g) = self.gateway {
+            write!(f, " via {g}")?;
+        }
+        write!(f, " dev {}", self.device)?;
+        if let Some(s) = self.src {
+            write!(f, " src {s}")?;
+        }
+        if self.table != MAIN_TABLE {
+            write!(f, " table {}", self.table)?;
+        }
+        if self.onlink {
+            f.write_str(" onlink")?;
+        }
+        Ok(())
+    }
+}
+
+/// `ip rule [from SRC] [to DST] [iif DEV] lookup T`.
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ip rule")?;
+        if let Some(s) = self.src {
+            write!(f, " from {s}")?;
+        }
+        if let Some(d) = self.dst {
+            write!(f, " to {d}")?;
+        }
+        if let Some(i) = self.iif {
+            write!(f, " iif {i}")?;
+        }
+        write!(f, " lookup {}", self.table)
+    }
+}

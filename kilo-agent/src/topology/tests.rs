@@ -1,0 +1,365 @@
+use super::{testutil::*, *};
+use crate::mesh::Granularity;
+
+fn ip(s: &str) -> Option<IpAddr> {
+    Some(s.parse().unwrap())
+}
+
+#[test]
+fn is_public_like_kilo_with_ula_fixed() {
+    for (a, public) in [
+        ("10.1.2.3", false),
+        ("172.16.0.1", false),
+        ("172.31.255.1", false),
+        ("172.15.0.1", true),
+        ("172.32.0.1", true),
+        ("192.168.7.7", false),
+        ("8.8.8.8", true),
+        ("fd00::1", false),
+        ("2001:db8::1", true),
+        // Deliberate difference: Kilo only checks fd00::/16, so these were "public".
+        ("fd12::1", false),
+        ("fc00::1", false),
+    ] {
+        assert_eq!(is_public(ip(a)), public, "{a}");
+    }
+    assert!(!is_public(None));
+}
+
+/// Kilo's TestFindLeader cases.
+#[test]
+fn find_leader_like_kilo() {
+    let n = |name: &str, ep: &str, leader: bool| {
+        let mut x = node(name, "", "", "10.2.0.0/24", ep, 1);
+        x.leader = leader;
+        x
+    };
+    let private1 = n("a", "192.168.0.1:51820", false);
+    let private2 = n("b", "192.168.0.2:51820", false);
+    let public1 = n("c", "1.1.1.1:51820", false);
+    let public2 = n("d", "1.1.1.2:51820", false);
+    let mut lp1 = private1.clone();
+    lp1.leader = true;
+    let mut lp2 = private2.clone();
+    lp2.leader = true;
+    let mut lpub2 = public2.clone();
+    lpub2.leader = true;
+    let cases: Vec<(&str, Vec<&Node>, usize)> = vec![
+        ("one", vec![&private1], 0),
+        ("non-leaders", vec![&private1, &private2], 0),
+        ("leaders", vec![&private1, &lp2], 1),
+        ("public", vec![&private1, &public1, &public2], 1),
+        ("private leader beats public", vec![&public1, &lp2], 1),
+        ("public leader first", vec![&lp1, &public1, &lpub2], 2),
+        ("all", vec![&lp1, &lp2, &public1], 0),
+    ];
+    for (name, nodes, want) in cases {
+        assert_eq!(find_leader(&nodes), want, "{name}");
+    }
+}
+
+#[test]
+fn allocator() {
+    let s = |x: &str| x.parse::<IpNet>().unwrap();
+    assert_eq!(nth_address(s("10.1.0.0/16"), 1), ip("10.1.0.1"));
+    assert_eq!(nth_address(s("10.1.0.0/16"), 2), ip("10.1.0.2"));
+    assert_eq!(nth_address(s("10.1.0.0/32"), 1), None);
+    assert_eq!(nth_address(s("10.1.0.0/31"), 1), ip("10.1.0.1"));
+    assert_eq!(nth_address(s("10.1.0.0/31"), 2), None);
+    assert_eq!(nth_address(s("fd04::/64"), 3), ip("fd04::3"));
+}
+
+/// Deliberate difference: Kilo hands out an empty IP before failing; we fail at once.
+#[test]
+fn out_of_addresses_is_an_error() {
+    let nodes = by_name(
+        vec![
+            node("a", "1", "192.168.0.1/32", "10.2.1.0/24", "1.1.1.1:1", 1),
+            node("b", "2", "192.168.0.2/32", "10.2.2.0/24", "1.1.1.2:1", 2),
+        ],
+        |n| n.name.clone(),
+    );
+    let opts = Options {
+        granularity: Granularity::Location,
+        hostname: "a".into(),
+        port: 51820,
+        subnet: "10.4.0.0/31".parse().unwrap(),
+        service_cidrs: vec![],
+        persistent_keepalive: 0,
+    };
+    assert!(matches!(
+        Topology::new(&nodes, &BTreeMap::new(), &opts),
+        Err(TopologyError::OutOfAddresses { .. })
+    ));
+}
+
+/// Kilo's TestDeduplicatePeerIPs cases.
+#[test]
+fn dedup_peer_ips_like_kilo() {
+    let p1 = peer("1", "10.0.0.1/32,10.0.0.2/32", 1);
+    let p2 = peer("2", "10.0.0.2/32,10.0.0.3/32", 2);
+    let got = dedup_peer_ips([p1.clone(), p2.clone()].iter());
+    assert_eq!(got[0].allowed_ips, nets("10.0.0.1/32,10.0.0.2/32"));
+    assert_eq!(got[1].allowed_ips, nets("10.0.0.3/32"));
+    let got = dedup_peer_ips([p2.clone(), p1.clone()].iter());
+    assert_eq!(got[1].allowed_ips, nets("10.0.0.1/32"));
+    let all = peer("0", "10.0.0.1/32,10.0.0.2/32,10.0.0.3/32", 3);
+    let got = dedup_peer_ips([all, p1, p2].iter());
+    assert!(got[1].allowed_ips.is_empty() && got[2].allowed_ips.is_empty());
+    let selfdup = peer("s", "10.0.0.1/32,10.0.0.1/32", 4);
+    assert_eq!(
+        dedup_peer_ips([selfdup].iter())[0].allowed_ips,
+        nets("10.0.0.1/32")
+    );
+}
+
+/// Kilo's TestFilterAllowedIPs: overlaps with other locations, with allowed IPs (including the
+/// WireGuard IPs) and with peers are dropped.
+#[test]
+fn filter_allowed_location_ips() {
+    let mut a = node("a", "1", "192.168.0.1/32", "10.2.1.0/24", "1.1.1.1:1", 1);
+    a.allowed_location_ips = nets("192.168.178.0/24,10.4.0.2/32,172.16.0.0/16,10.9.0.0/16");
+    let mut b = node("b", "2", "192.168.0.2/32", "10.2.2.0/24", "1.1.1.2:1", 2);
+    b.allowed_location_ips = nets("192.168.178.3/32,10.2.2.128/25");
+    let p = peer("p", "172.16.5.0/24", 9);
+    let t = topo(&[a, b], &[p], Granularity::Location, "a", "10.4.0.0/16");
+    // a: 192.168.178.0/24 overlaps b's 192.168.178.3/32; 10.4.0.2/32 is b's WireGuard IP,
+    // but b's WireGuard IP is allocated after a is filtered (Kilo's order), so it stays;
+    // 172.16.0.0/16 overlaps the peer.
+    assert_eq!(
+        t.segments[0].allowed_location_ips,
+        nets("10.4.0.2/32,10.9.0.0/16")
+    );
+    // b: 192.168.178.3/32 overlaps a's filtered list? a kept no 192.168.178.0/24, so it stays;
+    // 10.2.2.128/25 is inside b's own pod CIDR.
+    assert_eq!(t.segments[1].allowed_location_ips, nets("192.168.178.3/32"));
+}
+
+#[test]
+fn discovered_endpoints_only_for_nat_segments() {
+    let mut a = node(
+        "a",
+        "1",
+        "192.168.0.1/32",
+        "10.2.1.0/24",
+        "1.1.1.1:51820",
+        1,
+    );
+    let mut b = node(
+        "b",
+        "2",
+        "192.168.0.2/32",
+        "10.2.2.0/24",
+        "1.1.1.2:51820",
+        2,
+    );
+    let c = node(
+        "c",
+        "3",
+        "192.168.0.3/32",
+        "10.2.3.0/24",
+        "1.1.1.3:51820",
+        3,
+    );
+    let seen: SocketAddr = "5.5.5.5:4000".parse().unwrap();
+    a.discovered_endpoints.insert(key(2), seen);
+    a.discovered_endpoints.insert(key(3), seen);
+    b.persistent_keepalive = 25;
+    let t = topo(&[a, b, c], &[], Granularity::Location, "a", "10.4.0.0/16");
+    let conf = t.conf();
+    assert_eq!(
+        conf[0].endpoint.as_ref().unwrap().to_string(),
+        "5.5.5.5:4000",
+        "b is behind NAT"
+    );
+    assert_eq!(
+        conf[1].endpoint.as_ref().unwrap().to_string(),
+        "1.1.1.3:51820",
+        "c is not"
+    );
+}
+
+fn cross_fixture() -> (Vec<Node>, Vec<MeshPeer>) {
+    let a = node(
+        "a",
+        "eu",
+        "192.168.1.1/24",
+        "10.2.1.0/24",
+        "1.1.1.1:51820",
+        1,
+    );
+    let mut b = node(
+        "b",
+        "eu",
+        "192.168.1.2/24",
+        "10.2.2.0/24",
+        "1.1.1.2:51820",
+        2,
+    );
+    b.allowed_location_ips = nets("172.16.0.0/24");
+    let c = node(
+        "c",
+        "us",
+        "192.168.2.1/24",
+        "10.2.3.0/24",
+        "2.2.2.1:51820",
+        3,
+    );
+    let d = node(
+        "d",
+        "us",
+        "192.168.2.2/24",
+        "10.2.4.0/24",
+        "2.2.2.2:51820",
+        4,
+    );
+    (vec![a, b, c, d], vec![peer("p", "10.5.0.0/24", 5)])
+}
+
+/// Cross granularity, checked by hand: a node per segment, WireGuard only across locations,
+/// the location's allowed-location IPs on the node findLeader picks (a, first public).
+#[test]
+fn cross_topology() {
+    let (nodes, peers) = cross_fixture();
+    let t = topo(&nodes, &peers, Granularity::Cross, "a", "10.4.0.0/16");
+    assert!(t.leader);
+    assert_eq!(t.location, "node:a");
+    assert_eq!(t.group, "location:eu");
+    assert_eq!(t.wireguard_cidr.to_string(), "10.4.0.1/16");
+    let locs: Vec<(&str, &str, String)> = t
+        .segments
+        .iter()
+        .map(|s| {
+            (
+                s.location.as_str(),
+                s.group.as_str(),
+                s.wireguard_ip.to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        locs,
+        vec![
+            ("node:a", "location:eu", "10.4.0.1".into()),
+            ("node:b", "location:eu", "10.4.0.2".into()),
+            ("node:c", "location:us", "10.4.0.3".into()),
+            ("node:d", "location:us", "10.4.0.4".into()),
+        ]
+    );
+    assert_eq!(t.segments[0].allowed_location_ips, nets("172.16.0.0/24"));
+    assert!(t.segments[1].allowed_location_ips.is_empty());
+    let conf: Vec<(Key, String)> = t
+        .conf()
+        .iter()
+        .map(|p| {
+            let ips: Vec<String> = p.allowed_ips.iter().map(ToString::to_string).collect();
+            (p.public_key, ips.join(" "))
+        })
+        .collect();
+    assert_eq!(
+        conf,
+        vec![
+            (key(3), "10.2.3.0/24 192.168.2.1/32 10.4.0.3/32".to_string()),
+            (key(4), "10.2.4.0/24 192.168.2.2/32 10.4.0.4/32".to_string()),
+            (key(5), "10.5.0.0/24".to_string()),
+        ]
+    );
+    // From c, a carries eu's allowed-location IPs; b is a direct peer too.
+    let t = topo(&nodes, &peers, Granularity::Cross, "c", "10.4.0.0/16");
+    let conf = t.conf();
+    assert_eq!(conf.len(), 3);
+    assert_eq!(conf[0].public_key, key(1));
+    assert_eq!(
+        conf[0].allowed_ips,
+        nets("10.2.1.0/24,192.168.1.1/32,10.4.0.1/32,172.16.0.0/24")
+    );
+    assert_eq!(
+        conf[1].allowed_ips,
+        nets("10.2.2.0/24,192.168.1.2/32,10.4.0.2/32")
+    );
+    // A peer sees every node.
+    assert_eq!(t.peer_conf("p").len(), 4);
+}
+
+#[test]
+fn cross_node_without_internal_ip_is_its_own_location() {
+    let (mut nodes, peers) = cross_fixture();
+    nodes[1].internal_ips.clear();
+    let t = topo(&nodes, &peers, Granularity::Cross, "a", "10.4.0.0/16");
+    assert_eq!(t.segments[1].group, "node:b");
+    assert_eq!(t.conf().len(), 4, "b, c, d and the peer");
+}
+
+/// Dual-stack, checked by hand: IPv6 pod CIDRs, internal IPs, endpoints and subnet.
+#[test]
+fn dual_stack_topology() {
+    let a = node(
+        "a",
+        "1",
+        "192.168.0.1/24,fd00:1::1/64",
+        "10.2.1.0/24,fd10:2:1::/64",
+        "[2001:db8::1]:51820",
+        1,
+    );
+    let b = node(
+        "b",
+        "1",
+        "192.168.0.2/24,fd00:1::2/64",
+        "10.2.2.0/24,fd10:2:2::/64",
+        "10.1.0.2:51820",
+        2,
+    );
+    let c = node(
+        "c",
+        "2",
+        "fd00:2::1/64",
+        "fd10:2:3::/64",
+        "[2001:db8::3]:51820",
+        3,
+    );
+    let t = topo(&[a, b, c], &[], Granularity::Location, "a", "fd04::/64");
+    assert!(t.leader, "a has the public (IPv6) endpoint");
+    assert_eq!(t.wireguard_cidr.to_string(), "fd04::1/64");
+    assert_eq!(
+        t.segments[0].allowed_ips,
+        nets(
+            "10.2.1.0/24,fd10:2:1::/64,192.168.0.1/32,fd00:1::1/128,10.2.2.0/24,fd10:2:2::/64,192.168.0.2/32,fd00:1::2/128,fd04::1/128"
+        )
+    );
+    let conf = t.conf();
+    assert_eq!(conf.len(), 1);
+    assert_eq!(
+        conf[0].allowed_ips,
+        nets("fd10:2:3::/64,fd00:2::1/128,fd04::2/128")
+    );
+    assert_eq!(
+        conf[0].endpoint.as_ref().unwrap().to_string(),
+        "[2001:db8::3]:51820"
+    );
+    let t = topo(
+        &[
+            node(
+                "a",
+                "1",
+                "192.168.0.1/24,fd00:1::1/64",
+                "10.2.1.0/24,fd10:2:1::/64",
+                "[2001:db8::1]:51820",
+                1,
+            ),
+            node(
+                "b",
+                "1",
+                "192.168.0.2/24,fd00:1::2/64",
+                "10.2.2.0/24,fd10:2:2::/64",
+                "10.1.0.2:51820",
+                2,
+            ),
+        ],
+        &[],
+        Granularity::Location,
+        "b",
+        "fd04::/64",
+    );
+    assert!(!t.leader);
+    assert_eq!(t.wireguard_cidr.to_string(), "fd04::/64");
+}

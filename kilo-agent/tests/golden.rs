@@ -1,0 +1,513 @@
+//! Golden tests: our topology, WireGuard configs, routes, datapath maps and DOT against Kilo's
+//! own output on its fixture (tests/data/kilo/, copied from Kilo's pkg/mesh run). Byte for byte
+//! where Kilo is right; each deliberate difference has its own test below.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
+};
+
+use ipnet::IpNet;
+use kilo_agent::{
+    kgctl::{self, Interface},
+    mesh::{self, Granularity, Key, objects},
+    plan::{self, Device, Encapsulation, EntryKind, KeepaliveSource, NextHop, Settings},
+    topology::Topology,
+};
+
+const NOW: i64 = 1_700_000_000;
+const PRIV: &str = "cHJpdgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+const HOSTS: [&str; 4] = ["a", "b", "c", "d"];
+const GRANULARITIES: [Granularity; 2] = [Granularity::Location, Granularity::Full];
+
+fn data(name: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/kilo")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// The fixture's objects, with `last-seen: NOW` set to [`NOW`].
+fn fixture() -> mesh::Snapshot {
+    let text = data("fixture.yaml").replace("\"NOW\"", &format!("\"{NOW}\""));
+    let mut snap = mesh::Snapshot::default();
+    for (i, doc) in text.split("\n---\n").skip(1).enumerate() {
+        let obj = objects::parse_object(doc.as_bytes(), &format!("doc{i}")).unwrap();
+        objects::insert(&mut snap, obj, "fixture").unwrap();
+    }
+    assert_eq!((snap.nodes.len(), snap.peers.len()), (4, 2));
+    snap
+}
+
+fn settings(g: Granularity, host: &str) -> Settings {
+    Settings {
+        hostname: host.into(),
+        granularity: g,
+        service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
+        persistent_keepalive: KeepaliveSource::Fixed(0),
+        now: Some(NOW),
+        ..Settings::default()
+    }
+}
+
+fn golden_name(g: Granularity, host: &str) -> String {
+    format!("{g}-from-{host}.txt")
+}
+
+/// The lines after the header starting with `header`, up to the next `## ` header, with one
+/// trailing newline.
+fn section(text: &str, header: &str) -> String {
+    let start = text
+        .find(&format!("\n{header}"))
+        .unwrap_or_else(|| panic!("no section {header:?}"))
+        + 1;
+    let body_start = start + text[start..].find('\n').unwrap() + 1;
+    let end = text[body_start..]
+        .find("\n## ")
+        .map_or(text.len(), |e| body_start + e + 1);
+    let mut s = text[body_start..end].trim_end_matches('\n').to_string();
+    s.push('\n');
+    s
+}
+
+fn header_line(text: &str, header: &str) -> String {
+    text.lines()
+        .find(|l| l.starts_with(header))
+        .unwrap()
+        .to_string()
+}
+
+fn each_case() -> impl Iterator<Item = (Granularity, &'static str, String, Topology)> {
+    let snap = fixture();
+    GRANULARITIES.into_iter().flat_map(move |g| {
+        let snap = snap.clone();
+        HOSTS.into_iter().map(move |h| {
+            let planned = plan::plan_for(&snap, &settings(g, h));
+            assert!(planned.errors.is_empty(), "{:?}", planned.errors);
+            let t = planned.topology.expect("local node is ready");
+            (g, h, data(&golden_name(g, h)), t)
+        })
+    })
+}
+
+#[test]
+fn topology_matches_golden() {
+    for (g, h, text, t) in each_case() {
+        assert_eq!(t.dump(), section(&text, "## topology"), "{g} from {h}");
+    }
+}
+
+#[test]
+fn conf_matches_golden() {
+    let key: Key = PRIV.parse().unwrap();
+    for (g, h, text, t) in each_case() {
+        let ours = kgctl::render_wireguard(
+            Some(Interface {
+                private_key: Some(&key),
+                listen_port: 51820,
+            }),
+            &t.conf(),
+        );
+        assert_eq!(
+            ours,
+            section(&text, "## wireguard: Topology.Conf()"),
+            "{g} from {h}"
+        );
+    }
+}
+
+#[test]
+fn as_peer_matches_golden() {
+    for (g, h, text, t) in each_case() {
+        let p = t.as_peer().unwrap();
+        let ips: Vec<String> = p.allowed_ips.iter().map(ToString::to_string).collect();
+        let ours = format!(
+            "## Topology.AsPeer(): key={} endpoint={} allowedIPs=[{}]",
+            p.public_key,
+            p.endpoint.map(|e| e.to_string()).unwrap_or_default(),
+            ips.join(" ")
+        );
+        assert_eq!(
+            ours,
+            header_line(&text, "## Topology.AsPeer()"),
+            "{g} from {h}"
+        );
+    }
+}
+
+#[test]
+fn peer_conf_matches_golden() {
+    for (g, h, text, t) in each_case() {
+        for peer in ["a", "b"] {
+            let ours = kgctl::render_wireguard(None, &t.peer_conf(peer));
+            let header = format!("## wireguard: Topology.PeerConf(\"{peer}\")");
+            assert_eq!(ours, section(&text, &header), "{g} from {h}, peer {peer}");
+        }
+    }
+}
+
+#[test]
+fn dot_matches_golden() {
+    for (g, h, text, t) in each_case() {
+        assert_eq!(
+            kgctl::render_dot(&t),
+            section(&text, "## graph: Topology.Dot()"),
+            "{g} from {h}"
+        );
+    }
+}
+
+const ENCAPS: [(Encapsulation, &str); 3] = [
+    (Encapsulation::Never, "never"),
+    (Encapsulation::CrossSubnet, "crosssubnet"),
+    (Encapsulation::Always, "always"),
+];
+
+/// Kilo's route lines with our two deliberate changes applied: destinations truncated and one
+/// route per (table, destination), the first in Kilo's order. `proto 4` (Kilo's marker) is
+/// stripped: the reconciler uses its own protocol.
+fn kilo_routes_normalized(section: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut seen = BTreeSet::new();
+    let mut routes = BTreeSet::new();
+    let mut rules = BTreeSet::new();
+    for l in section.lines() {
+        if l.starts_with("ip rule") {
+            rules.insert(l.to_string());
+            continue;
+        }
+        let Some(rest) = l.strip_prefix("route ") else {
+            continue;
+        };
+        let rest = rest
+            .strip_suffix(" proto 4")
+            .expect("Kilo's routes are proto 4");
+        let (dst, tail) = rest.split_once(' ').unwrap();
+        let dst = dst.parse::<IpNet>().unwrap().trunc();
+        let table = tail
+            .split_once("table ")
+            .map_or("254", |(_, t)| t.split(' ').next().unwrap())
+            .to_string();
+        if seen.insert((table, dst)) {
+            routes.insert(format!("route {dst} {tail}"));
+        }
+    }
+    (routes, rules)
+}
+
+#[test]
+fn routes_and_rules_match_golden_for_every_local_and_encapsulation() {
+    let snap = fixture();
+    for g in GRANULARITIES {
+        for h in HOSTS {
+            let text = data(&golden_name(g, h));
+            for local in [false, true] {
+                for (enc, enc_name) in ENCAPS {
+                    let s = Settings {
+                        local,
+                        encapsulate: enc,
+                        ..settings(g, h)
+                    };
+                    let plan = plan::plan_for(&snap, &s).plan.unwrap();
+                    let header = format!(
+                        "## routes: Topology.Routes(local={local}, encapsulate={enc_name}, IPIP)"
+                    );
+                    let (want_routes, want_rules) =
+                        kilo_routes_normalized(&section(&text, &header));
+                    let routes: BTreeSet<String> =
+                        plan.routes.iter().map(ToString::to_string).collect();
+                    let rules: BTreeSet<String> =
+                        plan.rules.iter().map(ToString::to_string).collect();
+                    assert_eq!(routes, want_routes, "{g} from {h} {header}");
+                    assert_eq!(rules, want_rules, "{g} from {h} {header}");
+                    assert_eq!(routes.len(), plan.routes.len(), "no duplicate routes");
+                }
+            }
+        }
+    }
+}
+
+/// Deliberate difference: Kilo routes `10.5.0.1/24`, `10.5.0.2/24` and `10.5.0.3/24` (one
+/// network, claimed by peers a and b); the kernel rejects host bits, so the plan routes
+/// `10.5.0.0/24` once. And where two nodes share 192.168.0.1 (a and b), Kilo emits two routes
+/// for 192.168.0.1/32; the plan keeps the first.
+#[test]
+fn deliberate_route_differences() {
+    let snap = fixture();
+    let text = data("full-from-c.txt");
+    let sec = section(
+        &text,
+        "## routes: Topology.Routes(local=true, encapsulate=never, IPIP)",
+    );
+    let kilo_peer_routes = sec
+        .lines()
+        .filter(|l| l.starts_with("route 10.5.0."))
+        .count();
+    let kilo_shared = sec
+        .lines()
+        .filter(|l| l.starts_with("route 192.168.0.1/32 "))
+        .count();
+    assert_eq!((kilo_peer_routes, kilo_shared), (3, 2));
+    let plan = plan::plan_for(
+        &snap,
+        &Settings {
+            local: true,
+            encapsulate: Encapsulation::Never,
+            ..settings(Granularity::Full, "c")
+        },
+    )
+    .plan
+    .unwrap();
+    let peer: Vec<_> = plan
+        .routes
+        .iter()
+        .filter(|r| r.dst.to_string().starts_with("10.5.0."))
+        .collect();
+    assert_eq!(peer.len(), 1);
+    assert_eq!(peer[0].dst.to_string(), "10.5.0.0/24");
+    let shared: Vec<_> = plan
+        .routes
+        .iter()
+        .filter(|r| r.dst.to_string() == "192.168.0.1/32")
+        .collect();
+    assert_eq!(shared.len(), 1);
+    assert_eq!(
+        shared[0].gateway.unwrap().to_string(),
+        "10.4.0.1",
+        "segment node:a comes first"
+    );
+}
+
+/// Deliberate difference: the WireGuard plan gives each CIDR to one peer and one entry per key.
+/// Kilo's config for `location` from a lists key4 twice (segment node:d and Peer a share it)
+/// and 10.5.0.0/24 three times on two peers; the device ends up with whatever was set last.
+#[test]
+fn wireguard_plan_normalizes_kilo_conf() {
+    let snap = fixture();
+    let planned = plan::plan_for(&snap, &settings(Granularity::Location, "a"));
+    let t = planned.topology.unwrap();
+    let kilo = t.conf();
+    assert_eq!(kilo.len(), 4);
+    let wg = planned.plan.unwrap().wireguard;
+    assert_eq!(wg.listen_port, 51820);
+    let render = |p: &plan::WireGuardPeer| {
+        let ips: Vec<String> = p.allowed_ips.iter().map(ToString::to_string).collect();
+        format!("{} {}", p.public_key, ips.join(","))
+    };
+    let got: Vec<String> = wg.peers.iter().map(render).collect();
+    assert_eq!(
+        got,
+        vec![
+            "a2V5MgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA= 10.2.2.0/24,192.168.0.1/32,10.2.3.0/24,192.168.0.2/32,10.4.0.2/32,192.168.178.3/32",
+            "a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA= 10.2.4.0/24,10.4.0.3/32,10.5.0.0/24",
+            "a2V5NQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA= ",
+        ]
+    );
+    // The merged key4 entry keeps node d's endpoint.
+    assert_eq!(
+        wg.peers[1].endpoint.as_ref().unwrap().to_string(),
+        "10.1.0.4:51820"
+    );
+    assert_eq!(
+        wg.peers[2].endpoint.as_ref().unwrap().to_string(),
+        "192.168.0.1:51820"
+    );
+}
+
+/// Kilo's iptables rules → DatapathPlan. Parses `KILO-NAT -d X -j RETURN` (mesh destinations),
+/// `POSTROUTING -s X -j KILO-NAT` (NAT sources) and `POSTROUTING -d X -j KILO-NAT`
+/// (masquerade destinations) from the golden file and compares the sets (keys truncated).
+fn iptables_sets(section: &str) -> [BTreeSet<IpNet>; 3] {
+    let mut out: [BTreeSet<IpNet>; 3] = Default::default();
+    for l in section.lines() {
+        let words: Vec<&str> = l.split_whitespace().collect();
+        let arg = |flag: &str| {
+            words
+                .iter()
+                .position(|w| *w == flag)
+                .map(|i| words[i + 1].parse::<IpNet>().unwrap().trunc())
+        };
+        let (Some(chain), Some(target)) = (
+            words.iter().position(|w| *w == "-A").map(|i| words[i + 1]),
+            words.last(),
+        ) else {
+            continue;
+        };
+        match (chain, *target) {
+            ("KILO-NAT", "RETURN") => out[0].extend(arg("-d")),
+            ("POSTROUTING", "KILO-NAT") => {
+                out[1].extend(arg("-s"));
+                out[2].extend(arg("-d"));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn datapath_matches_kilo_iptables_rules() {
+    let snap = fixture();
+    for g in GRANULARITIES {
+        for h in HOSTS {
+            let text = data(&golden_name(g, h));
+            for cni in [true, false] {
+                let plan = plan::plan_for(
+                    &snap,
+                    &Settings {
+                        cni,
+                        ..settings(g, h)
+                    },
+                )
+                .plan
+                .unwrap();
+                let header =
+                    format!("## iptables: Topology.Rules(cni={cni}, iptablesForwardRule=false)");
+                let [mesh, nat, masq] = iptables_sets(&section(&text, &header));
+                let d = &plan.datapath;
+                assert_eq!(
+                    d.mesh_destinations.keys().copied().collect::<BTreeSet<_>>(),
+                    mesh,
+                    "{g} from {h} cni={cni}"
+                );
+                assert_eq!(
+                    d.nat_sources.keys().copied().collect::<BTreeSet<_>>(),
+                    nat,
+                    "{g} from {h} cni={cni}"
+                );
+                assert_eq!(
+                    d.masquerade_destinations
+                        .keys()
+                        .copied()
+                        .collect::<BTreeSet<_>>(),
+                    masq,
+                    "{g} from {h} cni={cni}"
+                );
+                for (k, _) in d
+                    .mesh_destinations
+                    .iter()
+                    .chain(&d.nat_sources)
+                    .chain(&d.masquerade_destinations)
+                {
+                    assert_eq!(*k, k.trunc(), "LPM keys have no host bits");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn datapath_entries_have_kind_owner_and_next_hop() {
+    let snap = fixture();
+    let svc: IpNet = "10.96.0.0/12".parse().unwrap();
+    let n = |s: &str| s.parse::<IpNet>().unwrap();
+    // Leader a (location:1): remote segments and peers go straight into WireGuard.
+    let d = plan::plan_for(&snap, &settings(Granularity::Location, "a"))
+        .plan
+        .unwrap()
+        .datapath;
+    let e = &d.mesh_destinations;
+    assert_eq!(
+        (
+            e[&n("10.2.2.0/24")].kind,
+            e[&n("10.2.2.0/24")].owner.as_str()
+        ),
+        (EntryKind::Node, "b")
+    );
+    assert_eq!(e[&n("10.2.2.0/24")].next_hop, Some(NextHop::WireGuard));
+    assert_eq!(e[&n("10.4.0.2/32")].kind, EntryKind::WireGuardIp);
+    assert_eq!(e[&n("10.4.0.2/32")].owner, "location:2");
+    assert_eq!(
+        e[&n("10.2.1.0/24")].next_hop,
+        None,
+        "local location: never redirected"
+    );
+    assert_eq!(e[&n("10.5.0.0/24")].kind, EntryKind::Peer);
+    assert_eq!(
+        e[&n("10.5.0.0/24")].owner,
+        "a",
+        "first peer claiming the network"
+    );
+    assert_eq!(e[&n("10.5.0.0/24")].next_hop, Some(NextHop::WireGuard));
+    assert_eq!((e[&svc].kind, e[&svc].next_hop), (EntryKind::Service, None));
+    assert_eq!(d.nat_sources[&n("10.2.1.0/24")].kind, EntryKind::LocalPods);
+    assert_eq!(d.nat_sources[&n("10.5.0.0/24")].kind, EntryKind::Peer);
+    assert!(d.masquerade_destinations.is_empty());
+    // Non-leader c (location:2, leader b at 192.168.0.1): remote via the leader's private IP.
+    let d = plan::plan_for(&snap, &settings(Granularity::Location, "c"))
+        .plan
+        .unwrap()
+        .datapath;
+    let gw = Some(NextHop::Gateway {
+        address: "192.168.0.1".parse().unwrap(),
+        device: Device::Private,
+    });
+    assert_eq!(d.mesh_destinations[&n("10.2.1.0/24")].next_hop, gw);
+    assert_eq!(d.mesh_destinations[&n("10.5.0.0/24")].next_hop, gw);
+    assert_eq!(d.mesh_destinations[&n("10.2.2.0/24")].next_hop, None);
+    assert_eq!(d.mesh_destinations[&svc].next_hop, None);
+    let m = &d.masquerade_destinations[&n("192.168.178.3/32")];
+    assert_eq!(
+        (m.kind, m.owner.as_str()),
+        (EntryKind::AllowedLocation, "location:2")
+    );
+}
+
+#[test]
+fn plan_interface_addresses_and_leadership() {
+    let snap = fixture();
+    let leaders: BTreeMap<&str, Vec<String>> = HOSTS
+        .iter()
+        .map(|h| {
+            let p = plan::plan_for(&snap, &settings(Granularity::Location, h))
+                .plan
+                .unwrap();
+            assert_eq!(p.wireguard.peers.is_empty(), p.addresses.is_empty());
+            (*h, p.addresses.iter().map(ToString::to_string).collect())
+        })
+        .collect();
+    assert_eq!(leaders["a"], vec!["10.4.0.1/16"]);
+    assert_eq!(leaders["b"], vec!["10.4.0.2/16"]);
+    assert!(leaders["c"].is_empty(), "c is not a leader");
+    assert_eq!(leaders["d"], vec!["10.4.0.3/16"]);
+}
+
+#[test]
+fn plan_is_none_when_local_node_missing_or_not_ready() {
+    let snap = fixture();
+    let p = plan::plan_for(&snap, &settings(Granularity::Location, "zz"));
+    assert!(p.plan.is_none() && p.topology.is_none());
+    assert_eq!(p.ready_nodes, 4);
+    let p = plan::plan_for(
+        &snap,
+        &Settings {
+            now: Some(NOW + 3600),
+            ..settings(Granularity::Location, "a")
+        },
+    );
+    assert!(p.plan.is_none(), "every node is stale an hour later");
+    assert_eq!(p.ready_nodes, 0);
+}
+
+#[test]
+fn bad_objects_are_reported_and_skipped() {
+    let mut snap = fixture();
+    let b = snap.nodes.get_mut("b").unwrap();
+    b.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert("kilo.squat.ai/internal-ip".into(), "x".into());
+    snap.peers.get_mut("b").unwrap().spec.public_key = "nope".into();
+    let p = plan::plan_for(&snap, &settings(Granularity::Location, "a"));
+    let errs: Vec<String> = p.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert!(errs.contains(
+        &r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#.to_string()
+    ));
+    assert!(
+        errs.iter()
+            .any(|e| e.starts_with(r#"peer "b": spec.publicKey: "#))
+    );
+    let t = p.topology.unwrap();
+    assert_eq!(t.node_count(), 3);
+    assert_eq!(t.peers.len(), 1);
+}
