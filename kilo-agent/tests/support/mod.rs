@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod packets;
 
 /// True when the test may create namespaces and load BPF programs. Elsewhere root-only tests
 /// print why they skip and pass.
