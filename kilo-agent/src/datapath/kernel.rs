@@ -32,6 +32,7 @@ use kilo_common::{
 
 use super::{
     DatapathError, Role, keys,
+    nft::{self, MasqueradeRule},
     sync::{self, Counters, DatapathMaps, Resolver},
 };
 use crate::{plan::DatapathPlan, reconcile::Writes};
@@ -86,6 +87,8 @@ pub struct DatapathConfig {
     pub max_entries: u32,
     /// Per-entry counter slots.
     pub counter_slots: u32,
+    /// The private nftables table (family inet) holding the masquerade rule.
+    pub nft_table: String,
 }
 
 impl Default for DatapathConfig {
@@ -98,6 +101,7 @@ impl Default for DatapathConfig {
             fast_path: false,
             max_entries: DEFAULT_MAX_ENTRIES,
             counter_slots: DEFAULT_COUNTER_SLOTS,
+            nft_table: "kilo".into(),
         }
     }
 }
@@ -401,6 +405,21 @@ impl Datapath {
         sync::read_counters(&self.maps)
     }
 
+    /// The masquerade rule for this config's mark.
+    pub fn masquerade_rule(&self) -> MasqueradeRule {
+        MasqueradeRule {
+            table: self.config.nft_table.clone(),
+            mark: self.config.mark,
+            mask: self.config.mask,
+        }
+    }
+
+    /// Installs the static masquerade rule (in the calling thread's network namespace) unless it
+    /// is there already.
+    pub fn ensure_masquerade(&self) -> Result<Writes, DatapathError> {
+        Ok(nft::ensure_masquerade(&self.masquerade_rule())?)
+    }
+
     /// Turns the fast path on or off (one config write, none if unchanged).
     pub fn set_fast_path(&mut self, on: bool) -> Result<Writes, DatapathError> {
         self.config.fast_path = on;
@@ -570,10 +589,10 @@ impl Datapath {
         Ok(writes)
     }
 
-    /// Detaches from every interface, removes every pin and the pin directory. Consumes the
-    /// datapath. (The nftables rule is separate: [`super::nft::remove_masquerade`].)
+    /// Detaches from every interface, removes every pin and the pin directory, and deletes the
+    /// nftables table (in the calling thread's network namespace). Consumes the datapath.
     pub fn cleanup(mut self) -> Result<Writes, DatapathError> {
-        let mut writes = Writes::default();
+        let mut writes = nft::remove_masquerade(&self.config.nft_table)?;
         let held: Vec<String> = self.held.keys().cloned().collect();
         for ifname in held {
             writes += self.detach(&ifname)?;
