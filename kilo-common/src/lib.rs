@@ -1,3 +1,161 @@
 //! Map keys and values shared by the eBPF program (`kilo-ebpf`) and the agent.
 //! `#[repr(C)]`, plain old data; the `user` feature adds `aya::Pod` for userspace.
+//!
+//! Maps (names are the ELF symbol names, also the pin file names):
+//! - [`MAP_MESH`], [`MAP_NAT_SRC`], [`MAP_MASQ_DST`]: LPM tries, key `Key<LpmData>` (aya's
+//!   `{prefix_len: u32, data}`), value [`EntryValue`]. The family is part of the key, so
+//!   `prefix_len` counts [`FAMILY_BITS`] plus the CIDR's own prefix length.
+//! - [`MAP_CONFIG`]: array of one [`Config`].
+//! - [`MAP_DECISIONS`]: per-CPU array of [`Counter`], indexed by [`Decision`].
+//! - [`MAP_ENTRY_COUNTERS`]: per-CPU array of [`Counter`], indexed by [`EntryValue::counter`].
 #![no_std]
+
+/// Names of the maps in the object (and of their pins).
+pub const MAP_MESH: &str = "KILO_MESH";
+pub const MAP_NAT_SRC: &str = "KILO_NAT_SRC";
+pub const MAP_MASQ_DST: &str = "KILO_MASQ_DST";
+pub const MAP_CONFIG: &str = "KILO_CONFIG";
+pub const MAP_DECISIONS: &str = "KILO_DECISIONS";
+pub const MAP_ENTRY_COUNTERS: &str = "KILO_ENTRY_COUNTERS";
+
+/// Names of the programs in the object.
+/// The classifier for devices with an Ethernet header (veth, bridge, physical NICs).
+pub const PROG_L2: &str = "kilo_ingress";
+/// The classifier for raw-IP devices (WireGuard, TUN): the packet starts at the IP header.
+pub const PROG_L3: &str = "kilo_ingress_l3";
+/// A classifier that returns at once (benchmark baseline).
+pub const PROG_NOOP: &str = "kilo_noop";
+
+/// Default capacity of each LPM trie (tries allocate per entry, so capacity is free).
+pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 18;
+/// Default number of per-entry counter slots (per-CPU memory: 16 bytes x slots x CPUs).
+pub const DEFAULT_COUNTER_SLOTS: u32 = 1 << 14;
+/// [`EntryValue::counter`] of an entry that has no counter slot.
+pub const NO_COUNTER: u32 = u32::MAX;
+
+/// Bits of the key taken by the family (`LpmData::family`).
+pub const FAMILY_BITS: u32 = 32;
+/// `LpmData::family` values (the Linux address family numbers).
+pub const FAMILY_V4: u32 = 2;
+pub const FAMILY_V6: u32 = 10;
+
+/// The data part of an LPM key: family, then the address (IPv4 in the first 4 bytes, network
+/// order, the rest zero).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LpmData {
+    pub family: u32,
+    pub addr: [u8; 16],
+}
+
+/// Default masquerade mark bit. kube-proxy uses 0x4000 (masquerade) and 0x8000 (drop),
+/// Calico 0xffff0000, Cilium 0x0f00 (and its identity in the upper 16 bits), Weave 0x20000 and
+/// 0x40000, Tailscale 0xff0000, wg-quick's fwmark 51820 (0xca6c) has no 0x1000 bit:
+/// 0x1000 (bit 12, "11"07 for Kilo's table 1107) is free in all of them.
+pub const DEFAULT_MARK: u32 = 0x1000;
+pub const DEFAULT_MARK_MASK: u32 = 0x1000;
+
+/// `Config::flags`: redirect mesh traffic whose entry names an egress (opt-in).
+pub const CONFIG_FAST_PATH: u32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Bits set (under `mask`) on packets to masquerade.
+    pub mark: u32,
+    /// Bits of the skb mark the program owns.
+    pub mask: u32,
+    pub flags: u32,
+    pub _reserved: u32,
+}
+
+impl Config {
+    pub const DEFAULT: Config = Config {
+        mark: DEFAULT_MARK,
+        mask: DEFAULT_MARK_MASK,
+        flags: 0,
+        _reserved: 0,
+    };
+}
+
+/// `EntryValue::flags`: a service CIDR (never redirected: kube-proxy must DNAT it first).
+pub const ENTRY_SERVICE: u32 = 1;
+/// `EntryValue::flags`: the fast path may redirect to `ifindex` (with `bpf_redirect`).
+pub const ENTRY_REDIRECT: u32 = 2;
+/// `EntryValue::flags`: redirect with `bpf_redirect_neigh` toward `nh_addr` (needs ENTRY_REDIRECT).
+pub const ENTRY_NEIGH: u32 = 4;
+
+/// The value of every LPM entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EntryValue {
+    /// Index into [`MAP_ENTRY_COUNTERS`], or [`NO_COUNTER`].
+    pub counter: u32,
+    pub flags: u32,
+    /// An `EntryKind` code chosen by the agent (metrics label), not read by the program.
+    pub kind: u32,
+    /// Egress device of the fast path.
+    pub ifindex: u32,
+    /// Gateway family (`FAMILY_V4`/`FAMILY_V6`) for `bpf_redirect_neigh`, 0 for none.
+    pub nh_family: u32,
+    /// Gateway address, IPv4 in the first 4 bytes (network order).
+    pub nh_addr: [u8; 16],
+}
+
+/// Per-CPU packet and byte counter.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// What the program did with a packet (index into [`MAP_DECISIONS`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Decision {
+    /// Neither IPv4 nor IPv6 (ARP, LLDP, ...): passed untouched.
+    NotIp = 0,
+    /// Truncated or malformed IP header: passed untouched.
+    Malformed = 1,
+    /// No list matched: left alone.
+    Pass = 2,
+    /// Destination inside the mesh: left alone (never masqueraded).
+    Mesh = 3,
+    /// Marked for masquerading (NAT source or masquerade destination, not a mesh destination).
+    Masquerade = 4,
+    /// Fast path: redirected to the entry's egress.
+    Redirect = 5,
+}
+
+impl Decision {
+    pub const COUNT: u32 = 6;
+    pub const ALL: [Decision; 6] = [
+        Decision::NotIp,
+        Decision::Malformed,
+        Decision::Pass,
+        Decision::Mesh,
+        Decision::Masquerade,
+        Decision::Redirect,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Decision::NotIp => "not_ip",
+            Decision::Malformed => "malformed",
+            Decision::Pass => "pass",
+            Decision::Mesh => "mesh",
+            Decision::Masquerade => "masquerade",
+            Decision::Redirect => "redirect",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all are #[repr(C)], Copy, made of integers with no padding.
+    unsafe impl aya::Pod for super::LpmData {}
+    unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::EntryValue {}
+    unsafe impl aya::Pod for super::Counter {}
+}

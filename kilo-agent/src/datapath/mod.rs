@@ -1,1 +1,142 @@
-//! The eBPF datapath from userspace: loads, attaches, pins and adopts the TC program, syncs its maps, reads its counters, and installs the one static masquerade rule.
+//! The eBPF datapath from userspace: loads, attaches, pins and adopts the TC program, syncs its
+//! maps, reads its counters, and installs the one static masquerade rule.
+//!
+//! - [`Datapath`] (kernel.rs): loads the embedded `kilo-ebpf` object, attaches it at ingress of
+//!   named interfaces (TCX on kernels >= 6.6, clsact + netlink below), pins maps and links under
+//!   a bpffs directory and adopts them on start, so forwarding goes on while the agent is down.
+//! - [`sync_maps`] (sync.rs): the diff between a [`DatapathPlan`](crate::plan::DatapathPlan)
+//!   and the maps, behind the [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory).
+//! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
+//!
+//! Nothing here starts a process.
+mod kernel;
+mod keys;
+pub mod nft;
+mod sync;
+
+use std::{io, path::PathBuf};
+
+use ipnet::IpNet;
+pub use kilo_common::{Counter, Decision};
+
+pub use kernel::{
+    AttachMode, Datapath, DatapathConfig, Framing, KernelMaps, OBJECT, framing, ifindex,
+};
+pub use keys::{entry_value, kind_code, kind_from_code, lpm_key, net_from_key};
+pub use sync::{
+    Counters, DatapathMaps, EntryCounter, FakeMaps, NoResolver, Resolver, read_counters, sync_maps,
+};
+
+/// Which LPM trie an entry lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    /// `mesh_destinations`: never masqueraded (fast path candidates).
+    Mesh,
+    /// `nat_sources`: masqueraded unless the destination is in the mesh.
+    NatSource,
+    /// `masquerade_destinations`: this location's allowed-location IPs.
+    MasqueradeDestination,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Mesh, Role::NatSource, Role::MasqueradeDestination];
+
+    /// The map (and pin) name.
+    pub const fn map_name(self) -> &'static str {
+        match self {
+            Role::Mesh => kilo_common::MAP_MESH,
+            Role::NatSource => kilo_common::MAP_NAT_SRC,
+            Role::MasqueradeDestination => kilo_common::MAP_MASQ_DST,
+        }
+    }
+
+    /// A metrics label.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Role::Mesh => "mesh_destination",
+            Role::NatSource => "nat_source",
+            Role::MasqueradeDestination => "masquerade_destination",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] Box<aya::EbpfError>),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    #[error("map {name} holds an invalid key (prefix length {prefix_len}, family {family})")]
+    BadKey {
+        name: &'static str,
+        prefix_len: u32,
+        family: u32,
+    },
+    #[error("map {name} is full ({capacity} entries)")]
+    Full { name: &'static str, capacity: usize },
+    #[error("{role} entry {net} (owner {owner:?}): {source}")]
+    Entry {
+        role: Role,
+        net: IpNet,
+        owner: String,
+        #[source]
+        source: Box<DatapathError>,
+    },
+    #[error("stale {role} entry {net}: {source}")]
+    Stale {
+        role: Role,
+        net: IpNet,
+        #[source]
+        source: Box<DatapathError>,
+    },
+    #[error("interface {name}: {reason}")]
+    Interface { name: String, reason: String },
+    #[error("link of interface {name}: {source}")]
+    Link {
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("invalid datapath config: {0}")]
+    Config(String),
+    #[error("nftables: {0}")]
+    Nft(#[from] nft::NftError),
+}
+
+impl DatapathError {
+    pub(crate) fn map(name: &'static str, source: aya::maps::MapError) -> Self {
+        DatapathError::Map {
+            name,
+            source: Box::new(source),
+        }
+    }
+
+    pub(crate) fn program(name: &'static str, source: aya::programs::ProgramError) -> Self {
+        DatapathError::Program {
+            name,
+            source: Box::new(source),
+        }
+    }
+}

@@ -1,7 +1,9 @@
 //! Helpers shared by the integration tests: root checks and throwaway network namespaces.
 #![allow(dead_code)]
 
+pub mod bpffs;
 pub mod netns;
+pub mod packets;
 
 /// True when the test may create namespaces and load BPF programs. Elsewhere root-only tests
 /// print why they skip and pass.

@@ -1,0 +1,799 @@
+//! The kernel side of the datapath: the embedded object, its maps, attachment and pins.
+//!
+//! Pin layout under `pin_dir` (on a bpffs; `/sys/fs/bpf` is mounted if it is not one yet):
+//! `maps/<MAP>` for every map (adopted on start: entries and counters survive restarts),
+//! `links/<ifname>` for TCX links (the program stays attached while the agent is down), and an
+//! empty directory `netlink/<ifname>` marking a netlink (clsact) attachment, which outlives the
+//! process by itself. Without a `pin_dir` nothing is pinned and everything goes with the value.
+use std::{
+    borrow::Cow,
+    collections::BTreeMap,
+    ffi::CString,
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, LpmTrie, MapData, MapError, PerCpuArray, PerCpuValues},
+    programs::{
+        LinkOrder, SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttach, TcHandle},
+    },
+    util::KernelVersion,
+};
+use ipnet::IpNet;
+use kilo_common::{
+    CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK, DEFAULT_MARK_MASK,
+    DEFAULT_MAX_ENTRIES, Decision, EntryValue, LpmData, MAP_CONFIG, MAP_DECISIONS,
+    MAP_ENTRY_COUNTERS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_L2, PROG_L3, PROG_NOOP,
+};
+
+use super::{
+    DatapathError, Role, keys,
+    nft::{self, MasqueradeRule},
+    sync::{self, Counters, DatapathMaps, Resolver},
+};
+use crate::{plan::DatapathPlan, reconcile::Writes};
+
+/// The `kilo-ebpf` object, built by build.rs.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+/// Priority and handle of the netlink (clsact) filter, fixed so a restart can replace it.
+const NL_PRIORITY: u16 = 1107;
+const NL_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// How programs are attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttachMode {
+    /// TCX on kernels >= 6.6, netlink (clsact) below.
+    #[default]
+    Auto,
+    Tcx,
+    Netlink,
+}
+
+/// Whether an interface's packets start with an Ethernet header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Ethernet (veth, bridge, NIC): the `kilo_ingress` program.
+    L2,
+    /// Raw IP (WireGuard, TUN, IP tunnels): the `kilo_ingress_l3` program.
+    L3,
+}
+
+impl Framing {
+    const fn program(self) -> &'static str {
+        match self {
+            Framing::L2 => PROG_L2,
+            Framing::L3 => PROG_L3,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DatapathConfig {
+    /// Where maps and links are pinned (e.g. `/sys/fs/bpf/kilo`); `None` pins nothing.
+    pub pin_dir: Option<PathBuf>,
+    pub attach: AttachMode,
+    /// Mark bits set on packets to masquerade, under `mask`.
+    pub mark: u32,
+    pub mask: u32,
+    /// Redirect mesh traffic straight to its egress (bypasses netfilter's FORWARD chain).
+    pub fast_path: bool,
+    /// Capacity of each LPM trie.
+    pub max_entries: u32,
+    /// Per-entry counter slots.
+    pub counter_slots: u32,
+    /// The private nftables table (family inet) holding the masquerade rule.
+    pub nft_table: String,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        DatapathConfig {
+            pin_dir: Some(PathBuf::from("/sys/fs/bpf/kilo")),
+            attach: AttachMode::Auto,
+            mark: DEFAULT_MARK,
+            mask: DEFAULT_MARK_MASK,
+            fast_path: false,
+            max_entries: DEFAULT_MAX_ENTRIES,
+            counter_slots: DEFAULT_COUNTER_SLOTS,
+            nft_table: "kilo".into(),
+        }
+    }
+}
+
+impl DatapathConfig {
+    fn validate(&self) -> Result<(), DatapathError> {
+        if self.mark == 0 || self.mark & !self.mask != 0 {
+            return Err(DatapathError::Config(format!(
+                "mark {:#x} must be non-zero and inside mask {:#x}",
+                self.mark, self.mask
+            )));
+        }
+        if self.max_entries == 0 || self.counter_slots == 0 {
+            return Err(DatapathError::Config(
+                "max_entries and counter_slots must be non-zero".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The value of the program's config map.
+    pub fn map_config(&self) -> Config {
+        Config {
+            mark: self.mark,
+            mask: self.mask,
+            flags: if self.fast_path { CONFIG_FAST_PATH } else { 0 },
+            _reserved: 0,
+        }
+    }
+}
+
+/// The program's maps, opened from the loaded object.
+pub struct KernelMaps {
+    mesh: LpmTrie<MapData, LpmData, EntryValue>,
+    nat_src: LpmTrie<MapData, LpmData, EntryValue>,
+    masq_dst: LpmTrie<MapData, LpmData, EntryValue>,
+    config: Array<MapData, Config>,
+    decisions: PerCpuArray<MapData, Counter>,
+    entry_counters: PerCpuArray<MapData, Counter>,
+    capacity: usize,
+    nr_cpus: usize,
+}
+
+impl KernelMaps {
+    fn take(ebpf: &mut Ebpf, capacity: u32) -> Result<Self, DatapathError> {
+        fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
+            ebpf: &mut Ebpf,
+            name: &'static str,
+        ) -> Result<T, DatapathError> {
+            let map = ebpf
+                .take_map(name)
+                .ok_or_else(|| DatapathError::Config(format!("object has no map {name}")))?;
+            T::try_from(map).map_err(|e| DatapathError::map(name, e))
+        }
+        let nr_cpus = aya::util::nr_cpus()
+            .map_err(|(path, source)| DatapathError::Io {
+                path: path.into(),
+                source,
+            })?
+            .get() as usize;
+        Ok(KernelMaps {
+            mesh: take(ebpf, MAP_MESH)?,
+            nat_src: take(ebpf, MAP_NAT_SRC)?,
+            masq_dst: take(ebpf, MAP_MASQ_DST)?,
+            config: take(ebpf, MAP_CONFIG)?,
+            decisions: take(ebpf, MAP_DECISIONS)?,
+            entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
+            capacity: capacity as usize,
+            nr_cpus,
+        })
+    }
+
+    fn trie(&self, role: Role) -> &LpmTrie<MapData, LpmData, EntryValue> {
+        match role {
+            Role::Mesh => &self.mesh,
+            Role::NatSource => &self.nat_src,
+            Role::MasqueradeDestination => &self.masq_dst,
+        }
+    }
+
+    fn trie_mut(&mut self, role: Role) -> &mut LpmTrie<MapData, LpmData, EntryValue> {
+        match role {
+            Role::Mesh => &mut self.mesh,
+            Role::NatSource => &mut self.nat_src,
+            Role::MasqueradeDestination => &mut self.masq_dst,
+        }
+    }
+
+    /// Sets one per-CPU counter slot on every CPU (tests, benchmarks).
+    fn zeroes(&self) -> PerCpuValues<Counter> {
+        PerCpuValues::try_from(vec![Counter::default(); self.nr_cpus]).expect("nr_cpus > 0")
+    }
+}
+
+fn errno(e: &MapError) -> Option<i32> {
+    match e {
+        MapError::SyscallError(s) => s.io_error.raw_os_error(),
+        _ => None,
+    }
+}
+
+fn sum(values: &PerCpuValues<Counter>) -> Counter {
+    values.iter().fold(Counter::default(), |a, c| Counter {
+        packets: a.packets + c.packets,
+        bytes: a.bytes + c.bytes,
+    })
+}
+
+impl DatapathMaps for KernelMaps {
+    fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
+        let name = role.map_name();
+        let mut out = Vec::new();
+        for item in self.trie(role).iter() {
+            let (key, value) = match item {
+                Ok(kv) => kv,
+                // Deleted between get_next_key and lookup: skip.
+                Err(MapError::KeyNotFound) => continue,
+                Err(e) => return Err(DatapathError::map(name, e)),
+            };
+            let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
+                name,
+                prefix_len: key.prefix_len(),
+                family: key.data().family,
+            })?;
+            out.push((net, value));
+        }
+        Ok(out)
+    }
+
+    fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
+        let capacity = self.capacity;
+        let name = role.map_name();
+        self.trie_mut(role)
+            .insert(&keys::lpm_key(&net), value, 0)
+            .map_err(|e| match errno(&e) {
+                Some(libc::ENOSPC) | Some(libc::E2BIG) => DatapathError::Full { name, capacity },
+                _ => DatapathError::map(name, e),
+            })
+    }
+
+    fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
+        let name = role.map_name();
+        match self.trie_mut(role).remove(&keys::lpm_key(&net)) {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
+            Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(DatapathError::map(name, e)),
+        }
+    }
+
+    fn counter_slots(&self) -> u32 {
+        self.entry_counters.len()
+    }
+
+    fn entry_counter(&self, slot: u32) -> Result<Counter, DatapathError> {
+        self.entry_counters
+            .get(&slot, 0)
+            .map(|v| sum(&v))
+            .map_err(|e| DatapathError::map(MAP_ENTRY_COUNTERS, e))
+    }
+
+    fn reset_entry_counter(&mut self, slot: u32) -> Result<(), DatapathError> {
+        let zero = self.zeroes();
+        self.entry_counters
+            .set(slot, zero, 0)
+            .map_err(|e| DatapathError::map(MAP_ENTRY_COUNTERS, e))
+    }
+
+    fn decision_counters(&self) -> Result<Vec<Counter>, DatapathError> {
+        (0..Decision::COUNT)
+            .map(|i| {
+                self.decisions
+                    .get(&i, 0)
+                    .map(|v| sum(&v))
+                    .map_err(|e| DatapathError::map(MAP_DECISIONS, e))
+            })
+            .collect()
+    }
+
+    fn config(&self) -> Result<Config, DatapathError> {
+        self.config
+            .get(&0, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+    }
+
+    fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
+        self.config
+            .set(0, config, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+    }
+}
+
+/// An attachment this process holds (only without pins; pinned ones live on their own).
+enum Held {
+    Link(#[allow(dead_code)] SchedClassifierLink),
+}
+
+/// The loaded datapath. Dropping it without [`Datapath::cleanup`] leaves pinned maps and links
+/// (and netlink filters) working; a later [`Datapath::open`] with the same `pin_dir` adopts them.
+pub struct Datapath {
+    config: DatapathConfig,
+    ebpf: Ebpf,
+    maps: KernelMaps,
+    held: BTreeMap<String, Held>,
+}
+
+impl Datapath {
+    /// Loads the object (adopting pinned maps), loads the programs, and writes the config map
+    /// if it differs. Attaches nothing: see [`Datapath::attach`].
+    pub fn open(config: DatapathConfig) -> Result<Self, DatapathError> {
+        let (datapath, _) = Self::open_counted(config)?;
+        Ok(datapath)
+    }
+
+    /// Like [`Datapath::open`], also returning the writes (the config map).
+    pub fn open_counted(config: DatapathConfig) -> Result<(Self, Writes), DatapathError> {
+        config.validate()?;
+        let mut loader = EbpfLoader::new();
+        for role in Role::ALL {
+            loader.map_max_entries(role.map_name(), config.max_entries);
+        }
+        loader.map_max_entries(MAP_ENTRY_COUNTERS, config.counter_slots);
+        if let Some(dir) = &config.pin_dir {
+            let maps = dir.join("maps");
+            ensure_bpffs(dir)?;
+            fs::create_dir_all(&maps).map_err(|source| DatapathError::Io {
+                path: maps.clone(),
+                source,
+            })?;
+            for name in [
+                MAP_MESH,
+                MAP_NAT_SRC,
+                MAP_MASQ_DST,
+                MAP_CONFIG,
+                MAP_DECISIONS,
+                MAP_ENTRY_COUNTERS,
+            ] {
+                loader.map_pin_path(name, Cow::Owned(maps.join(name)));
+            }
+        }
+        let mut ebpf = loader.load(OBJECT).map_err(Box::new)?;
+        for name in [PROG_L2, PROG_L3, PROG_NOOP] {
+            program_mut(&mut ebpf, name)?
+                .load()
+                .map_err(|e| DatapathError::program(name, e))?;
+        }
+        let mut maps = KernelMaps::take(&mut ebpf, config.max_entries)?;
+        let mut writes = Writes::default();
+        let want = config.map_config();
+        if maps.config()? != want {
+            maps.set_config(&want)?;
+            writes.add("map_config", 1);
+        }
+        Ok((
+            Datapath {
+                config,
+                ebpf,
+                maps,
+                held: BTreeMap::new(),
+            },
+            writes,
+        ))
+    }
+
+    pub fn config(&self) -> &DatapathConfig {
+        &self.config
+    }
+
+    /// The maps, for reading counters or (in tests) writing raw entries.
+    pub fn maps(&mut self) -> &mut KernelMaps {
+        &mut self.maps
+    }
+
+    /// A loaded program (for `BPF_PROG_TEST_RUN`).
+    pub fn program(&self, framing: Framing) -> &SchedClassifier {
+        self.program_named(framing.program())
+    }
+
+    /// The empty program (benchmark baseline).
+    pub fn noop_program(&self) -> &SchedClassifier {
+        self.program_named(PROG_NOOP)
+    }
+
+    fn program_named(&self, name: &str) -> &SchedClassifier {
+        self.ebpf
+            .program(name)
+            .and_then(|p| <&SchedClassifier>::try_from(p).ok())
+            .expect("programs are loaded in open")
+    }
+
+    /// Makes the maps equal to `plan` (see [`sync::sync_maps`]).
+    pub fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        resolver: &dyn Resolver,
+    ) -> Result<Writes, DatapathError> {
+        sync::sync_maps(&mut self.maps, plan, resolver)
+    }
+
+    pub fn counters(&self) -> Result<Counters, DatapathError> {
+        sync::read_counters(&self.maps)
+    }
+
+    /// The masquerade rule for this config's mark.
+    pub fn masquerade_rule(&self) -> MasqueradeRule {
+        MasqueradeRule {
+            table: self.config.nft_table.clone(),
+            mark: self.config.mark,
+            mask: self.config.mask,
+        }
+    }
+
+    /// Installs the static masquerade rule (in the calling thread's network namespace) unless it
+    /// is there already.
+    pub fn ensure_masquerade(&self) -> Result<Writes, DatapathError> {
+        Ok(nft::ensure_masquerade(&self.masquerade_rule())?)
+    }
+
+    /// Turns the fast path on or off (one config write, none if unchanged).
+    pub fn set_fast_path(&mut self, on: bool) -> Result<Writes, DatapathError> {
+        self.config.fast_path = on;
+        let want = self.config.map_config();
+        let mut writes = Writes::default();
+        if self.maps.config()? != want {
+            self.maps.set_config(&want)?;
+            writes.add("map_config", 1);
+        }
+        Ok(writes)
+    }
+
+    fn mode(&self) -> AttachMode {
+        match self.config.attach {
+            AttachMode::Auto => match KernelVersion::current() {
+                Ok(v) if v >= KernelVersion::new(6, 6, 0) => AttachMode::Tcx,
+                _ => AttachMode::Netlink,
+            },
+            m => m,
+        }
+    }
+
+    /// Attaches at ingress of `ifname` (in the calling thread's network namespace), choosing
+    /// the program by the device's framing. Idempotent: an attachment pinned by an earlier run is
+    /// adopted (and moved to this run's program, atomically, only if the program differs).
+    pub fn attach(&mut self, ifname: &str) -> Result<Writes, DatapathError> {
+        let ifindex = ifindex(ifname)?;
+        let framing = framing(ifname)?;
+        let prog_name = framing.program();
+        let mode = self.mode();
+        let pin_dir = self.config.pin_dir.clone();
+        let link_err = |e: Box<dyn std::error::Error + Send + Sync>| DatapathError::Link {
+            name: ifname.to_owned(),
+            source: e,
+        };
+        let mut writes = Writes::default();
+        let prog = program_mut(&mut self.ebpf, prog_name)?;
+        match mode {
+            AttachMode::Tcx | AttachMode::Auto => {
+                let pin = pin_dir.as_ref().map(|d| d.join("links").join(ifname));
+                if let Some(pin) = &pin
+                    && pin.exists()
+                {
+                    let pinned = PinnedLink::from_pin(pin).map_err(|e| link_err(Box::new(e)))?;
+                    let link = FdLink::from(pinned);
+                    let prog_id = link.info().map_err(|e| link_err(Box::new(e)))?.program_id();
+                    let (_, attached) = SchedClassifier::query_tcx(ifindex, TcAttachType::Ingress)
+                        .map_err(|e| link_err(Box::new(e)))?;
+                    match attached.iter().find(|p| p.id() == prog_id) {
+                        Some(running) => {
+                            let ours = prog.info().map_err(|e| link_err(Box::new(e)))?;
+                            if running.tag() != ours.tag() {
+                                let link = SchedClassifierLink::try_from(link)
+                                    .map_err(|e| link_err(Box::new(e)))?;
+                                let id = prog
+                                    .attach_to_link(link)
+                                    .map_err(|e| DatapathError::program(prog_name, e))?;
+                                // Still pinned: dropping our handle keeps the link.
+                                drop(prog.take_link(id));
+                                writes.add("link_update", 1);
+                            }
+                            return Ok(writes);
+                        }
+                        None => {
+                            // A link of a device that is gone (or was recreated): replace it.
+                            tracing::info!(ifname, "datapath: stale link pin, attaching anew");
+                            fs::remove_file(pin).map_err(|source| DatapathError::Io {
+                                path: pin.clone(),
+                                source,
+                            })?;
+                        }
+                    }
+                }
+                let id = prog
+                    .attach(
+                        ifindex,
+                        TcAttach::Tcx {
+                            attach_type: TcAttachType::Ingress,
+                            order: LinkOrder::default(),
+                        },
+                    )
+                    .map_err(|e| DatapathError::program(prog_name, e))?;
+                let link = prog
+                    .take_link(id)
+                    .map_err(|e| DatapathError::program(prog_name, e))?;
+                writes.add("link_attach", 1);
+                match pin {
+                    Some(pin) => {
+                        let dir = pin.parent().expect("links dir");
+                        fs::create_dir_all(dir).map_err(|source| DatapathError::Io {
+                            path: dir.to_owned(),
+                            source,
+                        })?;
+                        let fd = FdLink::try_from(link).map_err(|e| link_err(Box::new(e)))?;
+                        fd.pin(&pin).map_err(|e| link_err(Box::new(e)))?;
+                    }
+                    None => {
+                        self.held.insert(ifname.to_owned(), Held::Link(link));
+                    }
+                }
+            }
+            AttachMode::Netlink => {
+                // EEXIST when the qdisc is there already; any real problem fails the attach.
+                let _ = tc::qdisc_add_clsact(ifindex);
+                let existing = SchedClassifierLink::attached(
+                    ifindex,
+                    TcAttachType::Ingress.into(),
+                    NL_PRIORITY,
+                    NL_HANDLE,
+                    None,
+                )
+                .map_err(|e| link_err(Box::new(e)))?;
+                let id = match prog.attach_to_link(existing) {
+                    Ok(id) => {
+                        writes.add("link_update", 1);
+                        id
+                    }
+                    Err(_) => {
+                        let id = prog
+                            .attach(
+                                ifindex,
+                                TcAttach::Netlink {
+                                    parent: TcAttachType::Ingress.into(),
+                                    options: NlOptions {
+                                        priority: NL_PRIORITY,
+                                        handle: NL_HANDLE,
+                                        classid: None,
+                                    },
+                                },
+                            )
+                            .map_err(|e| DatapathError::program(prog_name, e))?;
+                        writes.add("link_attach", 1);
+                        id
+                    }
+                };
+                let link = prog
+                    .take_link(id)
+                    .map_err(|e| DatapathError::program(prog_name, e))?;
+                match pin_dir {
+                    Some(dir) => {
+                        // The filter outlives us by itself; remember it for clean-up.
+                        let marker = dir.join("netlink").join(ifname);
+                        fs::create_dir_all(&marker).map_err(|source| DatapathError::Io {
+                            path: marker,
+                            source,
+                        })?;
+                        std::mem::forget(link);
+                    }
+                    None => {
+                        self.held.insert(ifname.to_owned(), Held::Link(link));
+                    }
+                }
+            }
+        }
+        Ok(writes)
+    }
+
+    /// Detaches from `ifname` and removes its pin.
+    pub fn detach(&mut self, ifname: &str) -> Result<Writes, DatapathError> {
+        let mut writes = Writes::default();
+        if self.held.remove(ifname).is_some() {
+            writes.add("link_detach", 1);
+        }
+        if let Some(dir) = self.config.pin_dir.clone() {
+            writes += detach_pinned(&dir, ifname)?;
+        }
+        Ok(writes)
+    }
+
+    /// Detaches from every interface, removes every pin and the pin directory, and deletes the
+    /// nftables table (in the calling thread's network namespace). Consumes the datapath.
+    pub fn cleanup(mut self) -> Result<Writes, DatapathError> {
+        let mut writes = nft::remove_masquerade(&self.config.nft_table)?;
+        let held: Vec<String> = self.held.keys().cloned().collect();
+        for ifname in held {
+            writes += self.detach(&ifname)?;
+        }
+        let Some(dir) = self.config.pin_dir.clone() else {
+            return Ok(writes);
+        };
+        for sub in ["links", "netlink"] {
+            for ifname in list_dir(&dir.join(sub))? {
+                writes += detach_pinned(&dir, &ifname)?;
+            }
+        }
+        for name in list_dir(&dir.join("maps"))? {
+            let path = dir.join("maps").join(&name);
+            fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+            writes.add("pin_remove", 1);
+        }
+        drop(self);
+        for sub in ["links", "netlink", "maps", ""] {
+            let path = dir.join(sub);
+            match fs::remove_dir(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => return Err(DatapathError::Io { path, source }),
+            }
+        }
+        Ok(writes)
+    }
+}
+
+fn program_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, DatapathError> {
+    let prog = ebpf
+        .program_mut(name)
+        .ok_or_else(|| DatapathError::Config(format!("object has no program {name}")))?;
+    prog.try_into().map_err(|e| DatapathError::program(name, e))
+}
+
+fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {
+    match fs::read_dir(dir) {
+        Ok(rd) => Ok(rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(source) => Err(DatapathError::Io {
+            path: dir.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Detaches the pinned TCX link or the marked netlink filter of `ifname`.
+fn detach_pinned(dir: &Path, ifname: &str) -> Result<Writes, DatapathError> {
+    let mut writes = Writes::default();
+    let pin = dir.join("links").join(ifname);
+    if pin.exists() {
+        let link = PinnedLink::from_pin(&pin).map_err(|e| DatapathError::Link {
+            name: ifname.to_owned(),
+            source: Box::new(e),
+        })?;
+        // Unpinned and dropped: the last reference goes and the link detaches.
+        let link = link.unpin().map_err(|source| DatapathError::Io {
+            path: pin.clone(),
+            source,
+        })?;
+        drop(link);
+        writes.add("link_detach", 1);
+    }
+    let marker = dir.join("netlink").join(ifname);
+    if marker.exists() {
+        // The interface may be gone already (and its filter with it).
+        if let Ok(link) = SchedClassifierLink::attached(
+            ifname_cstr(ifname)?.as_c_str(),
+            TcAttachType::Ingress.into(),
+            NL_PRIORITY,
+            NL_HANDLE,
+            None,
+        ) {
+            use aya::programs::Link as _;
+            if link.detach().is_ok() {
+                writes.add("link_detach", 1);
+            }
+        }
+        fs::remove_dir(&marker).map_err(|source| DatapathError::Io {
+            path: marker,
+            source,
+        })?;
+    }
+    Ok(writes)
+}
+
+fn ifname_cstr(ifname: &str) -> Result<CString, DatapathError> {
+    CString::new(ifname).map_err(|_| DatapathError::Interface {
+        name: ifname.to_owned(),
+        reason: "name contains a NUL byte".into(),
+    })
+}
+
+/// The index of `ifname` in the calling thread's network namespace.
+pub fn ifindex(ifname: &str) -> Result<u32, DatapathError> {
+    let c = ifname_cstr(ifname)?;
+    // SAFETY: a valid C string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 {
+        return Err(DatapathError::Interface {
+            name: ifname.to_owned(),
+            reason: format!("not found: {}", io::Error::last_os_error()),
+        });
+    }
+    Ok(idx)
+}
+
+/// Ethernet or raw IP, from the device's hardware type (SIOCGIFHWADDR, namespace-aware).
+pub fn framing(ifname: &str) -> Result<Framing, DatapathError> {
+    let err = |reason: String| DatapathError::Interface {
+        name: ifname.to_owned(),
+        reason,
+    };
+    if ifname.len() >= libc::IFNAMSIZ {
+        return Err(err("name too long".into()));
+    }
+    // SAFETY: plain socket/ioctl on a zeroed ifreq whose name is NUL-terminated.
+    let family = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(err(format!("socket: {}", io::Error::last_os_error())));
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (d, s) in ifr.ifr_name.iter_mut().zip(ifname.bytes()) {
+            *d = s as libc::c_char;
+        }
+        let rc = libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr);
+        let e = io::Error::last_os_error();
+        libc::close(fd);
+        if rc < 0 {
+            return Err(err(format!("SIOCGIFHWADDR: {e}")));
+        }
+        ifr.ifr_ifru.ifru_hwaddr.sa_family
+    };
+    match family {
+        libc::ARPHRD_ETHER | libc::ARPHRD_LOOPBACK => Ok(Framing::L2),
+        libc::ARPHRD_NONE
+        | libc::ARPHRD_TUNNEL
+        | libc::ARPHRD_TUNNEL6
+        | libc::ARPHRD_IPGRE
+        | libc::ARPHRD_SIT
+        | 519 /* ARPHRD_RAWIP */ => Ok(Framing::L3),
+        other => Err(err(format!("unsupported link type {other}"))),
+    }
+}
+
+/// Makes sure `dir` can hold pins: mounts bpffs on `/sys/fs/bpf` when `dir` is under it and
+/// nothing is mounted there yet; otherwise `dir` must already be on a bpffs.
+fn ensure_bpffs(dir: &Path) -> Result<(), DatapathError> {
+    let root = Path::new("/sys/fs/bpf");
+    if dir.starts_with(root) && !is_bpffs(root) {
+        let src = CString::new("bpf").expect("no NUL");
+        let target = CString::new("/sys/fs/bpf").expect("no NUL");
+        // SAFETY: valid C strings; no data argument.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                src.as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
+        if rc != 0 {
+            return Err(DatapathError::Io {
+                path: root.to_owned(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        tracing::info!("datapath: mounted bpffs on /sys/fs/bpf");
+    }
+    // The nearest existing ancestor must be on bpffs.
+    let mut probe = dir;
+    while !probe.exists() {
+        probe = probe.parent().unwrap_or(Path::new("/"));
+    }
+    if !is_bpffs(probe) {
+        return Err(DatapathError::Config(format!(
+            "pin directory {} is not on a bpf filesystem",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt as _;
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: a zeroed statfs filled by the kernel.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC
+    }
+}

@@ -1,0 +1,204 @@
+//! Conversions between plan entries and map keys/values (pure).
+use std::net::IpAddr;
+
+use aya::maps::lpm_trie::Key;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use kilo_common::{
+    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4, FAMILY_V6,
+    LpmData,
+};
+
+use super::sync::Resolver;
+use crate::plan::{DatapathEntry, Device, EntryKind, NextHop};
+
+/// The LPM key of a CIDR (host bits cleared): the family takes the first 32 bits.
+pub fn lpm_key(net: &IpNet) -> Key<LpmData> {
+    let net = net.trunc();
+    let mut addr = [0u8; 16];
+    let family = match net {
+        IpNet::V4(n) => {
+            addr[..4].copy_from_slice(&n.addr().octets());
+            FAMILY_V4
+        }
+        IpNet::V6(n) => {
+            addr.copy_from_slice(&n.addr().octets());
+            FAMILY_V6
+        }
+    };
+    Key::new(
+        FAMILY_BITS + u32::from(net.prefix_len()),
+        LpmData { family, addr },
+    )
+}
+
+/// The CIDR of a key read back from a map, if it is one this module writes.
+pub fn net_from_key(key: &Key<LpmData>) -> Option<IpNet> {
+    let data = key.data();
+    let bits = key.prefix_len().checked_sub(FAMILY_BITS)?;
+    match data.family {
+        FAMILY_V4 if bits <= 32 => {
+            let a: [u8; 4] = data.addr[..4].try_into().ok()?;
+            Ipv4Net::new(a.into(), bits as u8).ok().map(IpNet::V4)
+        }
+        FAMILY_V6 if bits <= 128 => Ipv6Net::new(data.addr.into(), bits as u8)
+            .ok()
+            .map(IpNet::V6),
+        _ => None,
+    }
+}
+
+/// `EntryValue::kind` codes (a metrics label, not read by the program).
+pub const fn kind_code(kind: EntryKind) -> u32 {
+    match kind {
+        EntryKind::Node => 1,
+        EntryKind::WireGuardIp => 2,
+        EntryKind::Peer => 3,
+        EntryKind::Service => 4,
+        EntryKind::LocalPods => 5,
+        EntryKind::AllowedLocation => 6,
+    }
+}
+
+pub const fn kind_from_code(code: u32) -> Option<EntryKind> {
+    Some(match code {
+        1 => EntryKind::Node,
+        2 => EntryKind::WireGuardIp,
+        3 => EntryKind::Peer,
+        4 => EntryKind::Service,
+        5 => EntryKind::LocalPods,
+        6 => EntryKind::AllowedLocation,
+        _ => return None,
+    })
+}
+
+/// The map value of a plan entry with counter slot `counter`. A next hop whose device the
+/// resolver does not know gives an entry without a fast-path egress.
+pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver) -> EntryValue {
+    let mut value = EntryValue {
+        counter,
+        flags: 0,
+        kind: kind_code(entry.kind),
+        ifindex: 0,
+        nh_family: 0,
+        nh_addr: [0; 16],
+    };
+    if entry.kind == EntryKind::Service {
+        value.flags |= ENTRY_SERVICE;
+    }
+    match entry.next_hop {
+        Some(NextHop::WireGuard) => {
+            if let Some(ifindex) = resolver.ifindex(Device::WireGuard) {
+                value.flags |= ENTRY_REDIRECT;
+                value.ifindex = ifindex;
+            }
+        }
+        Some(NextHop::Gateway { address, device }) => {
+            if let Some(ifindex) = resolver.ifindex(device) {
+                value.flags |= ENTRY_REDIRECT | ENTRY_NEIGH;
+                value.ifindex = ifindex;
+                match address {
+                    IpAddr::V4(a) => {
+                        value.nh_family = FAMILY_V4;
+                        value.nh_addr[..4].copy_from_slice(&a.octets());
+                    }
+                    IpAddr::V6(a) => {
+                        value.nh_family = FAMILY_V6;
+                        value.nh_addr = a.octets();
+                    }
+                }
+            }
+        }
+        None => {}
+    }
+    value
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_and_carry_the_family() {
+        for s in [
+            "10.0.0.0/8",
+            "0.0.0.0/0",
+            "192.168.1.7/32",
+            "fd00::/8",
+            "::/0",
+            "2001:db8::1/128",
+        ] {
+            let net: IpNet = s.parse().unwrap();
+            let key = lpm_key(&net);
+            assert_eq!(net_from_key(&key), Some(net), "{s}");
+        }
+        let v4 = lpm_key(&"0.0.0.0/0".parse().unwrap());
+        let v6 = lpm_key(&"::/0".parse().unwrap());
+        assert_eq!(v4.prefix_len(), 32);
+        assert_ne!(v4.data().family, v6.data().family);
+        // Host bits are cleared.
+        let k = lpm_key(&"10.1.2.3/16".parse().unwrap());
+        assert_eq!(net_from_key(&k), Some("10.1.0.0/16".parse().unwrap()));
+    }
+
+    #[test]
+    fn bad_keys_are_rejected() {
+        let k = Key::new(
+            31,
+            LpmData {
+                family: FAMILY_V4,
+                addr: [0; 16],
+            },
+        );
+        assert_eq!(net_from_key(&k), None);
+        let k = Key::new(
+            FAMILY_BITS + 33,
+            LpmData {
+                family: FAMILY_V4,
+                addr: [0; 16],
+            },
+        );
+        assert_eq!(net_from_key(&k), None);
+        let k = Key::new(
+            FAMILY_BITS,
+            LpmData {
+                family: 7,
+                addr: [0; 16],
+            },
+        );
+        assert_eq!(net_from_key(&k), None);
+    }
+
+    #[test]
+    fn next_hops_resolve_to_egress() {
+        let resolver = |d: Device| match d {
+            Device::WireGuard => Some(7),
+            Device::Private => Some(3),
+            Device::Tunnel => None,
+        };
+        let mut e = DatapathEntry {
+            kind: EntryKind::Node,
+            owner: "a".into(),
+            next_hop: Some(NextHop::WireGuard),
+        };
+        let v = entry_value(&e, 5, &resolver);
+        assert_eq!((v.counter, v.flags, v.ifindex), (5, ENTRY_REDIRECT, 7));
+        e.next_hop = Some(NextHop::Gateway {
+            address: "10.0.0.1".parse().unwrap(),
+            device: Device::Private,
+        });
+        let v = entry_value(&e, 5, &resolver);
+        assert_eq!(v.flags, ENTRY_REDIRECT | ENTRY_NEIGH);
+        assert_eq!(
+            (v.ifindex, v.nh_family, &v.nh_addr[..4]),
+            (3, FAMILY_V4, &[10, 0, 0, 1][..])
+        );
+        e.next_hop = Some(NextHop::Gateway {
+            address: "10.0.0.1".parse().unwrap(),
+            device: Device::Tunnel,
+        });
+        assert_eq!(entry_value(&e, 5, &resolver).flags, 0);
+        e.kind = EntryKind::Service;
+        e.next_hop = None;
+        assert_eq!(entry_value(&e, 5, &resolver).flags, ENTRY_SERVICE);
+    }
+}

@@ -1,0 +1,381 @@
+//! The datapath in network namespaces: pod -> node (program on the pod-facing veth, the nft
+//! rule, ip_forward) -> a mesh receiver and a non-mesh host. Checks masquerading by the source
+//! address each receiver sees, counters, idempotent syncs, survival without the agent, adoption
+//! by a new loader, clean-up, netlink attachment, and the opt-in fast path.
+mod support;
+
+use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
+
+use ipnet::IpNet;
+use kilo_agent::{
+    datapath::{
+        AttachMode, Datapath, DatapathConfig, Decision, NoResolver, Role,
+        nft::{self, MasqueradeRule},
+    },
+    plan::{DatapathEntry, DatapathPlan, Device, EntryKind, NextHop},
+};
+use support::{
+    bpffs::{BpfFs, udp_source},
+    netns::{NetNs, veth},
+};
+
+struct Lab {
+    pod: NetNs,
+    node: NetNs,
+    mesh: NetNs,
+    inet: NetNs,
+}
+
+const POD: &str = "10.10.1.2";
+const NODE_INET: &str = "192.0.2.1";
+const MESH_HOST: &str = "10.20.0.2";
+const INET_HOST: &str = "192.0.2.2";
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+impl Lab {
+    fn new() -> Self {
+        let lab = Lab {
+            pod: NetNs::new("pod"),
+            node: NetNs::new("node"),
+            mesh: NetNs::new("mesh"),
+            inet: NetNs::new("inet"),
+        };
+        veth(&lab.pod, "eth0", &lab.node, "pod0");
+        veth(&lab.node, "mesh0", &lab.mesh, "eth0");
+        veth(&lab.node, "inet0", &lab.inet, "eth0");
+        lab.pod
+            .sh("ip addr add 10.10.1.2/24 dev eth0 && ip route add default via 10.10.1.1");
+        lab.node.sh(
+            "ip addr add 10.10.1.1/24 dev pod0 && ip addr add 10.20.0.1/24 dev mesh0 && \
+             ip addr add 192.0.2.1/24 dev inet0 && sysctl -qw net.ipv4.ip_forward=1 && \
+             ip route add 10.96.0.0/24 via 10.20.0.2",
+        );
+        lab.mesh.sh(
+            "ip addr add 10.20.0.2/24 dev eth0 && ip route add 10.10.1.0/24 via 10.20.0.1 && \
+             ip addr add 10.96.0.10/32 dev lo",
+        );
+        lab.inet.sh("ip addr add 192.0.2.2/24 dev eth0");
+        lab
+    }
+
+    /// The source address the mesh host and the internet host see for the pod's traffic.
+    fn sources(&self, port: u16) -> (Option<IpAddr>, Option<IpAddr>) {
+        (
+            udp_source(&self.pod, &self.mesh, ip(MESH_HOST), port),
+            udp_source(&self.pod, &self.inet, ip(INET_HOST), port + 1),
+        )
+    }
+}
+
+fn entry(kind: EntryKind, next_hop: Option<NextHop>) -> DatapathEntry {
+    DatapathEntry {
+        kind,
+        owner: format!("{kind:?}"),
+        next_hop,
+    }
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+fn plan(next_hop: Option<NextHop>) -> DatapathPlan {
+    DatapathPlan {
+        mesh_destinations: BTreeMap::from([
+            (net("10.20.0.0/24"), entry(EntryKind::Node, next_hop)),
+            (net("10.10.1.0/24"), entry(EntryKind::Node, None)),
+            (net("10.96.0.0/24"), entry(EntryKind::Service, next_hop)),
+        ]),
+        nat_sources: BTreeMap::from([(net("10.10.1.0/24"), entry(EntryKind::LocalPods, None))]),
+        masquerade_destinations: BTreeMap::new(),
+    }
+}
+
+fn config(pin_dir: PathBuf, attach: AttachMode) -> DatapathConfig {
+    DatapathConfig {
+        pin_dir: Some(pin_dir),
+        attach,
+        ..Default::default()
+    }
+}
+
+/// Opens, attaches to pod0, installs the rule and syncs, in the node namespace.
+fn start(lab: &Lab, cfg: DatapathConfig) -> (Datapath, u64) {
+    lab.node.run(move || {
+        let (mut dp, mut writes) = Datapath::open_counted(cfg).expect("open");
+        writes += dp.attach("pod0").expect("attach");
+        writes += dp.ensure_masquerade().expect("nft");
+        writes += dp.sync(&plan(None), &NoResolver).expect("sync");
+        let total = writes.total();
+        (dp, total)
+    })
+}
+
+fn pins(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for sub in ["maps", "links", "netlink"] {
+        if let Ok(rd) = std::fs::read_dir(dir.join(sub)) {
+            out.extend(rd.map(|e| format!("{sub}/{}", e.unwrap().file_name().to_string_lossy())));
+        }
+    }
+    out.sort();
+    out
+}
+
+fn lifecycle(attach: AttachMode) {
+    let lab = Lab::new();
+    let fs = BpfFs::new();
+    let dir = fs.pin_dir("kilo");
+    // Without the datapath the node forwards the pod's own address everywhere.
+    assert_eq!(lab.sources(7000), (Some(ip(POD)), Some(ip(POD))));
+
+    let (dp, writes) = start(&lab, config(dir.clone(), attach));
+    assert!(writes > 0);
+    let ruleset = lab.node.sh("nft list ruleset");
+    assert!(
+        ruleset.contains("table inet kilo")
+            && ruleset.contains("type nat hook postrouting priority srcnat")
+            && ruleset.contains("meta mark & 0x00001000 == 0x00001000")
+            && ruleset.contains("masquerade"),
+        "{ruleset}"
+    );
+    // The mesh host sees the pod; the internet host sees the node.
+    assert_eq!(lab.sources(7010), (Some(ip(POD)), Some(ip(NODE_INET))));
+    let c = dp.counters().unwrap();
+    assert!(c.decision(Decision::Mesh).packets >= 1, "{c:?}");
+    assert!(c.decision(Decision::Masquerade).packets >= 1, "{c:?}");
+    let mesh_hits = c.entry(Role::Mesh, &net("10.20.0.0/24")).unwrap().packets;
+    let nat_hits = c
+        .entry(Role::NatSource, &net("10.10.1.0/24"))
+        .unwrap()
+        .packets;
+    assert!(mesh_hits >= 1 && nat_hits >= 1, "{c:?}");
+    assert_eq!(
+        c.entry(Role::Mesh, &net("10.96.0.0/24")).unwrap().packets,
+        0
+    );
+
+    // Idempotent: a second pass writes nothing.
+    let dp = lab.node.run(move || {
+        let mut dp = dp;
+        assert!(dp.sync(&plan(None), &NoResolver).unwrap().is_empty());
+        assert!(dp.ensure_masquerade().unwrap().is_empty());
+        assert!(dp.attach("pod0").unwrap().is_empty() || attach == AttachMode::Netlink);
+        dp
+    });
+    assert!(!pins(&dir).is_empty());
+
+    // The agent goes away without cleaning up: traffic gets the same treatment.
+    drop(dp);
+    assert_eq!(lab.sources(7020), (Some(ip(POD)), Some(ip(NODE_INET))));
+
+    // A new loader adopts maps (entries and counters) and links: nothing to write.
+    let cfg = config(dir.clone(), attach);
+    let dp = lab.node.run(move || {
+        let (mut dp, mut writes) = Datapath::open_counted(cfg).expect("reopen");
+        let attach_writes = dp.attach("pod0").expect("adopt");
+        if attach == AttachMode::Netlink {
+            // A netlink filter cannot be compared, only replaced (atomically).
+            assert_eq!(attach_writes.get("link_attach"), 0, "{attach_writes}");
+        } else {
+            writes += attach_writes;
+        }
+        writes += dp.ensure_masquerade().unwrap();
+        writes += dp.sync(&plan(None), &NoResolver).unwrap();
+        assert!(writes.is_empty(), "adoption wrote {writes}");
+        dp
+    });
+    let c = dp.counters().unwrap();
+    assert!(
+        c.entry(Role::Mesh, &net("10.20.0.0/24")).unwrap().packets > mesh_hits,
+        "counters survived and kept counting while the agent was away: {c:?}"
+    );
+    assert_eq!(lab.sources(7030), (Some(ip(POD)), Some(ip(NODE_INET))));
+
+    // Clean-up: no pins, no programs on the device, no table; the pod is no longer masqueraded.
+    let writes = lab.node.run(move || dp.cleanup().expect("cleanup"));
+    assert!(
+        writes.get("nft_table_delete") == 1 && writes.get("link_detach") == 1,
+        "{writes}"
+    );
+    assert!(!dir.exists(), "pin dir left: {:?}", pins(&dir));
+    assert!(!lab.node.sh("nft list ruleset").contains("kilo"));
+    let tc = lab
+        .node
+        .sh("tc filter show dev pod0 ingress; bpftool net show dev pod0");
+    assert!(!tc.contains("kilo_ingress"), "{tc}");
+    assert_eq!(lab.sources(7040), (Some(ip(POD)), Some(ip(POD))));
+}
+
+#[test]
+fn tcx_lifecycle_masquerades_survives_adopts_and_cleans_up() {
+    if !support::require_root("tcx_lifecycle_masquerades_survives_adopts_and_cleans_up") {
+        return;
+    }
+    lifecycle(AttachMode::Tcx);
+}
+
+#[test]
+fn netlink_lifecycle_masquerades_survives_adopts_and_cleans_up() {
+    if !support::require_root("netlink_lifecycle_masquerades_survives_adopts_and_cleans_up") {
+        return;
+    }
+    lifecycle(AttachMode::Netlink);
+}
+
+#[test]
+fn nft_rule_is_idempotent_repaired_and_removed() {
+    if !support::require_root("nft_rule_is_idempotent_repaired_and_removed") {
+        return;
+    }
+    let ns = NetNs::new("nft");
+    let rule = MasqueradeRule::new(0x1000, 0x1000);
+    let r = rule.clone();
+    let w = ns.run(move || nft::ensure_masquerade(&r).unwrap());
+    assert_eq!(w.get("nft_rule"), 1);
+    let listing = ns.sh("nft list table inet kilo");
+    assert!(
+        listing.contains("meta mark & 0x00001000 == 0x00001000 masquerade"),
+        "{listing}"
+    );
+    assert!(
+        listing.contains("comment \"kilo-rs: masquerade mark 0x1000/0x1000\""),
+        "{listing}"
+    );
+    let r = rule.clone();
+    assert!(
+        ns.run(move || nft::ensure_masquerade(&r).unwrap())
+            .is_empty()
+    );
+    // Tampering (an extra rule) is repaired; a different mark replaces the rule.
+    ns.sh("nft add rule inet kilo postrouting counter accept");
+    let r = rule.clone();
+    assert_eq!(
+        ns.run(move || nft::ensure_masquerade(&r).unwrap())
+            .get("nft_rule"),
+        1
+    );
+    assert!(!ns.sh("nft list table inet kilo").contains("accept\n"));
+    let other = MasqueradeRule::new(0x20000, 0x30000);
+    let o = other.clone();
+    assert_eq!(
+        ns.run(move || nft::ensure_masquerade(&o).unwrap())
+            .get("nft_rule"),
+        1
+    );
+    let listing = ns.sh("nft list table inet kilo");
+    assert!(
+        listing.contains("meta mark & 0x00030000 == 0x00020000 masquerade"),
+        "{listing}"
+    );
+    assert_eq!(
+        listing.matches("masquerade").count(),
+        2,
+        "one rule (and its comment): {listing}"
+    );
+    // Removal, twice.
+    assert_eq!(
+        ns.run(|| nft::remove_masquerade("kilo").unwrap())
+            .get("nft_table_delete"),
+        1
+    );
+    assert!(
+        ns.run(|| nft::remove_masquerade("kilo").unwrap())
+            .is_empty()
+    );
+    assert!(!ns.sh("nft list ruleset").contains("kilo"));
+}
+
+#[test]
+fn fast_path_redirects_mesh_past_a_forward_drop_but_not_services() {
+    if !support::require_root("fast_path_redirects_mesh_past_a_forward_drop_but_not_services") {
+        return;
+    }
+    let lab = Lab::new();
+    // A FORWARD policy that drops everything, counting what comes from the pod.
+    lab.node.sh(
+        "nft add table inet testfw && \
+         nft add chain inet testfw fwdrop \"{ type filter hook forward priority 0; policy drop; }\" && \
+         nft add rule inet testfw fwdrop iifname pod0 counter drop",
+    );
+    let dropped = |lab: &Lab| -> u64 {
+        let out = lab.node.sh("nft list chain inet testfw fwdrop");
+        let i = out.find("packets ").expect("counter");
+        out[i + 8..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let hop = Some(NextHop::Gateway {
+        address: ip(MESH_HOST),
+        device: Device::Private,
+    });
+    let mut dp = lab.node.run(move || {
+        let mut dp = Datapath::open(DatapathConfig {
+            pin_dir: None,
+            ..Default::default()
+        })
+        .unwrap();
+        dp.attach("pod0").unwrap();
+        dp.ensure_masquerade().unwrap();
+        let mesh0 = kilo_agent::datapath::ifindex("mesh0").unwrap();
+        let resolver = move |d: Device| (d == Device::Private).then_some(mesh0);
+        dp.sync(&plan(hop), &resolver).unwrap();
+        // A second sync with the same plan and resolver writes nothing.
+        assert!(dp.sync(&plan(hop), &resolver).unwrap().is_empty());
+        dp
+    });
+
+    // Fast path off (the default): FORWARD drops the mesh traffic.
+    let d0 = dropped(&lab);
+    assert_eq!(udp_source(&lab.pod, &lab.mesh, ip(MESH_HOST), 7100), None);
+    assert!(dropped(&lab) > d0);
+
+    // On: mesh traffic is redirected past FORWARD and arrives with the pod's address.
+    assert_eq!(dp.set_fast_path(true).unwrap().get("map_config"), 1);
+    let before = dp.counters().unwrap();
+    let d1 = dropped(&lab);
+    assert_eq!(
+        udp_source(&lab.pod, &lab.mesh, ip(MESH_HOST), 7110),
+        Some(ip(POD))
+    );
+    let after = dp.counters().unwrap();
+    assert!(
+        after.decision(Decision::Redirect).packets > before.decision(Decision::Redirect).packets
+    );
+    assert_eq!(dropped(&lab), d1, "nothing went through FORWARD");
+
+    // Services are never redirected: FORWARD still sees (and drops) them.
+    let before = dp.counters().unwrap();
+    let _ = udp_source(&lab.pod, &lab.mesh, ip("10.96.0.10"), 7120);
+    let after = dp.counters().unwrap();
+    assert_eq!(
+        after.decision(Decision::Redirect).packets,
+        before.decision(Decision::Redirect).packets
+    );
+    assert!(after.decision(Decision::Mesh).packets > before.decision(Decision::Mesh).packets);
+    assert!(
+        after
+            .entry(Role::Mesh, &net("10.96.0.0/24"))
+            .unwrap()
+            .packets
+            > before
+                .entry(Role::Mesh, &net("10.96.0.0/24"))
+                .unwrap()
+                .packets
+    );
+    assert!(dropped(&lab) > d1);
+
+    // Masquerading is unaffected by the fast path.
+    lab.node.sh("nft delete table inet testfw");
+    assert_eq!(
+        udp_source(&lab.pod, &lab.inet, ip(INET_HOST), 7130),
+        Some(ip(NODE_INET))
+    );
+    drop(dp);
+}

@@ -1,0 +1,71 @@
+//! A private bpffs for tests that pin (mounted on a temporary directory, unmounted on drop),
+//! and UDP probes that tell which source address a receiver sees.
+use std::{
+    net::{IpAddr, SocketAddr, UdpSocket},
+    path::PathBuf,
+    sync::mpsc,
+    time::Duration,
+};
+
+use super::netns::{NetNs, sh, try_sh};
+
+pub struct BpfFs {
+    pub dir: tempfile::TempDir,
+}
+
+impl BpfFs {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        sh(&format!("mount -t bpf bpf {}", dir.path().display()));
+        BpfFs { dir }
+    }
+
+    /// A pin directory inside this bpffs.
+    pub fn pin_dir(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for BpfFs {
+    fn drop(&mut self) {
+        let _ = try_sh(&format!("umount -l {}", self.dir.path().display()));
+    }
+}
+
+/// Sends UDP datagrams from `from` to `dst:port` and returns the source address the listener in
+/// `to` saw (None if nothing arrived within a few seconds).
+pub fn udp_source(from: &NetNs, to: &NetNs, dst: IpAddr, port: u16) -> Option<IpAddr> {
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let path = format!("/run/netns/{}", to.name);
+    let listener = std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a valid namespace fd; affects only this thread.
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0);
+        let bind: SocketAddr = if dst.is_ipv4() {
+            format!("0.0.0.0:{port}").parse().unwrap()
+        } else {
+            format!("[::]:{port}").parse().unwrap()
+        };
+        let sock = UdpSocket::bind(bind).expect("bind listener");
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        ready_tx.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        sock.recv_from(&mut buf).ok().map(|(_, src)| src.ip())
+    });
+    ready_rx.recv().expect("listener ready");
+    from.run(move || {
+        let bind: SocketAddr = if dst.is_ipv4() {
+            "0.0.0.0:0".parse().unwrap()
+        } else {
+            "[::]:0".parse().unwrap()
+        };
+        let sock = UdpSocket::bind(bind).unwrap();
+        // A few datagrams: the first may wait for neighbour resolution.
+        for _ in 0..3 {
+            let _ = sock.send_to(b"kilo", SocketAddr::new(dst, port));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    listener.join().expect("listener")
+}
