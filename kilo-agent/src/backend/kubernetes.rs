@@ -1,0 +1,1 @@
+//! The Kubernetes backend (written next).
