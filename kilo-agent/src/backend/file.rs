@@ -237,6 +237,7 @@ impl FileBackend {
         let dir = dir.into();
         let mut cache = Cache::default();
         cache.rescan(&dir)?;
+        cache.generation = cache.generation.max(1); // the initial scan is a complete view
         let (tx, rx) = watch::channel(cache.update());
         let cache = Arc::new(Mutex::new(cache));
         let (etx, erx) = mpsc::unbounded_channel::<()>();
