@@ -4,6 +4,7 @@
 //! backend → mesh → topology → plan → reconcilers (datapath, reconcile) → telemetry.
 //! Everything up to and including `plan` is pure: no I/O.
 
+pub mod agent;
 pub mod backend;
 pub mod datapath;
 pub mod kgctl;

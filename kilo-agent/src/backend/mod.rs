@@ -1,1 +1,85 @@
-//! Backends: where nodes and peers come from (Kubernetes, or a local directory) and where the local node publishes its own annotations.
+//! Backends: where nodes and peers come from (Kubernetes, or a local directory) and where the
+//! local node publishes its own annotations.
+//!
+//! A backend delivers the raw objects it has seen as a [`Snapshot`] through a `watch` channel:
+//! a slow consumer only ever sees the latest state, so bursts coalesce by construction. Objects
+//! it could not read are reported in [`Update::errors`] (and logged) and left out; one bad object
+//! never hides the others.
+pub mod file;
+pub mod kubernetes;
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use futures::future::BoxFuture;
+use tokio::sync::watch;
+
+use crate::mesh::Snapshot;
+
+/// Annotations to publish on the local node: `Some(v)` sets, `None` removes.
+pub type Annotations = BTreeMap<String, Option<String>>;
+
+/// What a backend has seen.
+#[derive(Debug, Clone, Default)]
+pub struct Update {
+    pub snapshot: Arc<Snapshot>,
+    /// Objects that could not be read, each naming the object (or file) and the problem.
+    pub errors: Vec<String>,
+    /// Bumped on every change; 0 = nothing received yet.
+    pub generation: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("watching {path}: {message}")]
+    Watch { path: String, message: String },
+    #[error("kubernetes: {0}")]
+    Kube(String),
+}
+
+impl BackendError {
+    /// The `event` label of `kilo_errors_total` for this error.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            BackendError::Io { .. } | BackendError::Parse { .. } => "backend",
+            BackendError::Watch { .. } => "watch",
+            BackendError::Kube(_) => "kubernetes",
+        }
+    }
+}
+
+/// A source of nodes and peers.
+pub trait Backend: Send + Sync {
+    /// The latest objects; `changed()` fires whenever they change.
+    fn updates(&self) -> watch::Receiver<Update>;
+    /// Sets or removes annotations on the local node `node`. Returns whether anything was
+    /// written (publishing what is already there writes nothing).
+    fn publish<'a>(
+        &'a self,
+        node: &'a str,
+        annotations: &'a Annotations,
+    ) -> BoxFuture<'a, Result<bool, BackendError>>;
+}
+
+/// Applies `changes` to `current`; returns whether anything changed.
+pub fn apply_annotations(current: &mut BTreeMap<String, String>, changes: &Annotations) -> bool {
+    let mut changed = false;
+    for (k, v) in changes {
+        match v {
+            Some(v) => {
+                if current.get(k) != Some(v) {
+                    current.insert(k.clone(), v.clone());
+                    changed = true;
+                }
+            }
+            None => changed |= current.remove(k).is_some(),
+        }
+    }
+    changed
+}

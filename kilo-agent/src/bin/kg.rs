@@ -1,4 +1,190 @@
-//! `kg`: the kilo-rs agent.
-fn main() -> anyhow::Result<()> {
-    anyhow::bail!("kg: not implemented yet")
+//! `kg`: the kilo-rs agent. Parses Kilo's flags, loads (or generates) the key, detects local
+//! addresses, starts the backend, the metrics server and the kernel watcher, forbids exec, then
+//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`).
+use std::{net::SocketAddr, process::ExitCode, sync::Arc};
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use kilo_agent::{
+    agent::{
+        Agent, Local, LoopSettings, PlanOutcome,
+        config::{BackendKind, Encapsulate, Flags, Mtu},
+        detect, key, seccomp,
+    },
+    backend::{Backend, file::FileBackend, kubernetes},
+    mesh::Snapshot,
+    reconcile::{
+        NoDatapath, Reconciler, Settings,
+        netlink::{self, NetlinkKernel},
+        state::Devices,
+        wireguard::{WgApi, WgControl, system_resolver},
+    },
+    telemetry::{self, Metrics},
+};
+
+/// The topology/plan builder, injected into the agent. The planner and the datapath are wired
+/// here when they are merged (`crate::plan::plan_for`, `crate::datapath`).
+fn planner(_flags: &Flags, _local: &Local) -> impl FnMut(&Snapshot) -> PlanOutcome + use<> {
+    |_snapshot: &Snapshot| PlanOutcome {
+        errors: vec!["the topology planner is not wired into kg yet".into()],
+        ..PlanOutcome::default()
+    }
+}
+
+fn hostname() -> anyhow::Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .context("reading the host name")?
+        .trim()
+        .to_string())
+}
+
+async fn run(flags: Flags) -> anyhow::Result<()> {
+    let hostname = match &flags.hostname {
+        Some(h) => h.clone(),
+        None => hostname()?,
+    };
+    let (private_key, _) = key::load_or_generate(&flags.private_key)?;
+    let public_key = key::public_key(&private_key);
+
+    let host = detect::observe().await?;
+    let ignored = [flags.interface.as_str(), "tunl0", "kube-bridge"];
+    let ips = detect::choose(
+        &host,
+        &detect::resolve_hostname(&hostname),
+        &ignored,
+        &flags.internal_cidr,
+    );
+    let endpoint_ip = if flags.prioritise_private_addresses {
+        ips.private.clone().or(ips.public.clone())
+    } else {
+        ips.public.clone()
+    };
+    let local = Local {
+        hostname: hostname.clone(),
+        public_key,
+        endpoint: endpoint_ip.map(|a| SocketAddr::new(a.address.addr(), flags.port)),
+        internal_ip: ips.private.as_ref().map(|a| a.address),
+        granularity: flags.mesh_granularity.as_str().into(),
+    };
+    tracing::info!(
+        node = %hostname,
+        public_key = %public_key,
+        endpoint = ?local.endpoint,
+        internal_ip = ?local.internal_ip,
+        "starting"
+    );
+    let mtu = match flags.mtu {
+        Mtu::Auto => detect::auto_mtu(&host),
+        Mtu::Fixed(m) => m,
+    };
+
+    let backend: Arc<dyn Backend> = match flags.backend {
+        BackendKind::File => Arc::new(FileBackend::start(
+            flags.backend_dir.clone().expect("validated"),
+        )?),
+        BackendKind::Kubernetes => Arc::new(kubernetes::KubeBackend::start(
+            kubernetes::client(flags.kubeconfig.as_deref(), flags.master.as_deref()).await?,
+        )),
+    };
+    let wireguard = if flags.create_interface {
+        WgControl::new(&flags.interface, WgApi::Kernel)?
+    } else {
+        WgControl::detect(&flags.interface)?
+    };
+    tracing::info!(api = ?wireguard.api(), interface = %flags.interface, "WireGuard device");
+    let reconciler = Reconciler::new(
+        NetlinkKernel::connect()?,
+        wireguard,
+        NoDatapath,
+        Settings {
+            devices: Devices {
+                wireguard: flags.interface.clone(),
+                private: ips.private.map(|a| a.interface),
+                tunnel: (flags.encapsulate != Encapsulate::Never).then(|| "tunl0".to_string()),
+            },
+            create_interface: flags.create_interface,
+            mtu: Some(mtu),
+            private_key,
+            resolver: Box::new(system_resolver),
+        },
+    );
+    let metrics = Metrics::new();
+    let planner = planner(&flags, &local);
+    let mut agent = Agent::new(
+        backend.clone(),
+        planner,
+        reconciler,
+        local,
+        LoopSettings {
+            resync: flags.resync(),
+            check_in: flags.check_in(),
+            clean_up: flags.clean_up && !flags.dry_run,
+            clean_up_interface: flags.clean_up_interface,
+            ..LoopSettings::default()
+        },
+        metrics.clone(),
+    );
+
+    if flags.dry_run {
+        let mut rx = backend.updates();
+        rx.wait_for(|u| u.generation > 0).await?;
+        print!("{}", agent.dry_run().await?);
+        return Ok(());
+    }
+
+    let (_bound, _server) = telemetry::serve(flags.listen, metrics).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let _watch = netlink::watch(agent.filter.clone(), tx)?;
+    if flags.seccomp {
+        seccomp::forbid_exec()?;
+        tracing::info!("seccomp filter installed: this process can no longer exec");
+    } else {
+        tracing::warn!("--seccomp=false: exec is not forbidden");
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+        }
+    };
+    let stats = agent.run(Some(rx), shutdown).await;
+    tracing::info!(reconciles = stats.reconciles, writes = %stats.writes, "stopped");
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let flags = Flags::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(flags.log_level.directive())
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = flags.validate() {
+        eprintln!("kg: {e}");
+        return ExitCode::from(2);
+    }
+    for w in flags.warnings() {
+        tracing::warn!("{w}");
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kg: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(flags)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,5 +1,540 @@
 //! Reconcilers: observe kernel state, diff it against the plan, apply only the difference.
-//! Each effect sits behind a small trait with a real implementation and an in-memory fake.
+//! Each effect sits behind a small trait with a real implementation and an in-memory fake:
+//! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
+//! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule, implemented by the
+//! datapath module). [`Reconciler`] runs them in order and returns the [`Writes`] it made.
+//!
+//! Ownership marker: our routes and rules carry protocol [`RTPROT_KILO`] (107, from Kilo's table
+//! 1107; unused by iproute2's `rt_protos`, bird, FRR, Calico (80) or Cilium), so the agent never
+//! reads, replaces or deletes anybody else's routes, even in the main table.
+pub mod netlink;
+pub mod state;
+pub mod wireguard;
 mod writes;
 
+use std::collections::BTreeMap;
+
 pub use writes::Writes;
+
+use self::{
+    state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
+    wireguard::{Resolver, WgDiff, WireGuard},
+};
+use crate::{
+    mesh::Key,
+    plan::{DatapathPlan, Plan},
+};
+
+/// The `rtm_protocol` / `FRA_PROTOCOL` value marking routes and rules as ours.
+pub const RTPROT_KILO: u8 = 107;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("netlink socket: {0}")]
+    Socket(String),
+    #[error("{op}: {message}")]
+    Netlink { op: String, message: String },
+    #[error("WireGuard interface {0} does not exist and --create-interface=false")]
+    NoInterface(String),
+}
+
+/// Links, addresses, routes and rules.
+#[allow(async_fn_in_trait)]
+pub trait Kernel {
+    /// The named links, the addresses on the WireGuard link, our routes and our rules.
+    async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError>;
+    async fn create_wireguard(&mut self, name: &str) -> Result<Writes, KernelError>;
+    async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError>;
+    /// Applies every change it can; one failure does not stop the others.
+    async fn apply(&mut self, diff: &KernelDiff) -> (Writes, Vec<KernelError>);
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathSyncError {
+    #[error("datapath: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Other(#[from] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// The eBPF datapath as the agent sees it; the datapath module provides the real one.
+pub trait DatapathSync {
+    /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError>;
+    /// Lines describing what `sync` would change (for `--dry-run`).
+    fn describe(&mut self, _plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+        Ok(Vec::new())
+    }
+    /// Removes map entries, programs, pins and the NAT rule.
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+}
+
+/// A datapath that does nothing (no eBPF available, or tests of the other reconcilers).
+#[derive(Debug, Default)]
+pub struct NoDatapath;
+
+impl DatapathSync for NoDatapath {
+    fn sync(&mut self, _: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+}
+
+/// An in-memory datapath that counts entries inserted and deleted.
+#[derive(Debug, Default)]
+pub struct FakeDatapath {
+    pub applied: Option<DatapathPlan>,
+}
+
+impl DatapathSync for FakeDatapath {
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        let old = self.applied.take().unwrap_or_default();
+        let mut w = Writes::default();
+        let pairs = [
+            (&old.mesh_destinations, &plan.mesh_destinations),
+            (&old.nat_sources, &plan.nat_sources),
+            (&old.masquerade_destinations, &plan.masquerade_destinations),
+        ];
+        for (o, n) in pairs {
+            w.add(
+                "map_insert",
+                n.iter().filter(|(k, v)| o.get(*k) != Some(*v)).count() as u64,
+            );
+            w.add(
+                "map_delete",
+                o.keys().filter(|k| !n.contains_key(*k)).count() as u64,
+            );
+        }
+        self.applied = Some(plan.clone());
+        Ok(w)
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        let mut w = Writes::default();
+        if let Some(p) = self.applied.take() {
+            w.add(
+                "map_delete",
+                (p.mesh_destinations.len() + p.nat_sources.len() + p.masquerade_destinations.len())
+                    as u64,
+            );
+        }
+        Ok(w)
+    }
+}
+
+/// An in-memory kernel: links, addresses, our routes and rules, with write counting.
+#[derive(Debug, Default)]
+pub struct FakeKernel {
+    pub state: KernelState,
+    pub next_index: u32,
+}
+
+impl Kernel for FakeKernel {
+    async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
+        let mut s = self.state.clone();
+        let names: Vec<&str> = devices.names().collect();
+        s.links.retain(|n, _| names.contains(&n.as_str()));
+        Ok(s)
+    }
+
+    async fn create_wireguard(&mut self, name: &str) -> Result<Writes, KernelError> {
+        self.next_index = self.next_index.max(100) + 1;
+        self.state.links.insert(
+            name.into(),
+            LinkState {
+                index: self.next_index,
+                up: false,
+                mtu: 1420,
+            },
+        );
+        let mut w = Writes::default();
+        w.add("link_add", 1);
+        Ok(w)
+    }
+
+    async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
+        self.state.links.retain(|_, l| l.index != index);
+        self.state.addresses.clear();
+        self.state.routes.retain(|r| r.oif != index);
+        let mut w = Writes::default();
+        w.add("link_del", 1);
+        Ok(w)
+    }
+
+    async fn apply(&mut self, d: &KernelDiff) -> (Writes, Vec<KernelError>) {
+        let mut w = Writes::default();
+        if let Some((up, mtu)) = d.link_set {
+            if let Some(l) = self
+                .state
+                .links
+                .values_mut()
+                .find(|l| l.index == d.link_index)
+            {
+                l.up |= up;
+                if let Some(m) = mtu {
+                    l.mtu = m;
+                }
+            }
+            w.add("link_set", 1);
+        }
+        for a in &d.address_add {
+            self.state.addresses.insert(*a);
+        }
+        w.add("address_add", d.address_add.len() as u64);
+        for (r, replace) in &d.route_add {
+            if *replace {
+                self.state
+                    .routes
+                    .retain(|o| !(o.table == r.table && o.dst == r.dst));
+            }
+            self.state.routes.insert(r.clone());
+            w.add(
+                if *replace {
+                    "route_replace"
+                } else {
+                    "route_add"
+                },
+                1,
+            );
+        }
+        for r in &d.rule_add {
+            self.state.rules.insert(r.clone(), Some(32000));
+        }
+        w.add("rule_add", d.rule_add.len() as u64);
+        for (r, _) in &d.rule_del {
+            self.state.rules.remove(r);
+        }
+        w.add("rule_del", d.rule_del.len() as u64);
+        for r in &d.route_del {
+            self.state.routes.remove(r);
+        }
+        w.add("route_del", d.route_del.len() as u64);
+        for a in &d.address_del {
+            self.state.addresses.remove(a);
+        }
+        w.add("address_del", d.address_del.len() as u64);
+        (w, Vec::new())
+    }
+}
+
+/// What the reconciler needs beyond the plan.
+pub struct Settings {
+    pub devices: Devices,
+    /// Create the WireGuard link when it is missing (kernel module required).
+    pub create_interface: bool,
+    /// `None` leaves the link's MTU as it is.
+    pub mtu: Option<u32>,
+    /// The node's private key; never logged.
+    pub private_key: Key,
+    pub resolver: Box<Resolver>,
+}
+
+/// The result of one reconcile: what was written and what could not be done.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub writes: Writes,
+    /// One line per object that could not be applied (the rest was).
+    pub problems: Vec<String>,
+    /// The indexes of the devices seen, for the kernel event filter.
+    pub links: BTreeMap<String, LinkState>,
+}
+
+/// The differences between plan and kernel, as `--dry-run` prints them.
+#[derive(Debug, Default)]
+pub struct DryRun {
+    pub kernel: KernelDiff,
+    pub wireguard: WgDiff,
+    pub datapath: Vec<String>,
+    pub link_missing: bool,
+    pub problems: Vec<String>,
+}
+
+impl std::fmt::Display for DryRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.link_missing {
+            writeln!(f, "+ link (WireGuard interface)")?;
+        }
+        write!(f, "{}{}", self.wireguard, self.kernel)?;
+        for l in &self.datapath {
+            writeln!(f, "{l}")?;
+        }
+        for p in &self.problems {
+            writeln!(f, "! {p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the reconcilers in dependency order: link, WireGuard device, addresses, routes, rules,
+/// datapath.
+pub struct Reconciler<K, W, D> {
+    pub kernel: K,
+    pub wireguard: W,
+    pub datapath: D,
+    pub settings: Settings,
+}
+
+impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
+    pub fn new(kernel: K, wireguard: W, datapath: D, settings: Settings) -> Self {
+        Reconciler {
+            kernel,
+            wireguard,
+            datapath,
+            settings,
+        }
+    }
+
+    fn link_want(&self) -> LinkWant {
+        LinkWant {
+            up: true,
+            mtu: self.settings.mtu,
+        }
+    }
+
+    /// Makes the node match the plan, writing only the difference.
+    pub async fn reconcile(&mut self, plan: &Plan) -> Result<Report, KernelError> {
+        let mut report = Report::default();
+        let devices = self.settings.devices.clone();
+        let mut observed = self.kernel.observe(&devices).await?;
+        if !observed.links.contains_key(&devices.wireguard) {
+            if !self.settings.create_interface {
+                return Err(KernelError::NoInterface(devices.wireguard.clone()));
+            }
+            report.writes += self.kernel.create_wireguard(&devices.wireguard).await?;
+            observed = self.kernel.observe(&devices).await?;
+        }
+        let link = *observed
+            .links
+            .get(&devices.wireguard)
+            .ok_or_else(|| KernelError::NoInterface(devices.wireguard.clone()))?;
+
+        match self.wireguard.observe() {
+            Ok(dev) => {
+                let dev = dev.unwrap_or_default();
+                let want = wireguard::desired(
+                    &plan.wireguard,
+                    self.settings.private_key,
+                    Some(&dev),
+                    &*self.settings.resolver,
+                    &mut report.problems,
+                );
+                let d = wireguard::diff(&want, &dev);
+                if !d.is_empty() {
+                    tracing::info!(changes = %d.to_string().trim_end(), "updating WireGuard device");
+                    match self.wireguard.apply(&d) {
+                        Ok(w) => report.writes += w,
+                        Err(e) => report.problems.push(e.to_string()),
+                    }
+                }
+            }
+            Err(e) => report.problems.push(e.to_string()),
+        }
+
+        let want = state::desired(plan, &devices, &observed.links);
+        report.problems.extend(want.problems.iter().cloned());
+        let d = state::diff(&link, self.link_want(), &want, &observed);
+        if !d.is_empty() {
+            tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
+            let (w, errors) = self.kernel.apply(&d).await;
+            report.writes += w;
+            report
+                .problems
+                .extend(errors.into_iter().map(|e| e.to_string()));
+        }
+
+        match self.datapath.sync(&plan.datapath) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+        report.links = observed.links;
+        Ok(report)
+    }
+
+    /// What `reconcile` would change, without changing anything.
+    pub async fn dry_run(&mut self, plan: &Plan) -> Result<DryRun, KernelError> {
+        let mut out = DryRun::default();
+        let devices = self.settings.devices.clone();
+        let observed = self.kernel.observe(&devices).await?;
+        let dev = self
+            .wireguard
+            .observe()
+            .map_err(|e| out.problems.push(e.to_string()))
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let want = wireguard::desired(
+            &plan.wireguard,
+            self.settings.private_key,
+            Some(&dev),
+            &*self.settings.resolver,
+            &mut out.problems,
+        );
+        out.wireguard = wireguard::diff(&want, &dev);
+        let link = match observed.links.get(&devices.wireguard) {
+            Some(l) => *l,
+            None => {
+                out.link_missing = true;
+                LinkState {
+                    index: 0,
+                    up: false,
+                    mtu: 0,
+                }
+            }
+        };
+        let want = state::desired(plan, &devices, &observed.links);
+        out.problems.extend(want.problems.iter().cloned());
+        out.kernel = state::diff(&link, self.link_want(), &want, &observed);
+        match self.datapath.describe(&plan.datapath) {
+            Ok(lines) => out.datapath = lines,
+            Err(e) => out.problems.push(e.to_string()),
+        }
+        Ok(out)
+    }
+
+    /// Removes our routes, rules, the WireGuard link's addresses and the datapath; with
+    /// `remove_interface` the WireGuard link too.
+    pub async fn clean_up(&mut self, remove_interface: bool) -> Result<Report, KernelError> {
+        let mut report = Report::default();
+        let devices = self.settings.devices.clone();
+        let observed = self.kernel.observe(&devices).await?;
+        let link = observed.links.get(&devices.wireguard).copied();
+        let d = KernelDiff {
+            link_set: None,
+            link_index: link.map(|l| l.index).unwrap_or(0),
+            address_add: vec![],
+            address_del: if link.is_some() {
+                observed.addresses.iter().copied().collect()
+            } else {
+                vec![]
+            },
+            route_add: vec![],
+            route_del: observed.routes.iter().cloned().collect::<Vec<KRoute>>(),
+            rule_add: vec![],
+            rule_del: observed
+                .rules
+                .iter()
+                .map(|(r, p)| (r.clone(), *p))
+                .collect::<Vec<(KRule, Option<u32>)>>(),
+        };
+        let (w, errors) = self.kernel.apply(&d).await;
+        report.writes += w;
+        report
+            .problems
+            .extend(errors.into_iter().map(|e| e.to_string()));
+        match self.datapath.clean_up() {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+        if remove_interface && let Some(l) = link {
+            match self.kernel.delete_link(l.index).await {
+                Ok(w) => report.writes += w,
+                Err(e) => report.problems.push(e.to_string()),
+            }
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{wireguard::FakeWireGuard, *};
+    use crate::plan::{Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan};
+
+    fn plan() -> Plan {
+        Plan {
+            addresses: vec!["10.4.0.1/16".parse().unwrap()],
+            wireguard: WireGuardPlan {
+                listen_port: 51820,
+                peers: vec![WireGuardPeer {
+                    public_key: Key([1; 32]),
+                    preshared_key: None,
+                    endpoint: Some("192.0.2.1:51820".parse().unwrap()),
+                    allowed_ips: vec!["10.2.1.0/24".parse().unwrap()],
+                    persistent_keepalive: 0,
+                }],
+            },
+            routes: vec![Route {
+                dst: "10.2.1.0/24".parse().unwrap(),
+                gateway: Some("10.4.0.2".parse().unwrap()),
+                src: None,
+                device: Device::WireGuard,
+                onlink: true,
+                table: MAIN_TABLE,
+            }],
+            rules: vec![Rule {
+                src: Some("10.2.0.0/24".parse().unwrap()),
+                dst: None,
+                iif: None,
+                table: KILO_TABLE,
+            }],
+            datapath: DatapathPlan::default(),
+        }
+    }
+
+    fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, FakeDatapath> {
+        Reconciler::new(
+            FakeKernel::default(),
+            FakeWireGuard::default(),
+            FakeDatapath::default(),
+            Settings {
+                devices: Devices {
+                    wireguard: "kilo0".into(),
+                    private: None,
+                    tunnel: None,
+                },
+                create_interface: true,
+                mtu: Some(1420),
+                private_key: Key([9; 32]),
+                resolver: Box::new(wireguard::system_resolver),
+            },
+        )
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn converges_then_writes_nothing_then_cleans_up() {
+        block_on(async {
+            let mut r = reconciler();
+            let first = r.reconcile(&plan()).await.unwrap();
+            assert!(first.problems.is_empty(), "{:?}", first.problems);
+            for kind in [
+                "link_add",
+                "link_set",
+                "address_add",
+                "route_add",
+                "rule_add",
+            ] {
+                assert_eq!(first.writes.get(kind), 1, "{kind}: {}", first.writes);
+            }
+            assert_eq!(first.writes.get("wireguard_peer_add"), 1);
+            let second = r.reconcile(&plan()).await.unwrap();
+            assert!(second.writes.is_empty(), "{}", second.writes);
+            assert!(r.dry_run(&plan()).await.unwrap().to_string().is_empty());
+
+            let clean = r.clean_up(true).await.unwrap();
+            assert_eq!(clean.writes.get("route_del"), 1);
+            assert_eq!(clean.writes.get("rule_del"), 1);
+            assert_eq!(clean.writes.get("link_del"), 1);
+            assert!(r.kernel.state.routes.is_empty() && r.kernel.state.rules.is_empty());
+        });
+    }
+
+    #[test]
+    fn missing_interface_without_create_is_an_error() {
+        block_on(async {
+            let mut r = reconciler();
+            r.settings.create_interface = false;
+            assert!(matches!(
+                r.reconcile(&plan()).await,
+                Err(KernelError::NoInterface(_))
+            ));
+        });
+    }
+}

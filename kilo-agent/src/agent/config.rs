@@ -1,0 +1,345 @@
+//! `kg`'s flags: Kilo's names and defaults (kilo.md 2.1) where they still mean something, plus
+//! ours (`--backend-dir`, `--dry-run`, `--private-key`, `--seccomp`, `--check-in-period`).
+//! Boolean flags accept Go's forms: `--clean-up`, `--clean-up=true`, `--clean-up=false`.
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{ArgAction, Parser, ValueEnum};
+use ipnet::IpNet;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    Kubernetes,
+    File,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Granularity {
+    Location,
+    Full,
+    Cross,
+}
+
+impl Granularity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Granularity::Location => "location",
+            Granularity::Full => "full",
+            Granularity::Cross => "cross",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Encapsulate {
+    Never,
+    Crosssubnet,
+    Always,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    All,
+    Debug,
+    Info,
+    Warn,
+    Error,
+    None,
+}
+
+impl LogLevel {
+    /// The `tracing` filter directive for this level.
+    pub fn directive(self) -> &'static str {
+        match self {
+            LogLevel::All => "trace",
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+            LogLevel::None => "off",
+        }
+    }
+}
+
+/// `--mtu`: `auto` (the default-route interface's MTU minus WireGuard's 80 bytes) or a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mtu {
+    Auto,
+    Fixed(u32),
+}
+
+/// WireGuard's overhead that `--mtu=auto` subtracts (Kilo's `WireGuardOverhead`).
+pub const WIREGUARD_OVERHEAD: u32 = 80;
+/// The MTU when `auto` finds no default route (Kilo's `DefaultMTU`).
+pub const DEFAULT_MTU: u32 = 1420;
+
+fn parse_mtu(s: &str) -> Result<Mtu, String> {
+    if s == "auto" {
+        return Ok(Mtu::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(m) if (576..=65535).contains(&m) => Ok(Mtu::Fixed(m)),
+        _ => Err(format!(
+            "{s:?}: expected auto or an MTU between 576 and 65535"
+        )),
+    }
+}
+
+/// Parses Go's duration syntax as Kilo's flags take it: `30s`, `1m30s`, `500ms`, `2h`, `0`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("{s:?}: expected a duration like 30s, 5m or 1h30m");
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        if num_len == 0 {
+            return Err(bad());
+        }
+        let n: f64 = rest[..num_len].parse().map_err(|_| bad())?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += n * scale;
+        rest = &rest[unit_len..];
+    }
+    Ok(Duration::from_secs_f64(total))
+}
+
+/// `--listen`: Go's `:1107` (all addresses) or `host:port`.
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    let s2 = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    s2.parse()
+        .map_err(|_| format!("{s:?}: expected :PORT or HOST:PORT"))
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kg",
+    version,
+    about = "kilo-rs agent: keeps this node's WireGuard mesh, routes and eBPF datapath equal to the topology"
+)]
+pub struct Flags {
+    /// Where nodes and peers come from.
+    #[arg(long, value_enum, default_value = "kubernetes")]
+    pub backend: BackendKind,
+    /// Directory of Node and Peer objects (YAML or JSON, one per file) for --backend=file.
+    #[arg(long)]
+    pub backend_dir: Option<PathBuf>,
+    /// Undo routes, rules, addresses, datapath and annotations on shutdown.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub clean_up: bool,
+    /// Also delete the WireGuard interface on shutdown.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub clean_up_interface: bool,
+    /// Manage the local pod CIDR's NAT (Kilo as the CNI).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub cni: bool,
+    /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
+    #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
+    pub cni_path: PathBuf,
+    /// `flannel` or `cilium` add-on mode.
+    #[arg(long, default_value = "")]
+    pub compatibility: String,
+    /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub create_interface: bool,
+    /// Intra-location encapsulation.
+    #[arg(long, value_enum, default_value = "always")]
+    pub encapsulate: Encapsulate,
+    /// Path to a kubeconfig (in-cluster configuration when empty).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The Kubernetes API server address (overrides the kubeconfig's).
+    #[arg(long)]
+    pub master: Option<String>,
+    /// This node's name (default: the host name).
+    #[arg(long)]
+    pub hostname: Option<String>,
+    /// The WireGuard interface.
+    #[arg(long, default_value = "kilo0")]
+    pub interface: String,
+    /// Address of the metrics/health server.
+    #[arg(long, default_value = ":1107", value_parser = parse_listen)]
+    pub listen: SocketAddr,
+    /// Manage routes within the location.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub local: bool,
+    /// MTU of the WireGuard interface: auto (default-route MTU − 80) or a number.
+    #[arg(long, default_value = "auto", value_parser = parse_mtu)]
+    pub mtu: Mtu,
+    /// Which nodes are in one location.
+    #[arg(long, value_enum, default_value = "location")]
+    pub mesh_granularity: Granularity,
+    /// Node label giving its location.
+    #[arg(long, default_value = "topology.kubernetes.io/region")]
+    pub topology_label: String,
+    /// WireGuard listen port.
+    #[arg(long, default_value_t = 51820)]
+    pub port: u16,
+    /// A service CIDR (repeatable): traffic to it is never masqueraded.
+    #[arg(long)]
+    pub service_cidr: Vec<IpNet>,
+    /// Restrict private-IP auto-detection to these CIDRs (repeatable).
+    #[arg(long)]
+    pub internal_cidr: Vec<IpNet>,
+    /// The WireGuard overlay CIDR.
+    #[arg(long, default_value = "10.4.0.0/16")]
+    pub subnet: IpNet,
+    /// Periodic reconcile (0 disables; events still trigger reconciles).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub resync_period: Duration,
+    /// How often to refresh the kilo.squat.ai/last-seen heartbeat (Kilo's fixed 30s; 0 disables).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub check_in_period: Duration,
+    /// Use the private IP as the endpoint.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub prioritise_private_addresses: bool,
+    /// all, debug, info, warn, error or none.
+    #[arg(long, value_enum, default_value = "info")]
+    pub log_level: LogLevel,
+    /// Print the difference between the plan and the kernel, change nothing, exit.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub dry_run: bool,
+    /// The WireGuard private key (generated with mode 0600 when absent).
+    #[arg(long, default_value = "/var/lib/kilo/key")]
+    pub private_key: PathBuf,
+    /// Forbid execve/execveat after start-up.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub seccomp: bool,
+    /// Kilo's iptables FORWARD rules: not needed (accepted, ignored; see the warning).
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub iptables_forward_rules: bool,
+}
+
+impl Flags {
+    /// Warnings about flags that are accepted for compatibility but mean something else here.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.iptables_forward_rules {
+            w.push(
+                "--iptables-forward-rules is ignored: kilo-rs installs no iptables rules; forwarding \
+                 decisions are made by the eBPF datapath (whose redirect fast path also bypasses a \
+                 FORWARD DROP policy), and the only netfilter object is one static nftables \
+                 masquerade rule"
+                    .to_string(),
+            );
+        }
+        if self.encapsulate != Encapsulate::Never && self.compatibility.is_empty() {
+            // Not a misuse, only information: the tunnel device is whatever the plan names.
+        }
+        w
+    }
+
+    /// Rejects combinations that cannot work.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.backend == BackendKind::File && self.backend_dir.is_none() {
+            return Err("--backend=file needs --backend-dir".into());
+        }
+        if !matches!(self.compatibility.as_str(), "" | "flannel" | "cilium") {
+            return Err(format!(
+                "--compatibility={:?}: expected flannel or cilium",
+                self.compatibility
+            ));
+        }
+        self.interface
+            .parse::<wireguard_control::InterfaceName>()
+            .map_err(|e| format!("--interface={:?}: {e}", self.interface))?;
+        Ok(())
+    }
+
+    /// The resync period, `None` when disabled.
+    pub fn resync(&self) -> Option<Duration> {
+        (!self.resync_period.is_zero()).then_some(self.resync_period)
+    }
+
+    pub fn check_in(&self) -> Option<Duration> {
+        (!self.check_in_period.is_zero()).then_some(self.check_in_period)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kilo_defaults() {
+        let f = Flags::try_parse_from(["kg"]).unwrap();
+        assert_eq!(f.backend, BackendKind::Kubernetes);
+        assert!(f.clean_up && !f.clean_up_interface && f.create_interface && f.local && f.cni);
+        assert_eq!(f.interface, "kilo0");
+        assert_eq!(f.listen, "0.0.0.0:1107".parse().unwrap());
+        assert_eq!(f.mtu, Mtu::Auto);
+        assert_eq!(f.port, 51820);
+        assert_eq!(f.subnet, "10.4.0.0/16".parse::<IpNet>().unwrap());
+        assert_eq!(f.resync(), Some(Duration::from_secs(30)));
+        assert_eq!(f.mesh_granularity, Granularity::Location);
+        assert_eq!(f.encapsulate, Encapsulate::Always);
+        assert_eq!(f.topology_label, "topology.kubernetes.io/region");
+        assert_eq!(f.private_key, PathBuf::from("/var/lib/kilo/key"));
+        assert!(f.seccomp && !f.dry_run);
+        assert!(f.warnings().is_empty());
+    }
+
+    #[test]
+    fn go_style_flags() {
+        let f = Flags::try_parse_from([
+            "kg",
+            "--clean-up=false",
+            "--clean-up-interface",
+            "--resync-period=1m30s",
+            "--mtu=1380",
+            "--service-cidr=10.96.0.0/12",
+            "--service-cidr=fd00:96::/108",
+            "--mesh-granularity=cross",
+            "--backend=file",
+            "--backend-dir=/tmp/x",
+            "--iptables-forward-rules=true",
+            "--log-level=all",
+        ])
+        .unwrap();
+        assert!(!f.clean_up && f.clean_up_interface);
+        assert_eq!(f.resync_period, Duration::from_secs(90));
+        assert_eq!(f.mtu, Mtu::Fixed(1380));
+        assert_eq!(f.service_cidr.len(), 2);
+        assert!(f.validate().is_ok());
+        assert_eq!(f.warnings().len(), 1);
+        assert!(f.warnings()[0].contains("eBPF"));
+        let f = Flags::try_parse_from(["kg", "--resync-period=0"]).unwrap();
+        assert_eq!(f.resync(), None);
+        let f = Flags::try_parse_from(["kg", "--backend=file"]).unwrap();
+        assert!(f.validate().unwrap_err().contains("--backend-dir"));
+        assert!(Flags::try_parse_from(["kg", "--mtu=12"]).is_err());
+        assert!(Flags::try_parse_from(["kg", "--mesh-granularity=ring"]).is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        for bad in ["", "30", "s", "3x", "-1s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

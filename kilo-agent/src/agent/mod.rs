@@ -1,0 +1,465 @@
+//! The agent: one event loop that turns backend updates, kernel notifications about our objects
+//! and the `--resync-period` timer into reconciles (bursts coalesce into one, after
+//! [`DEBOUNCE`]), publishes the local node's annotations when they differ from what the backend
+//! shows, refreshes Kilo's `last-seen` heartbeat, and cleans up on shutdown.
+//!
+//! The planner is injected ([`Planner`]): the agent never computes topology itself.
+pub mod config;
+pub mod detect;
+pub mod key;
+pub mod seccomp;
+
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+use tokio::sync::mpsc;
+
+use crate::{
+    backend::{Annotations, Backend},
+    mesh::{Key, Snapshot},
+    plan::Plan,
+    reconcile::{
+        DatapathSync, Kernel, Reconciler, Report, Writes, netlink::EventFilter,
+        wireguard::WireGuard,
+    },
+    telemetry::Metrics,
+};
+
+/// How long the loop waits for more events before reconciling a burst.
+pub const DEBOUNCE: Duration = Duration::from_millis(100);
+
+pub const ANNOTATION_KEY: &str = "kilo.squat.ai/key";
+pub const ANNOTATION_ENDPOINT: &str = "kilo.squat.ai/endpoint";
+pub const ANNOTATION_INTERNAL_IP: &str = "kilo.squat.ai/internal-ip";
+pub const ANNOTATION_WIREGUARD_IP: &str = "kilo.squat.ai/wireguard-ip";
+pub const ANNOTATION_GRANULARITY: &str = "kilo.squat.ai/granularity";
+pub const ANNOTATION_LAST_SEEN: &str = "kilo.squat.ai/last-seen";
+pub const ANNOTATION_DISCOVERED_ENDPOINTS: &str = "kilo.squat.ai/discovered-endpoints";
+
+/// Every annotation the agent writes (and removes on clean-up).
+pub const OWN_ANNOTATIONS: [&str; 7] = [
+    ANNOTATION_KEY,
+    ANNOTATION_ENDPOINT,
+    ANNOTATION_INTERNAL_IP,
+    ANNOTATION_WIREGUARD_IP,
+    ANNOTATION_GRANULARITY,
+    ANNOTATION_LAST_SEEN,
+    ANNOTATION_DISCOVERED_ENDPOINTS,
+];
+
+/// What the planner made of a snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct PlanOutcome {
+    /// `None` when no plan can be made yet (e.g. the local node is not in the snapshot).
+    pub plan: Option<Plan>,
+    /// Invalid nodes or peers (each named), left out of the plan.
+    pub errors: Vec<String>,
+    pub ready_nodes: usize,
+    pub ready_peers: usize,
+    pub leader: bool,
+    /// The local node's WireGuard IP (leaders only), published as `kilo.squat.ai/wireguard-ip`.
+    pub wireguard_ip: Option<IpNet>,
+}
+
+/// Turns a snapshot into a plan (the topology/plan builder, injected).
+pub trait Planner {
+    fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome;
+}
+
+impl<F: FnMut(&Snapshot) -> PlanOutcome> Planner for F {
+    fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome {
+        self(snapshot)
+    }
+}
+
+/// What the agent publishes about its own node.
+#[derive(Debug, Clone)]
+pub struct Local {
+    pub hostname: String,
+    pub public_key: Key,
+    pub endpoint: Option<SocketAddr>,
+    pub internal_ip: Option<IpNet>,
+    pub granularity: String,
+}
+
+impl Local {
+    /// The annotations this node should carry (without `last-seen`).
+    pub fn annotations(&self, wireguard_ip: Option<IpNet>) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (ANNOTATION_KEY.into(), self.public_key.to_string()),
+            (
+                ANNOTATION_ENDPOINT.into(),
+                self.endpoint.map(|e| e.to_string()).unwrap_or_default(),
+            ),
+            (
+                ANNOTATION_INTERNAL_IP.into(),
+                self.internal_ip.map(|i| i.to_string()).unwrap_or_default(),
+            ),
+            (
+                ANNOTATION_WIREGUARD_IP.into(),
+                wireguard_ip.map(|i| i.to_string()).unwrap_or_default(),
+            ),
+            (ANNOTATION_GRANULARITY.into(), self.granularity.clone()),
+        ])
+    }
+}
+
+/// The annotations to publish so that `current` carries `want`. Pure.
+pub fn annotation_changes(
+    current: Option<&BTreeMap<String, String>>,
+    want: &BTreeMap<String, String>,
+) -> Annotations {
+    want.iter()
+        .filter(|(k, v)| current.and_then(|c| c.get(*k)) != Some(*v))
+        .map(|(k, v)| (k.clone(), Some(v.clone())))
+        .collect()
+}
+
+/// How the loop behaves.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    pub debounce: Duration,
+    pub resync: Option<Duration>,
+    pub check_in: Option<Duration>,
+    pub clean_up: bool,
+    pub clean_up_interface: bool,
+}
+
+impl Default for LoopSettings {
+    fn default() -> Self {
+        LoopSettings {
+            debounce: DEBOUNCE,
+            resync: Some(Duration::from_secs(30)),
+            check_in: Some(Duration::from_secs(30)),
+            clean_up: true,
+            clean_up_interface: false,
+        }
+    }
+}
+
+/// What the loop did, for tests and benchmarks.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub reconciles: u64,
+    pub writes: Writes,
+    pub last: Writes,
+    pub publishes: u64,
+    pub last_problems: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Kernel(#[from] crate::reconcile::KernelError),
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    #[error("no plan: {0}")]
+    NoPlan(String),
+}
+
+impl AgentError {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            AgentError::Kernel(_) => "apply",
+            AgentError::Backend(_) => "local",
+            AgentError::NoPlan(_) => "plan",
+        }
+    }
+}
+
+/// The agent: a backend, a planner, the reconcilers.
+pub struct Agent<P, K, W, D> {
+    pub backend: Arc<dyn Backend>,
+    pub planner: P,
+    pub reconciler: Reconciler<K, W, D>,
+    pub local: Local,
+    pub settings: LoopSettings,
+    pub metrics: Metrics,
+    /// Shared with the kernel watcher ([`crate::reconcile::netlink::watch`]).
+    pub filter: Arc<Mutex<EventFilter>>,
+    pub stats: Stats,
+    last_seen_due: bool,
+    seen_generation: u64,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        planner: P,
+        reconciler: Reconciler<K, W, D>,
+        local: Local,
+        settings: LoopSettings,
+        metrics: Metrics,
+    ) -> Self {
+        let devices = &reconciler.settings.devices;
+        let filter = EventFilter {
+            names: devices.names().map(str::to_owned).collect(),
+            ..EventFilter::default()
+        };
+        Agent {
+            backend,
+            planner,
+            reconciler,
+            local,
+            settings,
+            metrics,
+            filter: Arc::new(Mutex::new(filter)),
+            stats: Stats::default(),
+            last_seen_due: true,
+            seen_generation: 0,
+        }
+    }
+
+    fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome {
+        let outcome = self.planner.plan(snapshot);
+        self.metrics.nodes.set(outcome.ready_nodes as i64);
+        self.metrics.peers.set(outcome.ready_peers as i64);
+        self.metrics.leader.set(i64::from(outcome.leader));
+        for e in &outcome.errors {
+            tracing::warn!(error = %e, "left out of the plan");
+        }
+        outcome
+    }
+
+    /// Publishes the local annotations that differ from what the backend shows.
+    async fn publish(&mut self, snapshot: &Snapshot, outcome: &PlanOutcome) {
+        let mut want = self.local.annotations(outcome.wireguard_ip);
+        if self.settings.check_in.is_some() && self.last_seen_due {
+            want.insert(ANNOTATION_LAST_SEEN.into(), unix_now().to_string());
+        }
+        let current = snapshot
+            .nodes
+            .get(&self.local.hostname)
+            .and_then(|n| n.metadata.annotations.as_ref());
+        let changes = annotation_changes(current, &want);
+        if changes.is_empty() {
+            self.last_seen_due = false;
+            return;
+        }
+        match self.backend.publish(&self.local.hostname, &changes).await {
+            Ok(wrote) => {
+                self.last_seen_due = false;
+                if wrote {
+                    self.stats.publishes += 1;
+                    tracing::debug!(changed = changes.len(), "published local annotations");
+                }
+            }
+            Err(e) => {
+                self.metrics.error("local");
+                tracing::warn!(error = %e, "publishing local annotations failed");
+            }
+        }
+    }
+
+    /// One pass: plan from the latest snapshot, publish, reconcile.
+    pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
+        let update = self.backend.updates().borrow().clone();
+        self.metrics.invalid_objects.set(update.errors.len() as i64);
+        if update.generation != self.seen_generation {
+            self.seen_generation = update.generation;
+            for e in &update.errors {
+                self.metrics.error("backend");
+                tracing::warn!(error = %e, "invalid object skipped");
+            }
+        }
+        let outcome = self.plan(&update.snapshot);
+        self.publish(&update.snapshot, &outcome).await;
+        let Some(plan) = outcome.plan else {
+            return Err(AgentError::NoPlan(
+                outcome
+                    .errors
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| "the planner made none".into()),
+            ));
+        };
+        self.metrics.reconciles.inc();
+        self.stats.reconciles += 1;
+        let report = self.reconciler.reconcile(&plan).await?;
+        {
+            let mut f = self.filter.lock().expect("filter lock");
+            f.indexes = report.links.values().map(|l| l.index).collect();
+            f.wireguard_index = report
+                .links
+                .get(&self.reconciler.settings.devices.wireguard)
+                .map(|l| l.index);
+        }
+        self.metrics.record_writes(&report.writes);
+        for p in &report.problems {
+            self.metrics.error("apply");
+            tracing::warn!(problem = %p, "could not apply");
+        }
+        if !report.writes.is_empty() {
+            tracing::info!(writes = %report.writes, "reconciled");
+        }
+        self.stats.writes += report.writes.clone();
+        self.stats.last = report.writes.clone();
+        self.stats.last_problems = report.problems.clone();
+        self.metrics.set_ready(true);
+        Ok(report)
+    }
+
+    /// The difference between the plan and the kernel, changing nothing.
+    pub async fn dry_run(&mut self) -> Result<String, AgentError> {
+        let update = self.backend.updates().borrow().clone();
+        let outcome = self.plan(&update.snapshot);
+        let mut out = String::new();
+        for e in &update.errors {
+            out.push_str(&format!("! {e}\n"));
+        }
+        let plan = outcome
+            .plan
+            .ok_or_else(|| AgentError::NoPlan(outcome.errors.join("; ")))?;
+        out.push_str(&self.reconciler.dry_run(&plan).await?.to_string());
+        Ok(out)
+    }
+
+    /// Removes our kernel state and our annotations.
+    pub async fn clean_up(&mut self) -> Result<Report, AgentError> {
+        let report = self
+            .reconciler
+            .clean_up(self.settings.clean_up_interface)
+            .await?;
+        let remove: Annotations = OWN_ANNOTATIONS
+            .iter()
+            .map(|k| (k.to_string(), None))
+            .collect();
+        if let Err(e) = self.backend.publish(&self.local.hostname, &remove).await {
+            self.metrics.error("cleanUp");
+            tracing::warn!(error = %e, "removing our annotations failed");
+        }
+        for p in &report.problems {
+            self.metrics.error("cleanUp");
+            tracing::warn!(problem = %p, "clean-up incomplete");
+        }
+        tracing::info!(writes = %report.writes, "cleaned up");
+        Ok(report)
+    }
+
+    /// Runs until `shutdown` completes, then cleans up when `--clean-up` is set.
+    pub async fn run(
+        mut self,
+        mut kernel_events: Option<mpsc::Receiver<()>>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Stats {
+        tokio::pin!(shutdown);
+        let mut updates = self.backend.updates();
+        let mut resync = self.settings.resync.map(|p| {
+            let mut i = tokio::time::interval_at(tokio::time::Instant::now() + p, p);
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
+        let mut check_in = self.settings.check_in.map(|p| {
+            let mut i = tokio::time::interval_at(tokio::time::Instant::now() + p, p);
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
+        // No reconcile before the backend has a complete view: an empty snapshot must never
+        // tear the mesh down.
+        let mut pending = updates.borrow().generation > 0;
+        let mut stop = false;
+        while !stop {
+            if pending {
+                // Coalesce a burst: absorb whatever else arrives within the debounce window.
+                let window = tokio::time::sleep(self.settings.debounce);
+                tokio::pin!(window);
+                loop {
+                    tokio::select! {
+                        _ = &mut window => break,
+                        r = updates.changed() => { if r.is_err() { stop = true; break; } updates.borrow_and_update(); }
+                        Some(()) = recv(&mut kernel_events) => {}
+                        _ = &mut shutdown => { stop = true; break; }
+                    }
+                }
+                if stop {
+                    break;
+                }
+                pending = false;
+                if updates.borrow_and_update().generation == 0 {
+                    continue;
+                }
+                if let Err(e) = self.reconcile_once().await {
+                    self.metrics.error(e.metric_label());
+                    tracing::warn!(error = %e, "reconcile failed");
+                }
+            }
+            tokio::select! {
+                r = updates.changed() => {
+                    if r.is_err() { tracing::error!("backend stopped"); break; }
+                    pending = true;
+                }
+                Some(()) = recv(&mut kernel_events) => pending = true,
+                _ = tick(&mut resync) => pending = true,
+                _ = tick(&mut check_in) => { self.last_seen_due = true; pending = true; }
+                _ = &mut shutdown => stop = true,
+            }
+        }
+        if self.settings.clean_up {
+            if let Err(e) = self.clean_up().await {
+                self.metrics.error("cleanUp");
+                tracing::error!(error = %e, "clean-up failed");
+            }
+        } else {
+            tracing::info!("--clean-up=false: leaving the mesh and datapath running");
+        }
+        self.stats
+    }
+}
+
+async fn recv(rx: &mut Option<mpsc::Receiver<()>>) -> Option<()> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn tick(i: &mut Option<tokio::time::Interval>) {
+    match i {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_differing_annotations_are_published() {
+        let local = Local {
+            hostname: "a".into(),
+            public_key: Key([1; 32]),
+            endpoint: Some("10.0.0.1:51820".parse().unwrap()),
+            internal_ip: Some("10.0.0.1/24".parse().unwrap()),
+            granularity: "location".into(),
+        };
+        let want = local.annotations(None);
+        assert_eq!(want[ANNOTATION_WIREGUARD_IP], "");
+        let all = annotation_changes(None, &want);
+        assert_eq!(all.len(), 5);
+        let mut current = want.clone();
+        current.insert("kilo.squat.ai/leader".into(), "true".into());
+        assert!(annotation_changes(Some(&current), &want).is_empty());
+        let want2 = local.annotations(Some("10.4.0.1/16".parse().unwrap()));
+        let c = annotation_changes(Some(&current), &want2);
+        assert_eq!(
+            c,
+            Annotations::from([(ANNOTATION_WIREGUARD_IP.into(), Some("10.4.0.1/16".into()))])
+        );
+    }
+}

@@ -1,0 +1,440 @@
+//! The file backend (`--backend file --backend-dir DIR`): Kubernetes-shaped Node and Peer objects,
+//! one per file (YAML or JSON), in one directory that several agents may share.
+//!
+//! The directory is watched with inotify (no polling). A burst of events is coalesced: the
+//! directory is rescanned once it has been quiet for [`QUIET`] (or after [`MAX_DELAY`] at most),
+//! and only files whose size, mtime or inode changed are parsed again. A file that cannot be
+//! read is logged (naming the file and the error), reported in [`Update::errors`] and skipped.
+//!
+//! Publishing annotations rewrites the agent's own node file atomically (write a hidden temporary
+//! file, fsync, rename), creating `<node>.yaml` when no file holds that node. Hidden files
+//! (starting with `.`) are never read, so temporaries are invisible to every agent.
+use std::{
+    collections::BTreeMap,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use futures::{FutureExt, future::BoxFuture};
+use notify::{EventKind, RecursiveMode, Watcher, event::AccessKind};
+use tokio::sync::{mpsc, watch};
+
+use super::{Annotations, Backend, BackendError, Update, apply_annotations};
+use crate::mesh::{KubeNode, Peer, Snapshot};
+
+/// How long the directory must be quiet before a rescan.
+pub const QUIET: Duration = Duration::from_millis(50);
+/// The longest a rescan waits under a continuous stream of events.
+pub const MAX_DELAY: Duration = Duration::from_millis(500);
+
+/// One object read from a file.
+#[derive(Debug, Clone)]
+enum Object {
+    Node(Box<KubeNode>),
+    Peer(Box<Peer>),
+}
+
+impl Object {
+    fn name(&self) -> &str {
+        match self {
+            Object::Node(n) => n.metadata.name.as_deref().unwrap_or_default(),
+            Object::Peer(p) => p.metadata.name.as_deref().unwrap_or_default(),
+        }
+    }
+}
+
+/// Parses one Kubernetes-shaped object (YAML or JSON) by its `kind`.
+fn parse_object(text: &str) -> Result<Object, String> {
+    let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+    let kind = value
+        .get("kind")
+        .and_then(|k| k.as_str())
+        .ok_or("field kind: missing")?
+        .to_owned();
+    let obj = match kind.as_str() {
+        "Node" => Object::Node(Box::new(
+            serde_yaml::from_value(value).map_err(|e| format!("Node: {e}"))?,
+        )),
+        "Peer" => Object::Peer(Box::new(
+            serde_yaml::from_value(peer_field_names(value)).map_err(|e| format!("Peer: {e}"))?,
+        )),
+        other => return Err(format!("field kind: {other:?} is neither Node nor Peer")),
+    };
+    if obj.name().is_empty() {
+        return Err(format!("{kind}: field metadata.name: missing"));
+    }
+    Ok(obj)
+}
+
+/// Kilo's CRD spells the field `allowedIPs`; map the spelling used in a file onto the one the
+/// `PeerSpec` contract deserializes, whichever that is (temporary until mesh::objects parses).
+fn peer_field_names(mut value: serde_yaml::Value) -> serde_yaml::Value {
+    let expected = serde_json::to_value(crate::mesh::PeerSpec::default())
+        .ok()
+        .and_then(|v| {
+            v.as_object()?
+                .keys()
+                .find(|k| k.eq_ignore_ascii_case("allowedips"))
+                .cloned()
+        });
+    if let (Some(expected), Some(spec)) = (
+        expected,
+        value.get_mut("spec").and_then(|s| s.as_mapping_mut()),
+    ) {
+        let found = spec
+            .keys()
+            .filter_map(|k| k.as_str())
+            .find(|k| k.eq_ignore_ascii_case("allowedips") && *k != expected)
+            .map(str::to_owned);
+        if let Some(found) = found
+            && let Some(v) = spec.remove(found.as_str())
+        {
+            spec.insert(expected.into(), v);
+        }
+    }
+    value
+}
+
+/// What identifies a file's version without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fingerprint {
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+}
+
+#[derive(Debug, Default)]
+struct Cache {
+    files: BTreeMap<PathBuf, (Fingerprint, Result<Object, String>)>,
+    generation: u64,
+}
+
+fn is_object_file(path: &Path) -> bool {
+    let hidden = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_none_or(|n| n.starts_with('.'));
+    let ext = path.extension().and_then(|e| e.to_str());
+    !hidden && matches!(ext, Some("yaml" | "yml" | "json"))
+}
+
+impl Cache {
+    /// Rescans the directory; returns whether any file appeared, changed or disappeared.
+    fn rescan(&mut self, dir: &Path) -> Result<bool, BackendError> {
+        let io = |source| BackendError::Io {
+            path: dir.display().to_string(),
+            source,
+        };
+        let mut seen = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).map_err(io)? {
+            let Ok(entry) = entry else { continue };
+            let path = entry.path();
+            if !is_object_file(&path) {
+                continue;
+            }
+            let Ok(meta) = std::fs::metadata(&path) else {
+                continue; // removed between readdir and stat
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let fp = Fingerprint {
+                ino: meta.ino(),
+                size: meta.size(),
+                mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            };
+            seen.insert(path, fp);
+        }
+        let mut changed = false;
+        let before = self.files.len();
+        self.files.retain(|p, _| seen.contains_key(p));
+        changed |= self.files.len() != before;
+        for (path, fp) in seen {
+            if self.files.get(&path).is_some_and(|(old, _)| *old == fp) {
+                continue;
+            }
+            let parsed = match std::fs::read_to_string(&path) {
+                Ok(text) => parse_object(&text),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = &parsed {
+                tracing::warn!(file = %path.display(), error = %e, "skipping invalid object file");
+            }
+            self.files.insert(path, (fp, parsed));
+            changed = true;
+        }
+        if changed {
+            self.generation += 1;
+        }
+        Ok(changed)
+    }
+
+    fn update(&self) -> Update {
+        let mut snapshot = Snapshot::default();
+        let mut errors = Vec::new();
+        let mut origin: BTreeMap<(bool, String), &Path> = BTreeMap::new();
+        for (path, (_, parsed)) in &self.files {
+            match parsed {
+                Err(e) => errors.push(format!("{}: {e}", path.display())),
+                Ok(obj) => {
+                    let key = (matches!(obj, Object::Node(_)), obj.name().to_owned());
+                    if let Some(first) = origin.get(&key) {
+                        errors.push(format!(
+                            "{}: {} also defined in {}, ignored",
+                            path.display(),
+                            key.1,
+                            first.display()
+                        ));
+                        continue;
+                    }
+                    origin.insert(key, path);
+                    match obj {
+                        Object::Node(n) => {
+                            snapshot.nodes.insert(obj.name().to_owned(), (**n).clone());
+                        }
+                        Object::Peer(p) => {
+                            snapshot.peers.insert(obj.name().to_owned(), (**p).clone());
+                        }
+                    }
+                }
+            }
+        }
+        Update {
+            snapshot: Arc::new(snapshot),
+            errors,
+            generation: self.generation,
+        }
+    }
+
+    fn node_file(&self, node: &str) -> Option<PathBuf> {
+        self.files.iter().find_map(|(p, (_, parsed))| match parsed {
+            Ok(Object::Node(n)) if n.metadata.name.as_deref() == Some(node) => Some(p.clone()),
+            _ => None,
+        })
+    }
+}
+
+/// The file backend. Dropping it stops the watcher.
+pub struct FileBackend {
+    dir: PathBuf,
+    cache: Arc<Mutex<Cache>>,
+    rx: watch::Receiver<Update>,
+    _watcher: notify::RecommendedWatcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FileBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FileBackend {
+    /// Reads `dir` once and starts watching it. Must be called inside a tokio runtime.
+    pub fn start(dir: impl Into<PathBuf>) -> Result<Self, BackendError> {
+        let dir = dir.into();
+        let mut cache = Cache::default();
+        cache.rescan(&dir)?;
+        cache.generation = cache.generation.max(1); // the initial scan is a complete view
+        let (tx, rx) = watch::channel(cache.update());
+        let cache = Arc::new(Mutex::new(cache));
+        let (etx, erx) = mpsc::unbounded_channel::<()>();
+        let mut watcher =
+            notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+                Ok(ev) if matches!(ev.kind, EventKind::Access(a) if a != AccessKind::Close(notify::event::AccessMode::Write)) => {}
+                Ok(_) => {
+                    let _ = etx.send(());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "file backend watch error; rescanning");
+                    let _ = etx.send(());
+                }
+            })
+            .map_err(|e| BackendError::Watch {
+                path: dir.display().to_string(),
+                message: e.to_string(),
+            })?;
+        watcher
+            .watch(&dir, RecursiveMode::NonRecursive)
+            .map_err(|e| BackendError::Watch {
+                path: dir.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let task = tokio::spawn(run(dir.clone(), cache.clone(), erx, tx));
+        Ok(FileBackend {
+            dir,
+            cache,
+            rx,
+            _watcher: watcher,
+            task,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+async fn run(
+    dir: PathBuf,
+    cache: Arc<Mutex<Cache>>,
+    mut events: mpsc::UnboundedReceiver<()>,
+    tx: watch::Sender<Update>,
+) {
+    while events.recv().await.is_some() {
+        // Coalesce: wait until the directory is quiet, or MAX_DELAY at most.
+        let deadline = tokio::time::Instant::now() + MAX_DELAY;
+        loop {
+            let quiet = tokio::time::Instant::now() + QUIET;
+            match tokio::time::timeout_at(quiet.min(deadline), events.recv()).await {
+                Ok(Some(())) if tokio::time::Instant::now() < deadline => continue,
+                Ok(None) => return,
+                _ => break,
+            }
+        }
+        let update = {
+            let mut c = cache.lock().expect("cache lock");
+            match c.rescan(&dir) {
+                Ok(true) => Some(c.update()),
+                Ok(false) => None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "file backend rescan failed");
+                    None
+                }
+            }
+        };
+        if let Some(u) = update {
+            tracing::debug!(
+                generation = u.generation,
+                nodes = u.snapshot.nodes.len(),
+                peers = u.snapshot.peers.len(),
+                "file backend update"
+            );
+            if tx.send(u).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Rewrites (or creates) the node's file with the annotations applied; atomic by rename.
+fn publish_file(
+    dir: &Path,
+    existing: Option<PathBuf>,
+    node: &str,
+    changes: &Annotations,
+) -> Result<bool, BackendError> {
+    let path = existing.unwrap_or_else(|| dir.join(format!("{node}.yaml")));
+    let io = |source| BackendError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let parse = |message: String| BackendError::Parse {
+        path: path.display().to_string(),
+        message,
+    };
+    let json = path.extension().and_then(|e| e.to_str()) == Some("json");
+    let mut value: serde_json::Value = match std::fs::read_to_string(&path) {
+        Ok(text) => serde_yaml::from_str(&text).map_err(|e| parse(e.to_string()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": { "name": node },
+        }),
+        Err(e) => return Err(io(e)),
+    };
+    let metadata = value
+        .as_object_mut()
+        .ok_or_else(|| parse("not a mapping".into()))?
+        .entry("metadata")
+        .or_insert_with(|| serde_json::json!({}));
+    let metadata = metadata
+        .as_object_mut()
+        .ok_or_else(|| parse("field metadata: not a mapping".into()))?;
+    let mut current: BTreeMap<String, String> = match metadata.get("annotations") {
+        None | Some(serde_json::Value::Null) => BTreeMap::new(),
+        Some(a) => serde_json::from_value(a.clone())
+            .map_err(|e| parse(format!("field metadata.annotations: {e}")))?,
+    };
+    let created = !path.exists();
+    if !apply_annotations(&mut current, changes) && !created {
+        return Ok(false);
+    }
+    metadata.insert(
+        "annotations".into(),
+        serde_json::to_value(&current).expect("string map"),
+    );
+    let text = if json {
+        serde_json::to_string_pretty(&value).expect("json value") + "\n"
+    } else {
+        serde_yaml::to_string(&value).map_err(|e| parse(e.to_string()))?
+    };
+    let file_name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("node")
+        .to_owned();
+    let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
+    let tmp_io = |source| BackendError::Io {
+        path: tmp.display().to_string(),
+        source,
+    };
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(tmp_io)?;
+        f.write_all(text.as_bytes()).map_err(tmp_io)?;
+        f.sync_all().map_err(tmp_io)?;
+    }
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    Ok(true)
+}
+
+impl Backend for FileBackend {
+    fn updates(&self) -> watch::Receiver<Update> {
+        self.rx.clone()
+    }
+
+    fn publish<'a>(
+        &'a self,
+        node: &'a str,
+        annotations: &'a Annotations,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        async move {
+            let existing = {
+                let mut c = self.cache.lock().expect("cache lock");
+                // Our own file may have changed since the last event was handled.
+                let _ = c.rescan(&self.dir);
+                c.node_file(node)
+            };
+            publish_file(&self.dir, existing, node, annotations)
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_nodes_and_peers_and_names_the_problem() {
+        let node =
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: a\nspec:\n  podCIDR: 10.2.1.0/24\n";
+        assert!(matches!(parse_object(node), Ok(Object::Node(_))));
+        let peer = r#"{"apiVersion":"kilo.squat.ai/v1alpha1","kind":"Peer","metadata":{"name":"p"},
+            "spec":{"allowedIPs":["10.5.0.1/32"],"publicKey":"a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="}}"#;
+        let p = parse_object(peer);
+        assert!(matches!(p, Ok(Object::Peer(_))), "{p:?}");
+        let e = parse_object("kind: Pod\nmetadata: {name: x}").unwrap_err();
+        assert!(e.contains("kind"), "{e}");
+        let e = parse_object("kind: Node\nmetadata: {}").unwrap_err();
+        assert!(e.contains("metadata.name"), "{e}");
+        let e = parse_object("kind: Peer\nmetadata: {name: p}\nspec: {allowedIPs: 3}").unwrap_err();
+        assert!(e.starts_with("Peer"), "{e}");
+    }
+}

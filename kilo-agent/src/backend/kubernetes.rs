@@ -1,0 +1,539 @@
+//! The Kubernetes backend (`--backend kubernetes`): a Node watcher filtered to the changes that
+//! matter, a Peer watcher, and a merge patch of the local node's own annotations.
+//!
+//! Node filter: an update wakes the agent only when labels, annotations (other than
+//! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed, or when a
+//! node whose `last-seen` had gone stale comes back. Status heartbeats (kubelet) and Kilo's 30 s
+//! `last-seen` refreshes are stored (so the next snapshot carries them) but cost no reconcile.
+//! Objects are trimmed on arrival (managed fields, images, most of status) to keep memory flat.
+//!
+//! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
+//! `last-seen` is older than 60 s, so during a migration kg keeps refreshing it every 30 s
+//! (every agent still *receives* N updates per 30 s from the API server, but they are filtered
+//! here before they cost a plan or a reconcile). Once no Kilo agent is left,
+//! `--check-in-period=0` stops the heartbeat: liveness is then Kubernetes' own (the node
+//! lifecycle controller marks a node NotReady from its kubelet Lease in `kube-node-lease`;
+//! that `Ready` transition passes the filter), and the steady-state cost per agent is zero
+//! updates whatever N is.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+};
+
+use futures::{FutureExt, StreamExt, future::BoxFuture};
+use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+use kube::{
+    Api, Client, Resource,
+    api::{Patch, PatchParams},
+    runtime::{WatchStreamExt, watcher},
+};
+use tokio::sync::watch;
+
+use super::{Annotations, Backend, BackendError, Update};
+use crate::mesh::{KubeNode, Peer, Snapshot};
+
+/// Kilo's readiness window for `last-seen` (2 × its fixed 30 s check-in period).
+pub const LAST_SEEN_WINDOW_SECS: i64 = 60;
+const LAST_SEEN: &str = "kilo.squat.ai/last-seen";
+
+/// The parts of a Node the mesh depends on; an update that leaves them equal is dropped.
+#[derive(Debug, PartialEq, Eq)]
+struct NodeView {
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    pod_cidr: Option<String>,
+    pod_cidrs: Vec<String>,
+    ready: Option<String>,
+}
+
+fn view(n: &KubeNode) -> NodeView {
+    let mut annotations = n.metadata.annotations.clone().unwrap_or_default();
+    annotations.remove(LAST_SEEN);
+    let spec = n.spec.as_ref();
+    NodeView {
+        labels: n.metadata.labels.clone().unwrap_or_default(),
+        annotations,
+        pod_cidr: spec.and_then(|s| s.pod_cidr.clone()),
+        pod_cidrs: spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default(),
+        ready: ready_condition(n).map(|c| c.status.clone()),
+    }
+}
+
+fn ready_condition(n: &KubeNode) -> Option<&NodeCondition> {
+    n.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+}
+
+fn last_seen(n: &KubeNode) -> Option<i64> {
+    n.metadata
+        .annotations
+        .as_ref()?
+        .get(LAST_SEEN)?
+        .parse()
+        .ok()
+}
+
+/// Whether `new` differs from `old` in a way that matters. Pure (`now` in unix seconds).
+pub fn node_changed(old: Option<&KubeNode>, new: &KubeNode, now: i64) -> bool {
+    let Some(old) = old else { return true };
+    if view(old) != view(new) {
+        return true;
+    }
+    let fresh = |t: Option<i64>| t.is_some_and(|t| now - t < LAST_SEEN_WINDOW_SECS);
+    // A node coming back to life (stale → fresh) matters; a refresh of a live one does not.
+    !fresh(last_seen(old)) && fresh(last_seen(new))
+}
+
+/// Drops what the agent never reads (managed fields, images, heartbeat timestamps).
+pub fn trim_node(mut n: KubeNode) -> KubeNode {
+    n.metadata.managed_fields = None;
+    if let Some(status) = n.status.take() {
+        let conditions = status.conditions.map(|cs| {
+            cs.into_iter()
+                .filter(|c| c.type_ == "Ready")
+                .map(|c| NodeCondition {
+                    last_heartbeat_time: None,
+                    ..c
+                })
+                .collect()
+        });
+        n.status = Some(NodeStatus {
+            addresses: status.addresses,
+            conditions,
+            ..NodeStatus::default()
+        });
+    }
+    n
+}
+
+#[derive(Default)]
+struct State {
+    nodes: BTreeMap<String, KubeNode>,
+    peers: BTreeMap<String, Peer>,
+    nodes_synced: bool,
+    peers_synced: bool,
+    generation: u64,
+    init_nodes: Option<BTreeMap<String, KubeNode>>,
+    init_peers: Option<BTreeMap<String, Peer>>,
+}
+
+impl State {
+    fn publish(&mut self, tx: &watch::Sender<Update>) {
+        if !(self.nodes_synced && self.peers_synced) {
+            return;
+        }
+        self.generation += 1;
+        let _ = tx.send(Update {
+            snapshot: Arc::new(Snapshot {
+                nodes: self.nodes.clone(),
+                peers: self.peers.clone(),
+            }),
+            errors: Vec::new(),
+            generation: self.generation,
+        });
+    }
+}
+
+fn name_of<K: Resource>(k: &K) -> String {
+    k.meta().name.clone().unwrap_or_default()
+}
+
+/// The Kubernetes backend. Dropping it stops the watchers.
+pub struct KubeBackend {
+    client: Client,
+    rx: watch::Receiver<Update>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for KubeBackend {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// A client from `--kubeconfig` / `--master`, or the in-cluster configuration.
+pub async fn client(
+    kubeconfig: Option<&std::path::Path>,
+    master: Option<&str>,
+) -> Result<Client, BackendError> {
+    let e = |e: &dyn std::fmt::Display| BackendError::Kube(e.to_string());
+    let mut config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|x| e(&x))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|x| e(&x))?
+        }
+        None => kube::Config::infer().await.map_err(|x| e(&x))?,
+    };
+    if let Some(m) = master {
+        config.cluster_url = m.parse().map_err(|x| e(&x))?;
+    }
+    Client::try_from(config).map_err(|x| e(&x))
+}
+
+impl KubeBackend {
+    /// Starts the Node and Peer watchers. The first update (generation 1) comes once both have
+    /// listed everything; until then the agent does not reconcile (an empty view must never
+    /// remove the mesh).
+    pub fn start(client: Client) -> Self {
+        let (tx, rx) = watch::channel(Update::default());
+        let tx = Arc::new(tx);
+        let state = Arc::new(Mutex::new(State::default()));
+        let nodes = {
+            let (state, tx) = (state.clone(), tx.clone());
+            let api: Api<KubeNode> = Api::all(client.clone());
+            tokio::spawn(async move {
+                let mut stream = watcher(api, watcher::Config::default())
+                    .default_backoff()
+                    .boxed();
+                while let Some(ev) = stream.next().await {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs() as i64)
+                        .unwrap_or_default();
+                    let mut s = state.lock().expect("state lock");
+                    match ev {
+                        Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
+                        Ok(watcher::Event::InitApply(n)) => {
+                            let n = trim_node(n);
+                            s.init_nodes
+                                .get_or_insert_with(BTreeMap::new)
+                                .insert(name_of(&n), n);
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            s.nodes = s.init_nodes.take().unwrap_or_default();
+                            s.nodes_synced = true;
+                            s.publish(&tx);
+                        }
+                        Ok(watcher::Event::Apply(n)) => {
+                            let n = trim_node(n);
+                            let name = name_of(&n);
+                            let changed = node_changed(s.nodes.get(&name), &n, now);
+                            s.nodes.insert(name.clone(), n);
+                            if changed {
+                                tracing::debug!(node = %name, "node changed");
+                                s.publish(&tx);
+                            }
+                        }
+                        Ok(watcher::Event::Delete(n)) => {
+                            if s.nodes.remove(&name_of(&n)).is_some() {
+                                s.publish(&tx);
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "node watch failed; retrying"),
+                    }
+                }
+            })
+        };
+        let peers = {
+            let (state, tx) = (state.clone(), tx.clone());
+            let api: Api<Peer> = Api::all(client.clone());
+            tokio::spawn(async move {
+                let mut stream = watcher(api, watcher::Config::default())
+                    .default_backoff()
+                    .boxed();
+                while let Some(ev) = stream.next().await {
+                    let mut s = state.lock().expect("state lock");
+                    let trim = |mut p: Peer| {
+                        p.metadata.managed_fields = None;
+                        p
+                    };
+                    match ev {
+                        Ok(watcher::Event::Init) => s.init_peers = Some(BTreeMap::new()),
+                        Ok(watcher::Event::InitApply(p)) => {
+                            let p = trim(p);
+                            s.init_peers
+                                .get_or_insert_with(BTreeMap::new)
+                                .insert(name_of(&p), p);
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            s.peers = s.init_peers.take().unwrap_or_default();
+                            s.peers_synced = true;
+                            s.publish(&tx);
+                        }
+                        Ok(watcher::Event::Apply(p)) => {
+                            let p = trim(p);
+                            let name = name_of(&p);
+                            let changed = s.peers.get(&name).map(|o| &o.spec) != Some(&p.spec);
+                            s.peers.insert(name, p);
+                            if changed {
+                                s.publish(&tx);
+                            }
+                        }
+                        Ok(watcher::Event::Delete(p)) => {
+                            if s.peers.remove(&name_of(&p)).is_some() {
+                                s.publish(&tx);
+                            }
+                        }
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "peer watch failed (is the peers.kilo.squat.ai CRD installed?); retrying"
+                        ),
+                    }
+                }
+            })
+        };
+        KubeBackend {
+            client,
+            rx,
+            tasks: vec![nodes, peers],
+        }
+    }
+}
+
+/// The merge patch that sets or removes annotations.
+pub fn annotation_patch(annotations: &Annotations) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> = annotations
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_ref().map_or(serde_json::Value::Null, |v| {
+                    serde_json::Value::String(v.clone())
+                }),
+            )
+        })
+        .collect();
+    serde_json::json!({ "metadata": { "annotations": map } })
+}
+
+impl Backend for KubeBackend {
+    fn updates(&self) -> watch::Receiver<Update> {
+        self.rx.clone()
+    }
+
+    fn publish<'a>(
+        &'a self,
+        node: &'a str,
+        annotations: &'a Annotations,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        async move {
+            if annotations.is_empty() {
+                return Ok(false);
+            }
+            let api: Api<KubeNode> = Api::all(self.client.clone());
+            api.patch(
+                node,
+                &PatchParams::default(),
+                &Patch::Merge(annotation_patch(annotations)),
+            )
+            .await
+            .map_err(|e| BackendError::Kube(format!("patching node {node}: {e}")))?;
+            Ok(true)
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+
+    use super::*;
+
+    fn node(annotations: &[(&str, &str)], ready: &str, heartbeat: &str) -> KubeNode {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {
+                "name": "a", "resourceVersion": "1",
+                "labels": {"topology.kubernetes.io/region": "eu"},
+                "annotations": annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+                "managedFields": [{"manager": "kubelet", "operation": "Update"}],
+            },
+            "spec": {"podCIDR": "10.2.1.0/24"},
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": ready, "lastHeartbeatTime": heartbeat},
+                    {"type": "MemoryPressure", "status": "False", "lastHeartbeatTime": heartbeat},
+                ],
+                "images": [{"names": ["busybox"], "sizeBytes": 1}],
+            },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn heartbeats_are_filtered_and_real_changes_pass() {
+        let now = 1_000_000;
+        let t = |s: i64| (now - s).to_string();
+        let old = trim_node(node(&[(LAST_SEEN, &t(30))], "True", "2026-01-01T00:00:00Z"));
+        // Kilo's last-seen refresh and a kubelet heartbeat: filtered.
+        let hb = trim_node(node(&[(LAST_SEEN, &t(0))], "True", "2026-01-01T00:00:10Z"));
+        assert!(!node_changed(Some(&old), &hb, now));
+        // An annotation, the Ready condition, a stale node coming back: not filtered.
+        let ann = trim_node(node(
+            &[(LAST_SEEN, &t(0)), ("kilo.squat.ai/leader", "")],
+            "True",
+            "2026-01-01T00:00:05Z",
+        ));
+        assert!(node_changed(Some(&old), &ann, now));
+        let notready = trim_node(node(
+            &[(LAST_SEEN, &t(30))],
+            "False",
+            "2026-01-01T00:00:05Z",
+        ));
+        assert!(node_changed(Some(&old), &notready, now));
+        let stale = trim_node(node(
+            &[(LAST_SEEN, &t(600))],
+            "True",
+            "2026-01-01T00:00:05Z",
+        ));
+        assert!(node_changed(Some(&stale), &hb, now));
+        assert!(node_changed(None, &hb, now));
+        // Trimmed: no managed fields, no images, only the Ready condition without heartbeat.
+        assert!(old.metadata.managed_fields.is_none());
+        let status = old.status.unwrap();
+        assert!(status.images.is_none());
+        let cs = status.conditions.unwrap();
+        assert_eq!(cs.len(), 1);
+        assert!(cs[0].last_heartbeat_time.is_none());
+    }
+
+    #[tokio::test]
+    async fn publish_sends_one_merge_patch_of_the_annotations() {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let server = tokio::spawn(async move {
+            let (req, send) = handle.next_request().await.expect("a request");
+            assert_eq!(req.method(), Method::PATCH);
+            assert_eq!(req.uri().path(), "/api/v1/nodes/node-a");
+            assert_eq!(
+                req.headers().get("content-type").unwrap(),
+                "application/merge-patch+json"
+            );
+            let body = req.into_body().collect_bytes().await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(
+                body,
+                serde_json::json!({"metadata": {"annotations": {
+                    "kilo.squat.ai/key": "a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+                    "kilo.squat.ai/last-seen": null,
+                }}})
+            );
+            let n = node(&[], "True", "2026-01-01T00:00:05Z");
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&n).unwrap()))
+                    .unwrap(),
+            );
+        });
+        let backend = KubeBackend {
+            client: Client::new(service, "default"),
+            rx: watch::channel(Update::default()).1,
+            tasks: vec![],
+        };
+        let changes = Annotations::from([
+            (
+                "kilo.squat.ai/key".to_string(),
+                Some("a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".to_string()),
+            ),
+            ("kilo.squat.ai/last-seen".to_string(), None),
+        ]);
+        assert!(backend.publish("node-a", &changes).await.unwrap());
+        assert!(
+            !backend
+                .publish("node-a", &Annotations::new())
+                .await
+                .unwrap()
+        );
+        server.await.unwrap();
+    }
+
+    fn list(kind: &str, items: serde_json::Value) -> Response<Body> {
+        Response::builder()
+            .body(Body::from(
+                serde_json::to_vec(&serde_json::json!({
+                    "apiVersion": "v1", "kind": kind,
+                    "metadata": {"resourceVersion": "10"}, "items": items,
+                }))
+                .unwrap(),
+            ))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn watchers_list_then_watch_and_filter_heartbeats() {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let backend = KubeBackend::start(Client::new(service, "default"));
+        let mut rx = backend.updates();
+        assert_eq!(rx.borrow().generation, 0, "nothing before both lists");
+        let mut node_watch = None;
+        let mut lists = 0;
+        while lists < 2 || node_watch.is_none() {
+            let (req, send) = handle.next_request().await.expect("a request");
+            assert_eq!(req.method(), Method::GET);
+            let path = req.uri().path().to_string();
+            let query = req.uri().query().unwrap_or_default().to_string();
+            let watching = query.contains("watch=true");
+            match (path.as_str(), watching) {
+                ("/api/v1/nodes", false) => {
+                    lists += 1;
+                    let n = node(
+                        &[("kilo.squat.ai/last-seen", "1")],
+                        "True",
+                        "2026-01-01T00:00:05Z",
+                    );
+                    send.send_response(list("NodeList", serde_json::json!([n])));
+                }
+                ("/apis/kilo.squat.ai/v1alpha1/peers", false) => {
+                    lists += 1;
+                    send.send_response(list("PeerList", serde_json::json!([])));
+                }
+                ("/api/v1/nodes", true) => node_watch = Some(send),
+                ("/apis/kilo.squat.ai/v1alpha1/peers", true) => {
+                    std::mem::forget(send); // never answers: the watch stays open
+                }
+                other => panic!("unexpected request {other:?} ?{query}"),
+            }
+        }
+        rx.changed().await.unwrap();
+        let first = rx.borrow_and_update().clone();
+        assert_eq!(first.generation, 1);
+        assert!(first.snapshot.nodes.contains_key("a"));
+        // A watch stream: a heartbeat-only update, then a real change.
+        let hb = node(
+            &[("kilo.squat.ai/last-seen", "1")],
+            "True",
+            "2026-01-01T00:00:20Z",
+        );
+        let real = node(
+            &[
+                ("kilo.squat.ai/last-seen", "1"),
+                ("kilo.squat.ai/location", "b"),
+            ],
+            "True",
+            "2026-01-01T00:00:20Z",
+        );
+        let mut lines = Vec::new();
+        for n in [hb, real] {
+            lines.extend(
+                serde_json::to_vec(&serde_json::json!({"type": "MODIFIED", "object": n})).unwrap(),
+            );
+            lines.push(b'\n');
+        }
+        node_watch
+            .unwrap()
+            .send_response(Response::builder().body(Body::from(lines)).unwrap());
+        rx.changed().await.unwrap();
+        let second = rx.borrow_and_update().clone();
+        assert_eq!(
+            second.generation, 2,
+            "the heartbeat must not have produced an update"
+        );
+        assert_eq!(
+            second.snapshot.nodes["a"]
+                .metadata
+                .annotations
+                .as_ref()
+                .unwrap()["kilo.squat.ai/location"],
+            "b"
+        );
+    }
+}

@@ -1,0 +1,577 @@
+//! The real kernel reconciler over rtnetlink: the WireGuard link (create, up, MTU), its
+//! addresses, our routes and our rules; plus the multicast watcher that turns kernel changes to
+//! our objects into reconcile triggers (foreign churn is filtered out before it costs anything).
+//!
+//! Ownership: every route and rule we add carries the protocol marker [`RTPROT_KILO`]; only
+//! routes and rules with that marker are ever observed, replaced or deleted.
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
+
+use futures::{StreamExt, TryStreamExt};
+use ipnet::IpNet;
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    address::{AddressAttribute, AddressMessage},
+    link::{LinkAttribute, LinkFlags, LinkMessage},
+    route::{
+        RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol,
+        RouteScope, RouteType,
+    },
+    rule::{RuleAction, RuleAttribute, RuleMessage},
+};
+use rtnetlink::{Handle, IpVersion, LinkUnspec, LinkWireguard, MulticastGroup};
+
+use super::{
+    Kernel, KernelError, RTPROT_KILO, Writes,
+    state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState},
+};
+
+/// The kernel, through one rtnetlink connection.
+pub struct NetlinkKernel {
+    handle: Handle,
+}
+
+impl NetlinkKernel {
+    /// Opens a connection in the calling thread's network namespace; must run inside a tokio
+    /// runtime (the connection is spawned on it).
+    pub fn connect() -> Result<Self, KernelError> {
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|e| KernelError::Socket(e.to_string()))?;
+        tokio::spawn(conn);
+        Ok(NetlinkKernel { handle })
+    }
+
+    async fn links(&self) -> Result<Vec<(String, LinkState)>, KernelError> {
+        let msgs: Vec<LinkMessage> = self
+            .handle
+            .link()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(err("dump links"))?;
+        Ok(msgs.iter().filter_map(parse_link).collect())
+    }
+
+    async fn addresses(&self, index: u32) -> Result<BTreeSet<IpNet>, KernelError> {
+        let msgs: Vec<AddressMessage> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(err("dump addresses"))?;
+        Ok(msgs
+            .iter()
+            .filter(|m| m.header.index == index)
+            .filter_map(parse_address)
+            .collect())
+    }
+
+    async fn routes(&self) -> Result<BTreeSet<KRoute>, KernelError> {
+        let mut out = BTreeSet::new();
+        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+            let mut msg = RouteMessage::default();
+            msg.header.address_family = family;
+            let mut stream = self.handle.route().get(msg).execute();
+            while let Some(m) = stream.try_next().await.map_err(err("dump routes"))? {
+                if let Some(r) = parse_route(&m) {
+                    out.insert(r);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn rules(&self) -> Result<Vec<(KRule, Option<u32>)>, KernelError> {
+        let mut out = Vec::new();
+        for v in [IpVersion::V4, IpVersion::V6] {
+            let msgs: Vec<RuleMessage> = self
+                .handle
+                .rule()
+                .get(v)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(err("dump rules"))?;
+            out.extend(msgs.iter().filter_map(parse_rule));
+        }
+        Ok(out)
+    }
+}
+
+fn err(op: &'static str) -> impl Fn(rtnetlink::Error) -> KernelError {
+    move |e| KernelError::Netlink {
+        op: op.to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn parse_link(m: &LinkMessage) -> Option<(String, LinkState)> {
+    let mut name = None;
+    let mut mtu = 0;
+    for a in &m.attributes {
+        match a {
+            LinkAttribute::IfName(n) => name = Some(n.clone()),
+            LinkAttribute::Mtu(v) => mtu = *v,
+            _ => {}
+        }
+    }
+    Some((
+        name?,
+        LinkState {
+            index: m.header.index,
+            up: m.header.flags.contains(LinkFlags::Up),
+            mtu,
+        },
+    ))
+}
+
+fn parse_address(m: &AddressMessage) -> Option<IpNet> {
+    let mut address = None;
+    let mut local = None;
+    for a in &m.attributes {
+        match a {
+            AddressAttribute::Address(ip) => address = Some(*ip),
+            AddressAttribute::Local(ip) => local = Some(*ip),
+            _ => {}
+        }
+    }
+    let ip = local.or(address)?;
+    if let IpAddr::V6(v6) = ip
+        && (v6.segments()[0] & 0xffc0) == 0xfe80
+    {
+        return None; // link-local: the kernel's, never ours
+    }
+    IpNet::new(ip, m.header.prefix_len).ok()
+}
+
+fn route_ip(a: &RouteAddress) -> Option<IpAddr> {
+    match a {
+        RouteAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
+        RouteAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        _ => None,
+    }
+}
+
+fn parse_route(m: &RouteMessage) -> Option<KRoute> {
+    if u8::from(m.header.protocol) != RTPROT_KILO {
+        return None;
+    }
+    let mut table = u32::from(m.header.table);
+    let mut dst = None;
+    let mut gateway = None;
+    let mut src = None;
+    let mut oif = 0;
+    for a in &m.attributes {
+        match a {
+            RouteAttribute::Table(t) => table = *t,
+            RouteAttribute::Destination(d) => dst = route_ip(d),
+            RouteAttribute::Gateway(g) => gateway = route_ip(g),
+            RouteAttribute::PrefSource(s) => src = route_ip(s),
+            RouteAttribute::Oif(i) => oif = *i,
+            _ => {}
+        }
+    }
+    let dst = match dst {
+        Some(ip) => IpNet::new(ip, m.header.destination_prefix_length).ok()?,
+        None if m.header.address_family == AddressFamily::Inet6 => "::/0".parse().ok()?,
+        None => "0.0.0.0/0".parse().ok()?,
+    };
+    Some(KRoute {
+        table,
+        dst,
+        gateway,
+        src,
+        oif,
+        onlink: gateway.is_some() && m.header.flags.contains(RouteFlags::Onlink),
+    })
+}
+
+fn parse_rule(m: &RuleMessage) -> Option<(KRule, Option<u32>)> {
+    let mut ours = false;
+    let mut table = u32::from(m.header.table);
+    let (mut src, mut dst, mut iif, mut priority) = (None, None, None, None);
+    for a in &m.attributes {
+        match a {
+            RuleAttribute::Protocol(p) => ours = u8::from(*p) == RTPROT_KILO,
+            RuleAttribute::Table(t) => table = *t,
+            RuleAttribute::Source(ip) => src = IpNet::new(*ip, m.header.src_len).ok(),
+            RuleAttribute::Destination(ip) => dst = IpNet::new(*ip, m.header.dst_len).ok(),
+            RuleAttribute::Iifname(n) => iif = Some(n.clone()),
+            RuleAttribute::Priority(p) => priority = Some(*p),
+            _ => {}
+        }
+    }
+    ours.then_some((
+        KRule {
+            src,
+            dst,
+            iif,
+            table,
+        },
+        priority,
+    ))
+}
+
+fn route_message(r: &KRoute) -> RouteMessage {
+    let mut m = RouteMessage::default();
+    m.header.address_family = match r.dst {
+        IpNet::V4(_) => AddressFamily::Inet,
+        IpNet::V6(_) => AddressFamily::Inet6,
+    };
+    m.header.destination_prefix_length = r.dst.prefix_len();
+    m.header.protocol = RouteProtocol::from(RTPROT_KILO);
+    m.header.kind = RouteType::Unicast;
+    m.header.scope = if r.gateway.is_some() {
+        RouteScope::Universe
+    } else {
+        RouteScope::Link
+    };
+    if r.table > 255 {
+        m.header.table = RouteHeader::RT_TABLE_UNSPEC;
+    } else {
+        m.header.table = r.table as u8;
+    }
+    m.attributes.push(RouteAttribute::Table(r.table));
+    m.attributes
+        .push(RouteAttribute::Destination(r.dst.addr().into()));
+    if let Some(gw) = r.gateway {
+        m.attributes.push(RouteAttribute::Gateway(gw.into()));
+    }
+    if let Some(src) = r.src {
+        m.attributes.push(RouteAttribute::PrefSource(src.into()));
+    }
+    m.attributes.push(RouteAttribute::Oif(r.oif));
+    if r.onlink {
+        m.header.flags |= RouteFlags::Onlink;
+    }
+    m
+}
+
+fn rule_message(r: &KRule, priority: Option<u32>) -> RuleMessage {
+    let mut m = RuleMessage::default();
+    m.header.family = if r.is_ipv6() {
+        AddressFamily::Inet6
+    } else {
+        AddressFamily::Inet
+    };
+    m.header.action = RuleAction::ToTable;
+    if r.table > 255 {
+        m.header.table = RouteHeader::RT_TABLE_UNSPEC;
+    } else {
+        m.header.table = r.table as u8;
+    }
+    m.attributes.push(RuleAttribute::Table(r.table));
+    if let Some(src) = r.src {
+        m.header.src_len = src.prefix_len();
+        m.attributes.push(RuleAttribute::Source(src.addr()));
+    }
+    if let Some(dst) = r.dst {
+        m.header.dst_len = dst.prefix_len();
+        m.attributes.push(RuleAttribute::Destination(dst.addr()));
+    }
+    if let Some(iif) = &r.iif {
+        m.attributes.push(RuleAttribute::Iifname(iif.clone()));
+    }
+    if let Some(p) = priority {
+        m.attributes.push(RuleAttribute::Priority(p));
+    }
+    m.attributes
+        .push(RuleAttribute::Protocol(RouteProtocol::from(RTPROT_KILO)));
+    m
+}
+
+fn address_message(index: u32, a: &IpNet) -> AddressMessage {
+    let mut m = AddressMessage::default();
+    m.header.family = match a {
+        IpNet::V4(_) => AddressFamily::Inet,
+        IpNet::V6(_) => AddressFamily::Inet6,
+    };
+    m.header.prefix_len = a.prefix_len();
+    m.header.index = index;
+    m.attributes.push(AddressAttribute::Local(a.addr()));
+    m.attributes.push(AddressAttribute::Address(a.addr()));
+    m
+}
+
+/// Sends a raw request and waits for its acknowledgement.
+async fn request(handle: &Handle, msg: RouteNetlinkMessage, flags: u16) -> Result<(), String> {
+    use netlink_packet_core::{NLM_F_ACK, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+    let mut req = NetlinkMessage::from(msg);
+    req.header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
+    let mut handle = handle.clone();
+    let mut resp = handle.request(req).map_err(|e| e.to_string())?;
+    while let Some(m) = resp.next().await {
+        if let NetlinkPayload::Error(e) = m.payload
+            && e.code.is_some()
+        {
+            return Err(e.to_string());
+        }
+    }
+    Ok(())
+}
+
+impl Kernel for NetlinkKernel {
+    async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
+        let names: BTreeSet<&str> = devices.names().collect();
+        let links = self
+            .links()
+            .await?
+            .into_iter()
+            .filter(|(n, _)| names.contains(n.as_str()))
+            .collect::<std::collections::BTreeMap<_, _>>();
+        let addresses = match links.get(&devices.wireguard) {
+            Some(l) => self.addresses(l.index).await?,
+            None => BTreeSet::new(),
+        };
+        Ok(KernelState {
+            links,
+            addresses,
+            routes: self.routes().await?,
+            rules: self.rules().await?.into_iter().collect(),
+        })
+    }
+
+    async fn create_wireguard(&mut self, name: &str) -> Result<Writes, KernelError> {
+        self.handle
+            .link()
+            .add(LinkWireguard::new(name).build())
+            .execute()
+            .await
+            .map_err(err("create WireGuard link"))?;
+        let mut w = Writes::default();
+        w.add("link_add", 1);
+        Ok(w)
+    }
+
+    async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
+        self.handle
+            .link()
+            .del(index)
+            .execute()
+            .await
+            .map_err(err("delete link"))?;
+        let mut w = Writes::default();
+        w.add("link_del", 1);
+        Ok(w)
+    }
+
+    async fn apply(&mut self, d: &KernelDiff) -> (Writes, Vec<KernelError>) {
+        use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
+        let mut w = Writes::default();
+        let mut errors = Vec::new();
+        let h = &self.handle;
+        let mut fail =
+            |op: String, message: String| errors.push(KernelError::Netlink { op, message });
+        if let Some((up, mtu)) = d.link_set {
+            let mut b = LinkUnspec::new_with_index(d.link_index);
+            if up {
+                b = b.up();
+            }
+            if let Some(m) = mtu {
+                b = b.mtu(m);
+            }
+            match h.link().set(b.build()).execute().await {
+                Ok(()) => w.add("link_set", 1),
+                Err(e) => fail("set link up/mtu".into(), e.to_string()),
+            }
+        }
+        for a in &d.address_add {
+            let msg = RouteNetlinkMessage::NewAddress(address_message(d.link_index, a));
+            match request(h, msg, NLM_F_CREATE | NLM_F_EXCL).await {
+                Ok(()) => w.add("address_add", 1),
+                Err(e) => fail(format!("add address {a}"), e),
+            }
+        }
+        for (r, replace) in &d.route_add {
+            let msg = RouteNetlinkMessage::NewRoute(route_message(r));
+            let flags = NLM_F_CREATE | if *replace { NLM_F_REPLACE } else { NLM_F_EXCL };
+            match request(h, msg, flags).await {
+                Ok(()) => w.add(
+                    if *replace {
+                        "route_replace"
+                    } else {
+                        "route_add"
+                    },
+                    1,
+                ),
+                Err(e) => fail(format!("add route {r}"), e),
+            }
+        }
+        for r in &d.rule_add {
+            let msg = RouteNetlinkMessage::NewRule(rule_message(r, None));
+            match request(h, msg, NLM_F_CREATE | NLM_F_EXCL).await {
+                Ok(()) => w.add("rule_add", 1),
+                Err(e) => fail(format!("add rule {r}"), e),
+            }
+        }
+        for (r, prio) in &d.rule_del {
+            let msg = RouteNetlinkMessage::DelRule(rule_message(r, *prio));
+            match request(h, msg, 0).await {
+                Ok(()) => w.add("rule_del", 1),
+                Err(e) => fail(format!("delete rule {r}"), e),
+            }
+        }
+        for r in &d.route_del {
+            let msg = RouteNetlinkMessage::DelRoute(route_message(r));
+            match request(h, msg, 0).await {
+                Ok(()) => w.add("route_del", 1),
+                Err(e) => fail(format!("delete route {r}"), e),
+            }
+        }
+        for a in &d.address_del {
+            let msg = RouteNetlinkMessage::DelAddress(address_message(d.link_index, a));
+            match request(h, msg, 0).await {
+                Ok(()) => w.add("address_del", 1),
+                Err(e) => fail(format!("delete address {a}"), e),
+            }
+        }
+        (w, errors)
+    }
+}
+
+/// What kernel notifications concern us. Updated by the agent after each observe.
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    /// Link names we depend on (the WireGuard interface, the private and tunnel devices).
+    pub names: BTreeSet<String>,
+    /// Their current indexes.
+    pub indexes: BTreeSet<u32>,
+    /// The WireGuard interface's index (addresses are only ours there).
+    pub wireguard_index: Option<u32>,
+}
+
+/// Whether a notification is about one of our objects: a route or rule with our protocol marker,
+/// an address on the WireGuard interface, or a change to a link we use. Pure.
+pub fn is_relevant(msg: &RouteNetlinkMessage, f: &EventFilter) -> bool {
+    match msg {
+        RouteNetlinkMessage::NewRoute(m) | RouteNetlinkMessage::DelRoute(m) => {
+            u8::from(m.header.protocol) == RTPROT_KILO
+        }
+        RouteNetlinkMessage::NewRule(m) | RouteNetlinkMessage::DelRule(m) => m
+            .attributes
+            .iter()
+            .any(|a| matches!(a, RuleAttribute::Protocol(p) if u8::from(*p) == RTPROT_KILO)),
+        RouteNetlinkMessage::NewAddress(m) | RouteNetlinkMessage::DelAddress(m) => {
+            f.wireguard_index == Some(m.header.index)
+        }
+        RouteNetlinkMessage::NewLink(m) | RouteNetlinkMessage::DelLink(m) => {
+            f.indexes.contains(&m.header.index)
+                || m.attributes
+                    .iter()
+                    .any(|a| matches!(a, LinkAttribute::IfName(n) if f.names.contains(n)))
+        }
+        _ => false,
+    }
+}
+
+/// Subscribes to link, address, route and rule notifications (in the calling thread's namespace)
+/// and sends `()` on `tx` for each relevant one. Full channel = a trigger is already pending, so
+/// bursts coalesce. Runs until `tx` is closed.
+pub fn watch(
+    filter: Arc<Mutex<EventFilter>>,
+    tx: tokio::sync::mpsc::Sender<()>,
+) -> Result<tokio::task::JoinHandle<()>, KernelError> {
+    let (conn, _handle, mut messages) = rtnetlink::new_multicast_connection(&[
+        MulticastGroup::Link,
+        MulticastGroup::Ipv4Ifaddr,
+        MulticastGroup::Ipv6Ifaddr,
+        MulticastGroup::Ipv4Route,
+        MulticastGroup::Ipv6Route,
+        MulticastGroup::Ipv4Rule,
+        MulticastGroup::Ipv6Rule,
+    ])
+    .map_err(|e| KernelError::Socket(e.to_string()))?;
+    let conn = tokio::spawn(conn);
+    Ok(tokio::spawn(async move {
+        while let Some((msg, _)) = messages.next().await {
+            let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
+                continue;
+            };
+            let relevant = is_relevant(inner, &filter.lock().expect("filter lock"));
+            if relevant {
+                tracing::debug!(?inner, "kernel change to one of our objects");
+                if tx.is_closed() {
+                    break;
+                }
+                let _ = tx.try_send(());
+            }
+        }
+        conn.abort();
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_messages_round_trip() {
+        let r = KRoute {
+            table: 1107,
+            dst: "10.0.0.2/32".parse().unwrap(),
+            gateway: Some("10.0.0.2".parse().unwrap()),
+            src: Some("10.0.0.1".parse().unwrap()),
+            oif: 3,
+            onlink: true,
+        };
+        assert_eq!(parse_route(&route_message(&r)), Some(r));
+        let rule = KRule {
+            src: Some("10.2.0.0/24".parse().unwrap()),
+            dst: Some("10.0.0.2/32".parse().unwrap()),
+            iif: Some("kilo0".into()),
+            table: 1107,
+        };
+        assert_eq!(
+            parse_rule(&rule_message(&rule, Some(7))),
+            Some((rule, Some(7)))
+        );
+    }
+
+    #[test]
+    fn foreign_churn_is_not_relevant() {
+        let f = EventFilter {
+            names: ["kilo0".to_string()].into(),
+            indexes: [5].into(),
+            wireguard_index: Some(5),
+        };
+        let mut foreign = route_message(&KRoute {
+            table: 254,
+            dst: "192.0.2.0/24".parse().unwrap(),
+            gateway: None,
+            src: None,
+            oif: 9,
+            onlink: false,
+        });
+        let ours = foreign.clone();
+        foreign.header.protocol = RouteProtocol::Bird;
+        assert!(!is_relevant(&RouteNetlinkMessage::NewRoute(foreign), &f));
+        assert!(is_relevant(&RouteNetlinkMessage::DelRoute(ours), &f));
+        let mut addr = address_message(9, &"192.0.2.1/24".parse().unwrap());
+        assert!(!is_relevant(
+            &RouteNetlinkMessage::NewAddress(addr.clone()),
+            &f
+        ));
+        addr.header.index = 5;
+        assert!(is_relevant(&RouteNetlinkMessage::DelAddress(addr), &f));
+        let mut rule = rule_message(
+            &KRule {
+                src: None,
+                dst: None,
+                iif: None,
+                table: 100,
+            },
+            None,
+        );
+        assert!(is_relevant(&RouteNetlinkMessage::NewRule(rule.clone()), &f));
+        rule.attributes
+            .retain(|a| !matches!(a, RuleAttribute::Protocol(_)));
+        assert!(!is_relevant(&RouteNetlinkMessage::NewRule(rule), &f));
+    }
+}
