@@ -149,16 +149,10 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
         errors: parsed.errors.into_iter().map(PlanError::from).collect(),
         ..Default::default()
     };
-    let nodes: BTreeMap<_, _> = parsed
-        .nodes
-        .into_iter()
-        .filter(|(_, n)| n.ready(settings.now))
-        .collect();
-    let peers: BTreeMap<_, _> = parsed
-        .peers
-        .into_iter()
-        .filter(|(_, p)| p.ready())
-        .collect();
+    let mut nodes = parsed.nodes;
+    nodes.retain(|_, n| n.ready(settings.now));
+    let mut peers = parsed.peers;
+    peers.retain(|_, p| p.ready());
     out.ready_nodes = nodes.len();
     out.ready_peers = peers.len();
     let Some(local) = nodes.get(&settings.hostname) else {
