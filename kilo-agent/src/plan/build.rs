@@ -433,6 +433,35 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
     }
 }
 
+/// The address Kilo puts on the IPIP device (tunl0) when it encapsulates inside a location
+/// (`--encapsulate` not `never`, `--local`): the first address of the local IPv4 pod CIDR, /32.
+/// Not part of [`Plan`] (whose fields other components construct); the agent applies it with
+/// the tunnel device.
+pub fn tunnel_address(t: &Topology, s: &Settings) -> Option<IpNet> {
+    if s.encapsulate == Encapsulation::Never || !s.local {
+        return None;
+    }
+    let pods = t.pod_cidrs.iter().find(|c| c.addr().is_ipv4())?;
+    topology::nth_address(pods.trunc(), 1).map(host_net)
+}
+
+/// The sources Kilo accepts IPIP from (`KILO-IPIP -s <ip>/32 -j ACCEPT`): the IPv4 private IPs
+/// of the local node's *logical* location, even for a node that is its own segment (none in
+/// `full`; in `cross`, the nodes of the local location),
+/// when encapsulating with `--local`. Everything else is dropped by Kilo's `INPUT -p ipencap`.
+pub fn ipip_sources(t: &Topology, s: &Settings) -> Vec<IpNet> {
+    if s.encapsulate == Encapsulation::Never || !s.local || t.granularity == Granularity::Full {
+        return Vec::new();
+    }
+    t.segments
+        .iter()
+        .filter(|x| x.group == t.logical_location)
+        .flat_map(|x| x.private_ips())
+        .filter(IpAddr::is_ipv4)
+        .map(host_net)
+        .collect()
+}
+
 /// The datapath maps that replace Kilo's iptables rules (`Topology.Rules`).
 fn datapath(t: &Topology, s: &Settings) -> DatapathPlan {
     let mut d = DatapathPlan::default();

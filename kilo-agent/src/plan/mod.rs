@@ -9,8 +9,8 @@ mod build;
 use std::{collections::BTreeMap, net::IpAddr};
 
 pub use build::{
-    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, normalize_wireguard,
-    plan_for, topology_for,
+    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, ipip_sources,
+    normalize_wireguard, plan_for, topology_for, tunnel_address,
 };
 
 use ipnet::IpNet;

@@ -161,6 +161,14 @@ fn cross_plan_from_c_encapsulated() {
         plan.datapath.masquerade_destinations.is_empty(),
         "172.16.0.0/24 is eu's"
     );
+    assert_eq!(
+        ipip_sources(&t, &settings(Encapsulation::Always, true)),
+        nets("192.168.2.1/32,192.168.2.2/32")
+    );
+    assert_eq!(
+        tunnel_address(&t, &settings(Encapsulation::Always, true)),
+        Some("10.2.3.1/32".parse().unwrap())
+    );
     // crosssubnet: d is inside c's /24, so no encapsulation.
     let plan = build(&t, &settings(Encapsulation::CrossSubnet, true));
     let r = routes(&plan);

@@ -138,6 +138,9 @@ pub struct Topology {
     pub location: String,
     /// The local segment's group (see the module docs).
     pub group: String,
+    /// `location:<the local node's location>`, even when the node is its own segment because
+    /// it has no internal IP (Kilo's IPIP accept rules use it).
+    pub logical_location: String,
     /// The local node leads its segment (always true in `full` and `cross`).
     pub leader: bool,
     pub persistent_keepalive: u16,
@@ -193,7 +196,8 @@ pub fn host_net(ip: IpAddr) -> IpNet {
     IpNet::from(ip)
 }
 
-fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
+/// The `n`th address of a subnet (Kilo's allocator: segment i gets address i + 1), if inside it.
+pub fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
     let ip = match subnet.network() {
         IpAddr::V4(a) => IpAddr::V4(Ipv4Addr::from(
             u32::from(a).checked_add(u32::try_from(n).ok()?)?,
@@ -296,6 +300,7 @@ impl Topology {
             port: opts.port,
             location,
             group,
+            logical_location: format!("{LOGICAL_PREFIX}{}", local.location),
             leader,
             persistent_keepalive: opts.persistent_keepalive,
             private_ips: local.internal_ips.clone(),
