@@ -17,7 +17,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
     fmt,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     str::FromStr,
 };
 
@@ -100,6 +100,10 @@ pub struct Settings {
     /// Unix seconds, for the last-seen freshness check of readiness; `None` skips that check
     /// (the caller reads the clock; this code stays pure).
     pub now: Option<i64>,
+    /// Endpoints the agent observed on its WireGuard device for NAT-ed peers (Kilo's
+    /// `discoverNATEndpoints`); they replace the local node's `discovered-endpoints`
+    /// annotation. `None` uses the annotation.
+    pub discovered_endpoints: Option<BTreeMap<mesh::Key, SocketAddr>>,
 }
 
 impl Default for Settings {
@@ -116,6 +120,7 @@ impl Default for Settings {
             topology_label: mesh::DEFAULT_TOPOLOGY_LABEL.to_string(),
             persistent_keepalive: KeepaliveSource::LocalNode,
             now: None,
+            discovered_endpoints: None,
         }
     }
 }
@@ -155,9 +160,13 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
     peers.retain(|_, p| p.ready());
     out.ready_nodes = nodes.len();
     out.ready_peers = peers.len();
-    let Some(local) = nodes.get(&settings.hostname) else {
+    let Some(local) = nodes.get_mut(&settings.hostname) else {
         return out;
     };
+    if let Some(d) = &settings.discovered_endpoints {
+        local.discovered_endpoints = d.clone();
+    }
+    let local = &nodes[&settings.hostname];
     let opts = topology::Options {
         granularity: settings.granularity,
         hostname: settings.hostname.clone(),
