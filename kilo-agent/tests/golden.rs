@@ -511,3 +511,46 @@ fn bad_objects_are_reported_and_skipped() {
     assert_eq!(t.node_count(), 3);
     assert_eq!(t.peers.len(), 1);
 }
+
+/// Kilo's IPIP encapsulator rules: `KILO-IPIP -s <ip>/32 -j ACCEPT` for the private IPs of the
+/// local logical location (the golden section is Kilo's, for `--encapsulate != never, --local`).
+#[test]
+fn ipip_sources_match_golden() {
+    let snap = fixture();
+    for g in GRANULARITIES {
+        for h in HOSTS {
+            let text = data(&golden_name(g, h));
+            let sec = section(&text, "## iptables: IPIP encapsulator Rules");
+            let want: Vec<IpNet> = sec
+                .lines()
+                .filter(|l| l.contains("-A KILO-IPIP"))
+                .map(|l| {
+                    let w: Vec<&str> = l.split_whitespace().collect();
+                    w[w.iter().position(|x| *x == "-s").unwrap() + 1]
+                        .parse()
+                        .unwrap()
+                })
+                .collect();
+            let s = settings(g, h);
+            let t = plan::plan_for(&snap, &s).topology.unwrap();
+            // Kilo renders the rules from the logical location even in full mode; they are
+            // only installed in location mode (full mode has no location to encapsulate in).
+            let ours = plan::ipip_sources(&t, &s);
+            if g == Granularity::Location {
+                assert_eq!(ours, want, "{g} from {h}");
+            } else {
+                assert!(ours.is_empty());
+            }
+            let never = Settings {
+                encapsulate: Encapsulation::Never,
+                ..s.clone()
+            };
+            assert!(plan::ipip_sources(&t, &never).is_empty());
+            assert_eq!(
+                plan::tunnel_address(&t, &s).map(|a| a.to_string()),
+                Some(t.pod_cidrs[0].to_string().replace(".0/24", ".1/32"))
+            );
+            assert_eq!(plan::tunnel_address(&t, &never), None);
+        }
+    }
+}

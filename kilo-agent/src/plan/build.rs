@@ -17,7 +17,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
     fmt,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     str::FromStr,
 };
 
@@ -100,6 +100,10 @@ pub struct Settings {
     /// Unix seconds, for the last-seen freshness check of readiness; `None` skips that check
     /// (the caller reads the clock; this code stays pure).
     pub now: Option<i64>,
+    /// Endpoints the agent observed on its WireGuard device for NAT-ed peers (Kilo's
+    /// `discoverNATEndpoints`); they replace the local node's `discovered-endpoints`
+    /// annotation. `None` uses the annotation.
+    pub discovered_endpoints: Option<BTreeMap<mesh::Key, SocketAddr>>,
 }
 
 impl Default for Settings {
@@ -116,6 +120,7 @@ impl Default for Settings {
             topology_label: mesh::DEFAULT_TOPOLOGY_LABEL.to_string(),
             persistent_keepalive: KeepaliveSource::LocalNode,
             now: None,
+            discovered_endpoints: None,
         }
     }
 }
@@ -149,21 +154,19 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
         errors: parsed.errors.into_iter().map(PlanError::from).collect(),
         ..Default::default()
     };
-    let nodes: BTreeMap<_, _> = parsed
-        .nodes
-        .into_iter()
-        .filter(|(_, n)| n.ready(settings.now))
-        .collect();
-    let peers: BTreeMap<_, _> = parsed
-        .peers
-        .into_iter()
-        .filter(|(_, p)| p.ready())
-        .collect();
+    let mut nodes = parsed.nodes;
+    nodes.retain(|_, n| n.ready(settings.now));
+    let mut peers = parsed.peers;
+    peers.retain(|_, p| p.ready());
     out.ready_nodes = nodes.len();
     out.ready_peers = peers.len();
-    let Some(local) = nodes.get(&settings.hostname) else {
+    let Some(local) = nodes.get_mut(&settings.hostname) else {
         return out;
     };
+    if let Some(d) = &settings.discovered_endpoints {
+        local.discovered_endpoints = d.clone();
+    }
+    let local = &nodes[&settings.hostname];
     let opts = topology::Options {
         granularity: settings.granularity,
         hostname: settings.hostname.clone(),
@@ -437,6 +440,35 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
         rules: rt.rules.into_iter().collect(),
         datapath: datapath(t, s),
     }
+}
+
+/// The address Kilo puts on the IPIP device (tunl0) when it encapsulates inside a location
+/// (`--encapsulate` not `never`, `--local`): the first address of the local IPv4 pod CIDR, /32.
+/// Not part of [`Plan`] (whose fields other components construct); the agent applies it with
+/// the tunnel device.
+pub fn tunnel_address(t: &Topology, s: &Settings) -> Option<IpNet> {
+    if s.encapsulate == Encapsulation::Never || !s.local {
+        return None;
+    }
+    let pods = t.pod_cidrs.iter().find(|c| c.addr().is_ipv4())?;
+    topology::nth_address(pods.trunc(), 1).map(host_net)
+}
+
+/// The sources Kilo accepts IPIP from (`KILO-IPIP -s <ip>/32 -j ACCEPT`): the IPv4 private IPs
+/// of the local node's *logical* location, even for a node that is its own segment (none in
+/// `full`; in `cross`, the nodes of the local location),
+/// when encapsulating with `--local`. Everything else is dropped by Kilo's `INPUT -p ipencap`.
+pub fn ipip_sources(t: &Topology, s: &Settings) -> Vec<IpNet> {
+    if s.encapsulate == Encapsulation::Never || !s.local || t.granularity == Granularity::Full {
+        return Vec::new();
+    }
+    t.segments
+        .iter()
+        .filter(|x| x.group == t.logical_location)
+        .flat_map(|x| x.private_ips())
+        .filter(IpAddr::is_ipv4)
+        .map(host_net)
+        .collect()
 }
 
 /// The datapath maps that replace Kilo's iptables rules (`Topology.Rules`).

@@ -4,13 +4,19 @@
 //! secrets (the private key stays with the agent), is ordered deterministically
 //! (so two equal plans compare and print equal), and is what `--dry-run`,
 //! `kgctl plan`, the mesh harness and the benchmarks all consume.
+//!
+//! The builder ([`plan_for`], the one entry point of the agent, and [`build`]) computes it with
+//! Kilo's `Conf()`/`Routes()`/`Rules()` semantics; its module docs (`build.rs`) list the
+//! deliberate differences from Kilo (truncated destinations, one route and one WireGuard peer
+//! per CIDR, merged duplicate keys, IPv4-only IPIP). `Route`, `Rule` and `Device` print in the
+//! golden files' layout (`Device` as Kilo's test names kilo0/eth0/tunl0) for tests and dry runs.
 mod build;
 
 use std::{collections::BTreeMap, net::IpAddr};
 
 pub use build::{
-    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, normalize_wireguard,
-    plan_for, topology_for,
+    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, ipip_sources,
+    normalize_wireguard, plan_for, topology_for, tunnel_address,
 };
 
 use ipnet::IpNet;

@@ -161,6 +161,14 @@ fn cross_plan_from_c_encapsulated() {
         plan.datapath.masquerade_destinations.is_empty(),
         "172.16.0.0/24 is eu's"
     );
+    assert_eq!(
+        ipip_sources(&t, &settings(Encapsulation::Always, true)),
+        nets("192.168.2.1/32,192.168.2.2/32")
+    );
+    assert_eq!(
+        tunnel_address(&t, &settings(Encapsulation::Always, true)),
+        Some("10.2.3.1/32".parse().unwrap())
+    );
     // crosssubnet: d is inside c's /24, so no encapsulation.
     let plan = build(&t, &settings(Encapsulation::CrossSubnet, true));
     let r = routes(&plan);
@@ -481,4 +489,79 @@ proptest! {
             }
         }
     }
+}
+
+/// The agent's live-observed endpoints replace the local node's annotation (Kilo's
+/// `discoverNATEndpoints`), for NAT-ed segments only.
+#[test]
+fn discovered_endpoints_from_settings() {
+    use crate::mesh::{KubeNode, Snapshot, annotations};
+    let kn = |name: &str, loc: &str, ip: &str, pod: &str, ep: &str, k: u8, ka: &str| KubeNode {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            annotations: Some(
+                [
+                    (annotations::ENDPOINT, ep.to_string()),
+                    (annotations::INTERNAL_IP, ip.to_string()),
+                    (annotations::KEY, key(k).to_string()),
+                    (annotations::LOCATION, loc.to_string()),
+                    (annotations::PERSISTENT_KEEPALIVE, ka.to_string()),
+                ]
+                .into_iter()
+                .map(|(a, b)| (a.to_string(), b))
+                .collect(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::core::v1::NodeSpec {
+            pod_cidr: Some(pod.into()),
+            ..Default::default()
+        }),
+        status: None,
+    };
+    let mut snap = Snapshot::default();
+    snap.nodes.insert(
+        "a".into(),
+        kn(
+            "a",
+            "1",
+            "192.168.0.1/32",
+            "10.2.1.0/24",
+            "1.1.1.1:51820",
+            1,
+            "0",
+        ),
+    );
+    snap.nodes.insert(
+        "b".into(),
+        kn(
+            "b",
+            "2",
+            "192.168.0.2/32",
+            "10.2.2.0/24",
+            "1.1.1.2:51820",
+            2,
+            "25",
+        ),
+    );
+    let s = Settings {
+        hostname: "a".into(),
+        ..Settings::default()
+    };
+    let ep = |p: &Planned| {
+        p.plan.as_ref().unwrap().wireguard.peers[0]
+            .endpoint
+            .as_ref()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(ep(&plan_for(&snap, &s)), "1.1.1.2:51820");
+    let seen = [(key(2), "5.5.5.5:4000".parse().unwrap())]
+        .into_iter()
+        .collect();
+    let s = Settings {
+        discovered_endpoints: Some(seen),
+        ..s
+    };
+    assert_eq!(ep(&plan_for(&snap, &s)), "5.5.5.5:4000");
 }

@@ -34,7 +34,7 @@
 //! - `conf()` stays byte-compatible with Kilo (CIDRs as written, duplicates kept); the plan
 //!   normalizes (see `plan`).
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
@@ -138,6 +138,9 @@ pub struct Topology {
     pub location: String,
     /// The local segment's group (see the module docs).
     pub group: String,
+    /// `location:<the local node's location>`, even when the node is its own segment because
+    /// it has no internal IP (Kilo's IPIP accept rules use it).
+    pub logical_location: String,
     /// The local node leads its segment (always true in `full` and `cross`).
     pub leader: bool,
     pub persistent_keepalive: u16,
@@ -193,7 +196,8 @@ pub fn host_net(ip: IpAddr) -> IpNet {
     IpNet::from(ip)
 }
 
-fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
+/// The `n`th address of a subnet (Kilo's allocator: segment i gets address i + 1), if inside it.
+pub fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
     let ip = match subnet.network() {
         IpAddr::V4(a) => IpAddr::V4(Ipv4Addr::from(
             u32::from(a).checked_add(u32::try_from(n).ok()?)?,
@@ -296,6 +300,7 @@ impl Topology {
             port: opts.port,
             location,
             group,
+            logical_location: format!("{LOGICAL_PREFIX}{}", local.location),
             leader,
             persistent_keepalive: opts.persistent_keepalive,
             private_ips: local.internal_ips.clone(),
@@ -307,6 +312,21 @@ impl Topology {
             peers: dedup_peer_ips(peers.values()),
             discovered_endpoints: local.discovered_endpoints.clone(),
         };
+        // Indexes for Kilo's allowed-location-IP filter (same answers, without its N² scans).
+        let node_ips = Containment::new(t.segments.iter().flat_map(|s| s.allowed_ips.iter()));
+        let peer_ips = Containment::new(t.peers.iter().flat_map(|p| p.allowed_ips.iter()));
+        let mut peer_addrs: Vec<IpAddr> = t
+            .peers
+            .iter()
+            .flat_map(|p| p.allowed_ips.iter().map(|i| i.addr()))
+            .collect();
+        peer_addrs.sort_unstable();
+        let mut index = FilterIndex {
+            node_ips,
+            peer_ips,
+            peer_addrs,
+            wireguard_ips: HashSet::new(),
+        };
         for i in 0..t.segments.len() {
             let ip = nth_address(subnet, i as u128 + 1).ok_or_else(|| {
                 TopologyError::OutOfAddresses {
@@ -314,6 +334,7 @@ impl Topology {
                     segment: t.segments[i].location.clone(),
                 }
             })?;
+            index.wireguard_ips.insert(ip);
             let s = &mut t.segments[i];
             s.wireguard_ip = ip;
             s.allowed_ips.push(host_net(ip));
@@ -327,30 +348,38 @@ impl Topology {
                 }
             }
             let alips = std::mem::take(&mut t.segments[i].allowed_location_ips);
-            t.segments[i].allowed_location_ips = t.filter_allowed_location_ips(alips, i);
+            t.segments[i].allowed_location_ips = t.filter_allowed_location_ips(alips, i, &index);
         }
         Ok(t)
     }
 
     /// Kilo's `filterAllowedLocationIPs`, run while segments get their WireGuard IPs (so it
-    /// sees the later segments' allowed IPs without their WireGuard IP, as Kilo does).
-    fn filter_allowed_location_ips(&self, ips: Vec<IpNet>, seg: usize) -> Vec<IpNet> {
+    /// sees the later segments' allowed IPs without their WireGuard IP, as Kilo does): drop an
+    /// IP that overlaps another location's allowed-location IPs, whose address lies in any
+    /// segment's allowed IP, or that overlaps a peer's allowed IP.
+    fn filter_allowed_location_ips(
+        &self,
+        ips: Vec<IpNet>,
+        seg: usize,
+        idx: &FilterIndex,
+    ) -> Vec<IpNet> {
         let group = &self.segments[seg].group;
         ips.into_iter()
             .filter(|ip| {
-                for s in &self.segments {
-                    if s.group != *group && s.allowed_location_ips.iter().any(|i| intersect(ip, i))
-                    {
-                        return false;
-                    }
-                    if s.allowed_ips.iter().any(|i| i.contains(&ip.addr())) {
-                        return false;
-                    }
-                }
-                !self
-                    .peers
+                let other_location = self
+                    .segments
                     .iter()
-                    .any(|p| p.allowed_ips.iter().any(|i| intersect(ip, i)))
+                    .filter(|s| s.group != *group)
+                    .any(|s| s.allowed_location_ips.iter().any(|i| intersect(ip, i)));
+                let in_allowed =
+                    idx.node_ips.contains(ip.addr()) || idx.wireguard_ips.contains(&ip.addr());
+                let start = idx.peer_addrs.partition_point(|a| *a < ip.network());
+                let peer = idx.peer_ips.contains(ip.addr())
+                    || idx
+                        .peer_addrs
+                        .get(start)
+                        .is_some_and(|a| *a <= ip.broadcast());
+                !(other_location || in_allowed || peer)
             })
             .collect()
     }
@@ -529,26 +558,76 @@ impl Topology {
     }
 }
 
-/// The allowed-location IPs of a location's nodes, merged (first occurrence) and sorted by text.
+/// The allowed-location IPs of a location's nodes, merged (first occurrence) and sorted by
+/// text, as Kilo sorts them.
 fn merged_alips(members: &[&Node]) -> Vec<IpNet> {
-    let mut seen = BTreeSet::new();
+    let mut seen = HashSet::new();
     let mut v: Vec<IpNet> = members
         .iter()
         .flat_map(|n| n.allowed_location_ips.iter().copied())
-        .filter(|ip| seen.insert(ip.to_string()))
+        .filter(|ip| seen.insert(*ip))
         .collect();
-    v.sort_by_key(|ip| ip.to_string());
+    if v.len() > 1 {
+        v.sort_by_cached_key(|ip| ip.to_string());
+    }
     v
+}
+
+/// Answers "does any of these networks contain this address" with one hash lookup per
+/// prefix length in use.
+struct Containment {
+    nets: HashSet<IpNet>,
+    lens_v4: BTreeSet<u8>,
+    lens_v6: BTreeSet<u8>,
+}
+
+impl Containment {
+    fn new<'a>(nets: impl Iterator<Item = &'a IpNet>) -> Self {
+        let mut c = Containment {
+            nets: HashSet::new(),
+            lens_v4: BTreeSet::new(),
+            lens_v6: BTreeSet::new(),
+        };
+        for n in nets {
+            c.nets.insert(n.trunc());
+            match n {
+                IpNet::V4(_) => c.lens_v4.insert(n.prefix_len()),
+                IpNet::V6(_) => c.lens_v6.insert(n.prefix_len()),
+            };
+        }
+        c
+    }
+
+    fn contains(&self, a: IpAddr) -> bool {
+        let lens = if a.is_ipv4() {
+            &self.lens_v4
+        } else {
+            &self.lens_v6
+        };
+        lens.iter()
+            .any(|l| IpNet::new(a, *l).is_ok_and(|n| self.nets.contains(&n.trunc())))
+    }
+}
+
+struct FilterIndex {
+    /// Every segment's allowed IPs without the WireGuard IPs.
+    node_ips: Containment,
+    peer_ips: Containment,
+    /// Peer allowed-IP addresses (host bits kept), sorted.
+    peer_addrs: Vec<IpAddr>,
+    /// WireGuard IPs allocated so far.
+    wireguard_ips: HashSet<IpAddr>,
 }
 
 /// Kilo's `deduplicatePeerIPs`: peers in name order; an allowed IP already claimed (same text)
 /// by an earlier peer is dropped.
 fn dedup_peer_ips<'a>(peers: impl Iterator<Item = &'a MeshPeer>) -> Vec<MeshPeer> {
-    let mut seen = BTreeSet::new();
+    // IpNet equality (address with host bits, prefix length) is Go's `IPNet.String()` equality.
+    let mut seen = HashSet::new();
     peers
         .map(|p| {
             let mut p = p.clone();
-            p.allowed_ips.retain(|ip| seen.insert(ip.to_string()));
+            p.allowed_ips.retain(|ip| seen.insert(*ip));
             p
         })
         .collect()

@@ -363,3 +363,63 @@ fn dual_stack_topology() {
     assert!(!t.leader);
     assert_eq!(t.wireguard_cidr.to_string(), "fd04::/64");
 }
+
+/// Kilo's filter, literally (scan everything), to check the indexed version against.
+fn naive_filtered(t: &Topology, raw: &[Vec<IpNet>]) -> Vec<Vec<IpNet>> {
+    let mut alips: Vec<Vec<IpNet>> = raw.to_vec();
+    for k in 0..t.segments.len() {
+        let kept = alips[k]
+            .iter()
+            .filter(|ip| {
+                for (j, s) in t.segments.iter().enumerate() {
+                    if s.group != t.segments[k].group && alips[j].iter().any(|i| intersect(ip, i)) {
+                        return false;
+                    }
+                    let mut allowed = s.allowed_ips.clone();
+                    if j > k {
+                        allowed.pop(); // its WireGuard IP was not allocated yet
+                    }
+                    if allowed.iter().any(|i| i.contains(&ip.addr())) {
+                        return false;
+                    }
+                }
+                !t.peers
+                    .iter()
+                    .any(|p| p.allowed_ips.iter().any(|i| intersect(ip, i)))
+            })
+            .copied()
+            .collect();
+        alips[k] = kept;
+    }
+    alips
+}
+
+proptest::proptest! {
+    #[test]
+    fn indexed_filter_equals_kilos_scan(
+        locs in proptest::collection::vec((0..4u8, proptest::collection::vec((0..4u8, 0..8u8, 20..33u8), 0..3)), 1..8),
+        peer_ips in proptest::collection::vec((0..4u8, 0..8u8, 20..33u8), 0..4),
+    ) {
+        let net = |(a, b, l): (u8, u8, u8)| -> IpNet { format!("10.{a}.{b}.{}/{l}", b % 3).parse().unwrap() };
+        let nodes: Vec<Node> = locs
+            .iter()
+            .enumerate()
+            .map(|(i, (loc, al))| {
+                let mut n = node(&format!("n{i}"), &format!("l{loc}"), &format!("10.{loc}.{i}.1/24"), &format!("10.{}.{i}.0/24", loc + 1), "1.1.1.1:1", i as u8 + 1);
+                n.allowed_location_ips = al.iter().copied().map(net).collect();
+                n
+            })
+            .collect();
+        let ps: Vec<MeshPeer> = peer_ips.iter().enumerate().map(|(i, p)| { let mut x = peer(&format!("p{i}"), "", 50 + i as u8); x.allowed_ips = vec![net(*p)]; x }).collect();
+        for g in [Granularity::Location, Granularity::Full] {
+            let t = topo(&nodes, &ps, g, "n0", "10.0.0.0/16");
+            let raw: Vec<Vec<IpNet>> = t.segments.iter().map(|s| {
+                let members: Vec<&Node> = nodes.iter().filter(|n| s.nodes.iter().any(|m| m.name == n.name)).collect();
+                merged_alips(&members)
+            }).collect();
+            let want = naive_filtered(&t, &raw);
+            let got: Vec<Vec<IpNet>> = t.segments.iter().map(|s| s.allowed_location_ips.clone()).collect();
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+}
