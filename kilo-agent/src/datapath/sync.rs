@@ -1,4 +1,4 @@
-//! The map diff: make the three LPM tries equal to a [`DatapathPlan`] writing only the
+//! The map diff: make the three tables equal to a [`DatapathPlan`] writing only the
 //! difference, behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! Order keeps the previous topology until the new one is in: new and changed entries are
@@ -53,6 +53,10 @@ pub trait DatapathMaps {
     fn decision_counters(&self) -> Result<Vec<Counter>, DatapathError>;
     fn config(&self) -> Result<Config, DatapathError>;
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError>;
+    /// Writes made to auxiliary structures (the prefix-lengths index) since the last call.
+    fn take_index_writes(&mut self) -> u64 {
+        0
+    }
 }
 
 fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
@@ -122,7 +126,9 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
                 maps.reset_entry_counter(counter).map_err(wrap)?;
                 writes.add("counter_reset", 1);
             }
-            maps.insert(role, net, &value).map_err(wrap)?;
+            let inserted = maps.insert(role, net, &value);
+            writes.add("map_index", maps.take_index_writes());
+            inserted.map_err(wrap)?;
             writes.add(
                 if old.is_some() {
                     "map_update"
@@ -148,6 +154,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
             }
         }
     }
+    writes.add("map_index", maps.take_index_writes());
     Ok(writes)
 }
 
