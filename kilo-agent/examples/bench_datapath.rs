@@ -84,6 +84,7 @@ fn open(slots: u32) -> Datapath {
     Datapath::open(DatapathConfig {
         pin_dir: None,
         counter_slots: slots,
+        max_entries: 1 << 18,
         ..Default::default()
     })
     .expect("load the datapath (needs root)")

@@ -32,8 +32,9 @@ pub const PROG_L3: &str = "kilo_ingress_l3";
 /// A classifier that returns at once (benchmark baseline).
 pub const PROG_NOOP: &str = "kilo_noop";
 
-/// Default capacity of each table (allocated per entry, BPF_F_NO_PREALLOC: capacity is free).
-pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 18;
+/// Default capacity of each table. Entries are allocated as inserted (BPF_F_NO_PREALLOC); the
+/// bucket array costs 16 bytes per slot (1 MiB per table at this size).
+pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 16;
 /// Default number of per-entry counter slots (per-CPU memory: 16 bytes x slots x CPUs).
 pub const DEFAULT_COUNTER_SLOTS: u32 = 1 << 14;
 /// [`EntryValue::counter`] of an entry that has no counter slot.

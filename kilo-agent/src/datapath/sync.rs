@@ -170,6 +170,21 @@ impl Counters {
         self.decisions.get(&d).copied().unwrap_or_default()
     }
 
+    /// Every entry's counter with the owner and kind the plan gives it (entries the plan does
+    /// not know, e.g. left over from an adopted topology, get the owner "").
+    pub fn labelled<'a>(
+        &'a self,
+        plan: &'a DatapathPlan,
+    ) -> impl Iterator<Item = (&'a EntryCounter, &'a str)> + 'a {
+        self.entries.iter().map(move |e| {
+            let owner = plan_role(plan, e.role)
+                .get(&e.net)
+                .map(|d| d.owner.as_str())
+                .unwrap_or("");
+            (e, owner)
+        })
+    }
+
     pub fn entry(&self, role: Role, net: &IpNet) -> Option<Counter> {
         self.entries
             .iter()
@@ -421,6 +436,8 @@ mod tests {
         assert!(sync_maps(&mut maps, &p, &NoResolver).unwrap().is_empty());
         let c = read_counters(&maps).unwrap();
         assert_eq!(c.entries.len(), 2);
+        let owners: Vec<&str> = c.labelled(&p).map(|(_, o)| o).collect();
+        assert_eq!(owners, ["10.0.0.0/24", "10.0.1.0/24"]);
     }
 
     #[test]
