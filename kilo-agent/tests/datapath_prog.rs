@@ -845,3 +845,62 @@ fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
     );
     assert_eq!(r.mark, MARK);
 }
+
+#[test]
+fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
+    if !support::require_root("a_full_table_fails_naming_the_entry_and_keeps_the_old_topology") {
+        return;
+    }
+    let mut dp = Datapath::open(DatapathConfig {
+        pin_dir: None,
+        max_entries: 8,
+        ..Default::default()
+    })
+    .unwrap();
+    let old = plan();
+    dp.sync(&old, &NoResolver).unwrap();
+    // A whole new mesh of 8 entries: with the 5 old ones still in, the table overflows.
+    let mut new = old.clone();
+    new.mesh_destinations = (0..8u8)
+        .map(|i| {
+            (
+                IpNet::V4(ipnet::Ipv4Net::new([10, 50, i, 0].into(), 24).unwrap()),
+                DatapathEntry {
+                    kind: EntryKind::Node,
+                    owner: format!("node-{i}"),
+                    next_hop: None,
+                },
+            )
+        })
+        .collect();
+    let err = dp.sync(&new, &NoResolver).unwrap_err().to_string();
+    assert!(
+        err.contains("full") && err.contains("10.50.") && err.contains("node-"),
+        "{err}"
+    );
+    let have: Vec<IpNet> = dp
+        .maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for net in old.mesh_destinations.keys() {
+        assert!(have.contains(net), "{net} lost: {have:?}");
+    }
+    // The old topology still decides: a pod to a mesh node is left alone.
+    let before = dp.counters().unwrap();
+    let r = run(
+        dp.program(Framing::L2),
+        &frame(&[], v4("10.244.1.5"), v4("10.1.5.5")),
+        0,
+        0,
+        1,
+    );
+    assert_eq!(r.mark, 0);
+    let after = dp.counters().unwrap();
+    assert_eq!(
+        after.decision(Decision::Mesh).packets,
+        before.decision(Decision::Mesh).packets + 1
+    );
+}
