@@ -97,15 +97,22 @@ fn main() {
         "# datapath benchmark (BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds)"
     );
 
-    // Packets: a pod to the internet (masquerade path: three lookups), a pod to a node in the
-    // mesh (one lookup, hit), an IPv6 pod to a mesh /64, and a non-IP frame.
+    // Packets: a pod to the internet (masquerade path: every mesh length, then the NAT source
+    // and masquerade destination lengths), a pod to a node in the mesh (/32 miss, /24 hit), an
+    // IPv6 pod to a mesh /64 (one probe), a host to the internet (no match: every length of
+    // every table), and a non-IP frame (parse and counters only).
     let masq = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
     let mesh_hit = frame(&[], v4("10.244.1.5"), v4("10.0.3.7"));
     let mesh6 = frame(&[], v6("fd00::5"), v6("fd00:0:0:2::9"));
-    let cases: [(&str, &[u8]); 3] = [
+    let pass = frame(&[], v4("172.16.200.1"), v4("8.8.8.8"));
+    let mut arp = packets::eth(&[], packets::ETH_P_ARP);
+    arp.extend_from_slice(&[0u8; 28]);
+    let cases: [(&str, &[u8]); 5] = [
         ("masquerade (v4)", &masq),
         ("mesh hit (v4)", &mesh_hit),
         ("mesh hit (v6)", &mesh6),
+        ("no match (v4)", &pass),
+        ("not IP (ARP)", &arp),
     ];
 
     let mut results: BTreeMap<(usize, &str), f64> = BTreeMap::new();
