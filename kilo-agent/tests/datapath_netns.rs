@@ -379,3 +379,109 @@ fn fast_path_redirects_mesh_past_a_forward_drop_but_not_services() {
     );
     drop(dp);
 }
+
+/// Creates a TUN device `name` in the calling thread's namespace; it lives while the fd does.
+fn tun(name: &str) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .expect("/dev/net/tun");
+    // SAFETY: a zeroed ifreq with a NUL-terminated name, on a TUN fd.
+    unsafe {
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+            *d = s as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
+        let rc = libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr);
+        assert_eq!(rc, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
+    }
+    file
+}
+
+#[test]
+fn raw_ip_device_traffic_is_classified_like_wireguard() {
+    if !support::require_root("raw_ip_device_traffic_is_classified_like_wireguard") {
+        return;
+    }
+    use std::io::Write as _;
+    use support::{bpffs::Listener, packets::udp_to};
+    let lab = Lab::new();
+    // A raw-IP device standing in for the WireGuard interface: packets written to its fd
+    // enter the node at TC ingress of wg0 with no MAC header, as decrypted WireGuard traffic does.
+    let mut dev = lab.node.run(|| tun("wg0"));
+    lab.node
+        .sh("ip link set wg0 up && ip addr add 10.30.0.1/24 dev wg0 && \
+         ip -6 addr add fd00:30::1/64 dev wg0 nodad && \
+         ip -6 addr add 2001:db8:1::1/64 dev inet0 nodad && \
+         sysctl -qw net.ipv6.conf.all.forwarding=1 && \
+         sysctl -qw net.ipv4.conf.all.rp_filter=0 && sysctl -qw net.ipv4.conf.wg0.rp_filter=0");
+    lab.inet
+        .sh("ip -6 addr add 2001:db8:1::2/64 dev eth0 nodad");
+    lab.mesh.sh("ip route add 10.30.0.0/24 via 10.20.0.1");
+    let dp = lab.node.run(|| {
+        let mut dp = Datapath::open(DatapathConfig {
+            pin_dir: None,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(
+            kilo_agent::datapath::framing("wg0").unwrap(),
+            kilo_agent::datapath::Framing::L3
+        );
+        dp.attach("wg0").unwrap();
+        dp.ensure_masquerade().unwrap();
+        let p = DatapathPlan {
+            mesh_destinations: BTreeMap::from([(
+                net("10.20.0.0/24"),
+                entry(EntryKind::Node, None),
+            )]),
+            nat_sources: BTreeMap::from([
+                (net("10.30.0.0/24"), entry(EntryKind::Peer, None)),
+                (net("fd00:30::/64"), entry(EntryKind::Peer, None)),
+            ]),
+            masquerade_destinations: BTreeMap::new(),
+        };
+        dp.sync(&p, &NoResolver).unwrap();
+        dp
+    });
+    let mut send = |src: &str, dst: &str, port: u16| {
+        for _ in 0..3 {
+            dev.write_all(&udp_to(ip(src), ip(dst), port)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    // A peer to the internet: masqueraded (IPv4 and IPv6).
+    let l = Listener::new(&lab.inet, false, 7200);
+    send("10.30.0.5", INET_HOST, 7200);
+    assert_eq!(l.source(), Some(ip(NODE_INET)));
+    let l = Listener::new(&lab.inet, true, 7201);
+    send("fd00:30::5", "2001:db8:1::2", 7201);
+    assert_eq!(l.source(), Some(ip("2001:db8:1::1")));
+    // A peer to a mesh destination: left alone.
+    let l = Listener::new(&lab.mesh, false, 7202);
+    send("10.30.0.5", MESH_HOST, 7202);
+    assert_eq!(l.source(), Some(ip("10.30.0.5")));
+    let c = dp.counters().unwrap();
+    assert!(
+        c.entry(Role::NatSource, &net("10.30.0.0/24"))
+            .unwrap()
+            .packets
+            >= 1,
+        "{c:?}"
+    );
+    assert!(
+        c.entry(Role::NatSource, &net("fd00:30::/64"))
+            .unwrap()
+            .packets
+            >= 1,
+        "{c:?}"
+    );
+    assert!(
+        c.entry(Role::Mesh, &net("10.20.0.0/24")).unwrap().packets >= 1,
+        "{c:?}"
+    );
+    assert_eq!(c.decision(Decision::Malformed).packets, 0, "{c:?}");
+}

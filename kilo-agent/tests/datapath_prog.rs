@@ -672,3 +672,235 @@ fn counters_sum_bytes_over_repeats() {
     let labelled = after.entries.iter().find(|e| e.net == net).unwrap();
     assert_eq!(labelled.kind, Some(EntryKind::LocalPods));
 }
+
+#[test]
+fn prefix_lengths_follow_the_entries() {
+    if !support::require_root("prefix_lengths_follow_the_entries") {
+        return;
+    }
+    use Decision::*;
+    let l2 = Framing::L2;
+    let mut dp = open();
+    let to = |d: &str| frame(&[], v4("172.16.0.1"), v4(d));
+    // /16 and /8 present: the /16 wins.
+    check(
+        &mut dp,
+        l2,
+        0,
+        &to("10.1.5.5"),
+        0,
+        (OK, 0, Mesh),
+        &[(Role::Mesh, "10.1.0.0/16")],
+    );
+    // Drop the /16 (the only /16 in the mesh table): the /8 takes over, one delete and one
+    // index write.
+    let mut p = plan();
+    p.mesh_destinations
+        .remove(&"10.1.0.0/16".parse::<IpNet>().unwrap());
+    let w = dp.sync(&p, &NoResolver).unwrap();
+    assert_eq!(
+        (w.get("map_delete"), w.get("map_index"), w.total()),
+        (1, 1, 2),
+        "{w}"
+    );
+    check(
+        &mut dp,
+        l2,
+        0,
+        &to("10.1.5.5"),
+        0,
+        (OK, 0, Mesh),
+        &[(Role::Mesh, "10.0.0.0/8")],
+    );
+    // A /32 inside it and a default route: the most specific still wins, the rest falls to /0.
+    let mut p2 = p.clone();
+    for net in ["10.1.5.5/32", "0.0.0.0/0"] {
+        p2.mesh_destinations.insert(
+            net.parse().unwrap(),
+            DatapathEntry {
+                kind: EntryKind::Peer,
+                owner: "p".into(),
+                next_hop: None,
+            },
+        );
+    }
+    let w = dp.sync(&p2, &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_index")), (2, 2), "{w}");
+    check(
+        &mut dp,
+        l2,
+        0,
+        &to("10.1.5.5"),
+        0,
+        (OK, 0, Mesh),
+        &[(Role::Mesh, "10.1.5.5/32")],
+    );
+    check(
+        &mut dp,
+        l2,
+        0,
+        &to("10.1.5.6"),
+        0,
+        (OK, 0, Mesh),
+        &[(Role::Mesh, "10.0.0.0/8")],
+    );
+    check(
+        &mut dp,
+        l2,
+        0,
+        &to("8.8.8.8"),
+        0,
+        (OK, 0, Mesh),
+        &[(Role::Mesh, "0.0.0.0/0")],
+    );
+    // IPv6 is unaffected by IPv4 lengths.
+    check(
+        &mut dp,
+        l2,
+        0,
+        &frame(&[], v6("fd00:99::1"), v6("2001:db8::1")),
+        0,
+        (OK, 0, Pass),
+        &[],
+    );
+    // Another entry of an existing length: no index write.
+    let mut p3 = p2.clone();
+    p3.mesh_destinations.insert(
+        "10.2.0.0/16".parse().unwrap(),
+        DatapathEntry {
+            kind: EntryKind::Peer,
+            owner: "p".into(),
+            next_hop: None,
+        },
+    );
+    p3.mesh_destinations.insert(
+        "10.3.0.0/16".parse().unwrap(),
+        DatapathEntry {
+            kind: EntryKind::Peer,
+            owner: "p".into(),
+            next_hop: None,
+        },
+    );
+    let w = dp.sync(&p3, &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_index")), (2, 1), "{w}");
+    let p4 = {
+        let mut p = p3.clone();
+        p.mesh_destinations
+            .remove(&"10.3.0.0/16".parse::<IpNet>().unwrap());
+        p
+    };
+    let w = dp.sync(&p4, &NoResolver).unwrap();
+    assert_eq!((w.get("map_delete"), w.get("map_index")), (1, 0), "{w}");
+}
+
+#[test]
+fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
+    if !support::require_root("too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest") {
+        return;
+    }
+    let mut dp = open();
+    let before: Vec<IpNet> = dp
+        .maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    // 33 IPv4 lengths (/0 ../32) on top of the /8 and /16 already there: one too many.
+    let mut p = plan();
+    for len in 0..=32u8 {
+        let net = IpNet::V4(ipnet::Ipv4Net::new([11, 0, 0, 0].into(), len).unwrap()).trunc();
+        p.mesh_destinations.insert(
+            net,
+            DatapathEntry {
+                kind: EntryKind::Peer,
+                owner: format!("peer-{len}"),
+                next_hop: None,
+            },
+        );
+    }
+    let err = dp.sync(&p, &NoResolver).unwrap_err().to_string();
+    assert!(
+        err.contains("prefix lengths") && err.contains("owner"),
+        "{err}"
+    );
+    let after: Vec<IpNet> = dp
+        .maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for net in before {
+        assert!(after.contains(&net), "{net} lost");
+    }
+    // Still deciding (the IPv4 entries inserted before the failure, /0 among them, are in
+    // force: they are the new topology; IPv6 is untouched).
+    let r = run(
+        dp.program(Framing::L2),
+        &frame(&[], v6("fd00:244:1::5"), v6("2001:db8::1")),
+        0,
+        0,
+        1,
+    );
+    assert_eq!(r.mark, MARK);
+}
+
+#[test]
+fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
+    if !support::require_root("a_full_table_fails_naming_the_entry_and_keeps_the_old_topology") {
+        return;
+    }
+    let mut dp = Datapath::open(DatapathConfig {
+        pin_dir: None,
+        max_entries: 8,
+        ..Default::default()
+    })
+    .unwrap();
+    let old = plan();
+    dp.sync(&old, &NoResolver).unwrap();
+    // A whole new mesh of 8 entries: with the 5 old ones still in, the table overflows.
+    let mut new = old.clone();
+    new.mesh_destinations = (0..8u8)
+        .map(|i| {
+            (
+                IpNet::V4(ipnet::Ipv4Net::new([10, 50, i, 0].into(), 24).unwrap()),
+                DatapathEntry {
+                    kind: EntryKind::Node,
+                    owner: format!("node-{i}"),
+                    next_hop: None,
+                },
+            )
+        })
+        .collect();
+    let err = dp.sync(&new, &NoResolver).unwrap_err().to_string();
+    assert!(
+        err.contains("full") && err.contains("10.50.") && err.contains("node-"),
+        "{err}"
+    );
+    let have: Vec<IpNet> = dp
+        .maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for net in old.mesh_destinations.keys() {
+        assert!(have.contains(net), "{net} lost: {have:?}");
+    }
+    // The old topology still decides: a pod to a mesh node is left alone.
+    let before = dp.counters().unwrap();
+    let r = run(
+        dp.program(Framing::L2),
+        &frame(&[], v4("10.244.1.5"), v4("10.1.5.5")),
+        0,
+        0,
+        1,
+    );
+    assert_eq!(r.mark, 0);
+    let after = dp.counters().unwrap();
+    assert_eq!(
+        after.decision(Decision::Mesh).packets,
+        before.decision(Decision::Mesh).packets + 1
+    );
+}

@@ -2,7 +2,8 @@
 //! with LPM-trie lookups at TC ingress of the pod-facing devices and the WireGuard interface.
 //!
 //! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
-//! entry point, for devices without a MAC header), IPv4 or IPv6; then
+//! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
+//! matches (one hash probe per prefix length present, longest first; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
 //! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
@@ -19,23 +20,27 @@ use aya_ebpf::{
     bindings::{__sk_buff, TC_ACT_OK, TC_ACT_REDIRECT, bpf_redir_neigh},
     helpers::generated::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, map},
-    maps::{Array, LpmTrie, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, PerCpuArray},
     programs::TcContext,
 };
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES, Decision,
-    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4, FAMILY_V6,
-    LpmData,
+    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
+    Lengths, MAX_LENGTHS,
 };
 
+const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 #[map]
-static KILO_MESH: LpmTrie<LpmData, EntryValue> = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
+static KILO_MESH: HashMap<EntryKey, EntryValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
 #[map]
-static KILO_NAT_SRC: LpmTrie<LpmData, EntryValue> =
-    LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
+static KILO_NAT_SRC: HashMap<EntryKey, EntryValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
 #[map]
-static KILO_MASQ_DST: LpmTrie<LpmData, EntryValue> =
-    LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
+static KILO_MASQ_DST: HashMap<EntryKey, EntryValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
+#[map]
+static KILO_LENGTHS: Array<Lengths> = Array::with_max_entries(3, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map]
@@ -118,11 +123,7 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-#[inline(always)]
-fn key(family: u32, bits: u32, addr: [u8; 16]) -> Key<LpmData> {
-    Key::new(FAMILY_BITS + bits, LpmData { family, addr })
-}
-
+/// An IPv4 address in the 16-byte key layout.
 #[inline(always)]
 fn v4(a: [u8; 4]) -> [u8; 16] {
     let mut out = [0u8; 16];
@@ -131,6 +132,64 @@ fn v4(a: [u8; 4]) -> [u8; 16] {
     out[2] = a[2];
     out[3] = a[3];
     out
+}
+
+/// The longest-prefix match of `addr` in one role's table: probe each prefix length present,
+/// longest first.
+#[inline(always)]
+fn find(
+    map: &'static HashMap<EntryKey, EntryValue>,
+    role: u32,
+    v6: bool,
+    addr: &[u8; 16],
+) -> Option<&'static EntryValue> {
+    let lens = KILO_LENGTHS.get(role)?;
+    let hi = u64::from_be_bytes([
+        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
+    ]);
+    let lo = u64::from_be_bytes([
+        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
+    ]);
+    let (n, family, width) = if v6 {
+        (lens.n6, FAMILY_V6, 128)
+    } else {
+        (lens.n4, FAMILY_V4, 32)
+    };
+    let mut key = EntryKey {
+        family,
+        prefix_len: 0,
+        addr: [0; 16],
+    };
+    for i in 0..MAX_LENGTHS {
+        if i as u32 >= n {
+            break;
+        }
+        let l = if v6 { lens.v6[i] } else { lens.v4[i] } as u32;
+        let l = if l > width { width } else { l };
+        // Keep the first l bits of the 128-bit (hi, lo) address (IPv4 lives in hi's top 32).
+        let mh = if l >= 64 {
+            u64::MAX
+        } else {
+            u64::MAX.checked_shl(64 - l).unwrap_or(0)
+        };
+        let ml = if l <= 64 {
+            0
+        } else {
+            u64::MAX.checked_shl(128 - l).unwrap_or(0)
+        };
+        key.prefix_len = l;
+        let h = (hi & mh).to_be_bytes();
+        let w = (lo & ml).to_be_bytes();
+        key.addr = [
+            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], w[0], w[1], w[2], w[3], w[4], w[5],
+            w[6], w[7],
+        ];
+        // SAFETY: the value is only read, and only while the program runs.
+        if let Some(v) = unsafe { map.get(&key) } {
+            return Some(v);
+        }
+    }
+    None
 }
 
 /// The decision for an IP packet whose header starts at `off`.
@@ -148,7 +207,7 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
         let mut d = [0u8; 16];
         s.copy_from_slice(&hdr[8..24]);
         d.copy_from_slice(&hdr[24..40]);
-        (key(FAMILY_V6, 128, s), key(FAMILY_V6, 128, d))
+        (s, d)
     } else {
         let Some(hdr) = load::<[u8; 20]>(ctx, off) else {
             return (ok, Decision::Malformed);
@@ -157,12 +216,12 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
             return (ok, Decision::Malformed);
         }
         (
-            key(FAMILY_V4, 32, v4([hdr[12], hdr[13], hdr[14], hdr[15]])),
-            key(FAMILY_V4, 32, v4([hdr[16], hdr[17], hdr[18], hdr[19]])),
+            v4([hdr[12], hdr[13], hdr[14], hdr[15]]),
+            v4([hdr[16], hdr[17], hdr[18], hdr[19]]),
         )
     };
 
-    if let Some(entry) = KILO_MESH.get(&dst) {
+    if let Some(entry) = find(&KILO_MESH, 0, v6, &dst) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         if entry.flags & ENTRY_REDIRECT != 0
             && entry.flags & ENTRY_SERVICE == 0
@@ -175,11 +234,11 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
     }
 
     let mut masquerade = false;
-    if let Some(entry) = KILO_NAT_SRC.get(&src) {
+    if let Some(entry) = find(&KILO_NAT_SRC, 1, v6, &src) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         masquerade = true;
     }
-    if let Some(entry) = KILO_MASQ_DST.get(&dst) {
+    if let Some(entry) = find(&KILO_MASQ_DST, 2, v6, &dst) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         masquerade = true;
     }

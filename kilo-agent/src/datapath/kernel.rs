@@ -15,7 +15,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, LpmTrie, MapData, MapError, PerCpuArray, PerCpuValues},
+    maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues},
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -26,8 +26,9 @@ use aya::{
 use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK, DEFAULT_MARK_MASK,
-    DEFAULT_MAX_ENTRIES, Decision, EntryValue, LpmData, MAP_CONFIG, MAP_DECISIONS,
-    MAP_ENTRY_COUNTERS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_L2, PROG_L3, PROG_NOOP,
+    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, Lengths, MAP_CONFIG,
+    MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_LENGTHS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC,
+    MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP,
 };
 
 use super::{
@@ -83,7 +84,7 @@ pub struct DatapathConfig {
     pub mask: u32,
     /// Redirect mesh traffic straight to its egress (bypasses netfilter's FORWARD chain).
     pub fast_path: bool,
-    /// Capacity of each LPM trie.
+    /// Capacity of each table.
     pub max_entries: u32,
     /// Per-entry counter slots.
     pub counter_slots: u32,
@@ -133,11 +134,21 @@ impl DatapathConfig {
     }
 }
 
+type Table = HashMap<MapData, EntryKey, EntryValue>;
+
 /// The program's maps, opened from the loaded object.
+///
+/// Keeps a count of entries per (role, family, prefix length) so it can publish the lengths
+/// index ([`MAP_LENGTHS`]) in a safe order: a new length after its first entry is in, a
+/// vanished length after its last entry is gone (an extra length only costs a probe; a missing
+/// one would lose matches). Index writes are counted as `map_index`.
 pub struct KernelMaps {
-    mesh: LpmTrie<MapData, LpmData, EntryValue>,
-    nat_src: LpmTrie<MapData, LpmData, EntryValue>,
-    masq_dst: LpmTrie<MapData, LpmData, EntryValue>,
+    mesh: Table,
+    nat_src: Table,
+    masq_dst: Table,
+    lengths: Array<MapData, Lengths>,
+    counts: BTreeMap<(Role, u32, u32), usize>,
+    index_writes: u64,
     config: Array<MapData, Config>,
     decisions: PerCpuArray<MapData, Counter>,
     entry_counters: PerCpuArray<MapData, Counter>,
@@ -162,19 +173,71 @@ impl KernelMaps {
                 source,
             })?
             .get() as usize;
-        Ok(KernelMaps {
+        let mut maps = KernelMaps {
             mesh: take(ebpf, MAP_MESH)?,
             nat_src: take(ebpf, MAP_NAT_SRC)?,
             masq_dst: take(ebpf, MAP_MASQ_DST)?,
+            lengths: take(ebpf, MAP_LENGTHS)?,
+            counts: BTreeMap::new(),
+            index_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
             decisions: take(ebpf, MAP_DECISIONS)?,
             entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
             capacity: capacity as usize,
             nr_cpus,
-        })
+        };
+        // Adopted tables: count what is there and make sure the index covers it.
+        for role in Role::ALL {
+            for (net, _) in maps.entries(role)? {
+                let k = keys::entry_key(&net);
+                *maps
+                    .counts
+                    .entry((role, k.family, k.prefix_len))
+                    .or_default() += 1;
+            }
+            maps.publish(role)?;
+        }
+        maps.index_writes = 0;
+        Ok(maps)
     }
 
-    fn trie(&self, role: Role) -> &LpmTrie<MapData, LpmData, EntryValue> {
+    /// The lengths index of `role` as the counts say it should be.
+    fn wanted_lengths(&self, role: Role) -> Lengths {
+        let mut out = Lengths::EMPTY;
+        for ((r, family, len), n) in self.counts.iter().rev() {
+            if *r != role || *n == 0 {
+                continue;
+            }
+            let (count, slots) = if *family == FAMILY_V4 {
+                (&mut out.n4, &mut out.v4)
+            } else {
+                (&mut out.n6, &mut out.v6)
+            };
+            if (*count as usize) < MAX_LENGTHS {
+                slots[*count as usize] = *len as u8;
+                *count += 1;
+            }
+        }
+        out
+    }
+
+    /// Writes the lengths index of `role` if it differs from what the map holds.
+    fn publish(&mut self, role: Role) -> Result<(), DatapathError> {
+        let want = self.wanted_lengths(role);
+        let have = self
+            .lengths
+            .get(&role.index(), 0)
+            .map_err(|e| DatapathError::map(MAP_LENGTHS, e))?;
+        if have != want {
+            self.lengths
+                .set(role.index(), &want, 0)
+                .map_err(|e| DatapathError::map(MAP_LENGTHS, e))?;
+            self.index_writes += 1;
+        }
+        Ok(())
+    }
+
+    fn trie(&self, role: Role) -> &Table {
         match role {
             Role::Mesh => &self.mesh,
             Role::NatSource => &self.nat_src,
@@ -182,7 +245,7 @@ impl KernelMaps {
         }
     }
 
-    fn trie_mut(&mut self, role: Role) -> &mut LpmTrie<MapData, LpmData, EntryValue> {
+    fn trie_mut(&mut self, role: Role) -> &mut Table {
         match role {
             Role::Mesh => &mut self.mesh,
             Role::NatSource => &mut self.nat_src,
@@ -223,8 +286,8 @@ impl DatapathMaps for KernelMaps {
             };
             let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
                 name,
-                prefix_len: key.prefix_len(),
-                family: key.data().family,
+                prefix_len: key.prefix_len,
+                family: key.family,
             })?;
             out.push((net, value));
         }
@@ -234,22 +297,68 @@ impl DatapathMaps for KernelMaps {
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
         let capacity = self.capacity;
         let name = role.map_name();
+        let key = keys::entry_key(&net);
+        let exists = match self.trie(role).get(&key, 0) {
+            Ok(_) => true,
+            Err(MapError::KeyNotFound) => false,
+            Err(e) if errno(&e) == Some(libc::ENOENT) => false,
+            Err(e) => return Err(DatapathError::map(name, e)),
+        };
+        let slot = (role, key.family, key.prefix_len);
+        let new_length = !exists && self.counts.get(&slot).copied().unwrap_or(0) == 0;
+        if new_length {
+            let lens = self.wanted_lengths(role);
+            let n = if key.family == FAMILY_V6 {
+                lens.n6
+            } else {
+                lens.n4
+            };
+            if n as usize >= MAX_LENGTHS {
+                return Err(DatapathError::TooManyLengths {
+                    name,
+                    family: if key.family == FAMILY_V6 { 6 } else { 4 },
+                    max: MAX_LENGTHS,
+                });
+            }
+        }
         self.trie_mut(role)
-            .insert(&keys::lpm_key(&net), value, 0)
+            .insert(&key, value, 0)
             .map_err(|e| match errno(&e) {
-                Some(libc::ENOSPC) | Some(libc::E2BIG) => DatapathError::Full { name, capacity },
+                Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
+                    DatapathError::Full { name, capacity }
+                }
                 _ => DatapathError::map(name, e),
-            })
+            })?;
+        if !exists {
+            *self.counts.entry(slot).or_default() += 1;
+        }
+        if new_length {
+            self.publish(role)?;
+        }
+        Ok(())
     }
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
         let name = role.map_name();
-        match self.trie_mut(role).remove(&keys::lpm_key(&net)) {
-            Ok(()) => Ok(()),
-            Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
-            Err(MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(DatapathError::map(name, e)),
+        let key = keys::entry_key(&net);
+        match self.trie_mut(role).remove(&key) {
+            Ok(()) => {}
+            Err(e) if errno(&e) == Some(libc::ENOENT) => return Ok(()),
+            Err(MapError::KeyNotFound) => return Ok(()),
+            Err(e) => return Err(DatapathError::map(name, e)),
         }
+        let slot = (role, key.family, key.prefix_len);
+        let n = self.counts.entry(slot).or_default();
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.counts.remove(&slot);
+            self.publish(role)?;
+        }
+        Ok(())
+    }
+
+    fn take_index_writes(&mut self) -> u64 {
+        std::mem::take(&mut self.index_writes)
     }
 
     fn counter_slots(&self) -> u32 {
@@ -335,6 +444,7 @@ impl Datapath {
                 MAP_MESH,
                 MAP_NAT_SRC,
                 MAP_MASQ_DST,
+                MAP_LENGTHS,
                 MAP_CONFIG,
                 MAP_DECISIONS,
                 MAP_ENTRY_COUNTERS,

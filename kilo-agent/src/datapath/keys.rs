@@ -1,18 +1,16 @@
 //! Conversions between plan entries and map keys/values (pure).
 use std::net::IpAddr;
 
-use aya::maps::lpm_trie::Key;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_common::{
-    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4, FAMILY_V6,
-    LpmData,
+    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
 };
 
 use super::sync::Resolver;
 use crate::plan::{DatapathEntry, Device, EntryKind, NextHop};
 
-/// The LPM key of a CIDR (host bits cleared): the family takes the first 32 bits.
-pub fn lpm_key(net: &IpNet) -> Key<LpmData> {
+/// The map key of a CIDR (host bits cleared).
+pub fn entry_key(net: &IpNet) -> EntryKey {
     let net = net.trunc();
     let mut addr = [0u8; 16];
     let family = match net {
@@ -25,26 +23,29 @@ pub fn lpm_key(net: &IpNet) -> Key<LpmData> {
             FAMILY_V6
         }
     };
-    Key::new(
-        FAMILY_BITS + u32::from(net.prefix_len()),
-        LpmData { family, addr },
-    )
+    EntryKey {
+        family,
+        prefix_len: u32::from(net.prefix_len()),
+        addr,
+    }
 }
 
 /// The CIDR of a key read back from a map, if it is one this module writes.
-pub fn net_from_key(key: &Key<LpmData>) -> Option<IpNet> {
-    let data = key.data();
-    let bits = key.prefix_len().checked_sub(FAMILY_BITS)?;
-    match data.family {
-        FAMILY_V4 if bits <= 32 => {
-            let a: [u8; 4] = data.addr[..4].try_into().ok()?;
-            Ipv4Net::new(a.into(), bits as u8).ok().map(IpNet::V4)
+pub fn net_from_key(key: &EntryKey) -> Option<IpNet> {
+    let bits = u8::try_from(key.prefix_len).ok()?;
+    let net = match key.family {
+        FAMILY_V4 => {
+            if key.addr[4..].iter().any(|b| *b != 0) {
+                return None;
+            }
+            let a: [u8; 4] = key.addr[..4].try_into().ok()?;
+            IpNet::V4(Ipv4Net::new(a.into(), bits).ok()?)
         }
-        FAMILY_V6 if bits <= 128 => Ipv6Net::new(data.addr.into(), bits as u8)
-            .ok()
-            .map(IpNet::V6),
-        _ => None,
-    }
+        FAMILY_V6 => IpNet::V6(Ipv6Net::new(key.addr.into(), bits).ok()?),
+        _ => return None,
+    };
+    // Host bits set: not a key we write (and one the program would never find).
+    (net.trunc() == net).then_some(net)
 }
 
 /// `EntryValue::kind` codes (a metrics label, not read by the program).
@@ -128,44 +129,34 @@ mod tests {
             "2001:db8::1/128",
         ] {
             let net: IpNet = s.parse().unwrap();
-            let key = lpm_key(&net);
+            let key = entry_key(&net);
             assert_eq!(net_from_key(&key), Some(net), "{s}");
         }
-        let v4 = lpm_key(&"0.0.0.0/0".parse().unwrap());
-        let v6 = lpm_key(&"::/0".parse().unwrap());
-        assert_eq!(v4.prefix_len(), 32);
-        assert_ne!(v4.data().family, v6.data().family);
+        let v4 = entry_key(&"0.0.0.0/0".parse().unwrap());
+        let v6 = entry_key(&"::/0".parse().unwrap());
+        assert_eq!(v4.prefix_len, 0);
+        assert_ne!(v4, v6);
         // Host bits are cleared.
-        let k = lpm_key(&"10.1.2.3/16".parse().unwrap());
+        let k = entry_key(&"10.1.2.3/16".parse().unwrap());
         assert_eq!(net_from_key(&k), Some("10.1.0.0/16".parse().unwrap()));
     }
 
     #[test]
     fn bad_keys_are_rejected() {
-        let k = Key::new(
-            31,
-            LpmData {
-                family: FAMILY_V4,
-                addr: [0; 16],
-            },
-        );
-        assert_eq!(net_from_key(&k), None);
-        let k = Key::new(
-            FAMILY_BITS + 33,
-            LpmData {
-                family: FAMILY_V4,
-                addr: [0; 16],
-            },
-        );
-        assert_eq!(net_from_key(&k), None);
-        let k = Key::new(
-            FAMILY_BITS,
-            LpmData {
-                family: 7,
-                addr: [0; 16],
-            },
-        );
-        assert_eq!(net_from_key(&k), None);
+        let key = |family, prefix_len, addr| EntryKey {
+            family,
+            prefix_len,
+            addr,
+        };
+        assert_eq!(net_from_key(&key(FAMILY_V4, 33, [0; 16])), None);
+        assert_eq!(net_from_key(&key(FAMILY_V6, 129, [0; 16])), None);
+        assert_eq!(net_from_key(&key(7, 0, [0; 16])), None);
+        let mut host_bits = [0u8; 16];
+        host_bits[3] = 1;
+        assert_eq!(net_from_key(&key(FAMILY_V4, 24, host_bits)), None);
+        host_bits[3] = 0;
+        host_bits[9] = 1;
+        assert_eq!(net_from_key(&key(FAMILY_V4, 0, host_bits)), None);
     }
 
     #[test]

@@ -22,12 +22,12 @@ pub use kilo_common::{Counter, Decision};
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, KernelMaps, OBJECT, framing, ifindex,
 };
-pub use keys::{entry_value, kind_code, kind_from_code, lpm_key, net_from_key};
+pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{
     Counters, DatapathMaps, EntryCounter, FakeMaps, NoResolver, Resolver, read_counters, sync_maps,
 };
 
-/// Which LPM trie an entry lives in.
+/// Which table an entry lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
     /// `mesh_destinations`: never masqueraded (fast path candidates).
@@ -47,6 +47,15 @@ impl Role {
             Role::Mesh => kilo_common::MAP_MESH,
             Role::NatSource => kilo_common::MAP_NAT_SRC,
             Role::MasqueradeDestination => kilo_common::MAP_MASQ_DST,
+        }
+    }
+
+    /// Index in the lengths map.
+    pub const fn index(self) -> u32 {
+        match self {
+            Role::Mesh => 0,
+            Role::NatSource => 1,
+            Role::MasqueradeDestination => 2,
         }
     }
 
@@ -87,6 +96,12 @@ pub enum DatapathError {
         name: &'static str,
         prefix_len: u32,
         family: u32,
+    },
+    #[error("map {name} has {max} distinct IPv{family} prefix lengths already")]
+    TooManyLengths {
+        name: &'static str,
+        family: u8,
+        max: usize,
     },
     #[error("map {name} is full ({capacity} entries)")]
     Full { name: &'static str, capacity: usize },

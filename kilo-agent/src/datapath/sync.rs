@@ -1,4 +1,4 @@
-//! The map diff: make the three LPM tries equal to a [`DatapathPlan`] writing only the
+//! The map diff: make the three tables equal to a [`DatapathPlan`] writing only the
 //! difference, behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! Order keeps the previous topology until the new one is in: new and changed entries are
@@ -53,6 +53,10 @@ pub trait DatapathMaps {
     fn decision_counters(&self) -> Result<Vec<Counter>, DatapathError>;
     fn config(&self) -> Result<Config, DatapathError>;
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError>;
+    /// Writes made to auxiliary structures (the prefix-lengths index) since the last call.
+    fn take_index_writes(&mut self) -> u64 {
+        0
+    }
 }
 
 fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
@@ -122,7 +126,9 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
                 maps.reset_entry_counter(counter).map_err(wrap)?;
                 writes.add("counter_reset", 1);
             }
-            maps.insert(role, net, &value).map_err(wrap)?;
+            let inserted = maps.insert(role, net, &value);
+            writes.add("map_index", maps.take_index_writes());
+            inserted.map_err(wrap)?;
             writes.add(
                 if old.is_some() {
                     "map_update"
@@ -148,6 +154,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
             }
         }
     }
+    writes.add("map_index", maps.take_index_writes());
     Ok(writes)
 }
 
@@ -161,6 +168,21 @@ pub struct Counters {
 impl Counters {
     pub fn decision(&self, d: Decision) -> Counter {
         self.decisions.get(&d).copied().unwrap_or_default()
+    }
+
+    /// Every entry's counter with the owner and kind the plan gives it (entries the plan does
+    /// not know, e.g. left over from an adopted topology, get the owner "").
+    pub fn labelled<'a>(
+        &'a self,
+        plan: &'a DatapathPlan,
+    ) -> impl Iterator<Item = (&'a EntryCounter, &'a str)> + 'a {
+        self.entries.iter().map(move |e| {
+            let owner = plan_role(plan, e.role)
+                .get(&e.net)
+                .map(|d| d.owner.as_str())
+                .unwrap_or("");
+            (e, owner)
+        })
     }
 
     pub fn entry(&self, role: Role, net: &IpNet) -> Option<Counter> {
@@ -414,6 +436,8 @@ mod tests {
         assert!(sync_maps(&mut maps, &p, &NoResolver).unwrap().is_empty());
         let c = read_counters(&maps).unwrap();
         assert_eq!(c.entries.len(), 2);
+        let owners: Vec<&str> = c.labelled(&p).map(|(_, o)| o).collect();
+        assert_eq!(owners, ["10.0.0.0/24", "10.0.1.0/24"]);
     }
 
     #[test]

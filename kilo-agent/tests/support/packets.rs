@@ -48,6 +48,29 @@ pub fn ip(src: IpAddr, dst: IpAddr, ttl: u8, payload: usize) -> Vec<u8> {
     udp.extend_from_slice(&(udp_len as u16).to_be_bytes());
     udp.extend_from_slice(&[0, 0]);
     udp.extend(std::iter::repeat_n(0xab, payload));
+    // The UDP checksum over the pseudo header (mandatory for IPv6).
+    let mut pseudo = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 17]);
+            pseudo.extend_from_slice(&(udp_len as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&(udp_len as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, 17]);
+        }
+        _ => panic!("mixed families"),
+    }
+    pseudo.extend_from_slice(&udp);
+    let c = match checksum(&pseudo) {
+        0 => 0xffff,
+        c => c,
+    };
+    udp[6..8].copy_from_slice(&c.to_be_bytes());
     match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             let mut h = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, ttl, 17, 0, 0];
@@ -69,8 +92,41 @@ pub fn ip(src: IpAddr, dst: IpAddr, ttl: u8, payload: usize) -> Vec<u8> {
             h.extend(udp);
             h
         }
+        _ => unreachable!(),
+    }
+}
+
+/// An IP/UDP packet to `dst:port` (no L2 header), checksums valid.
+pub fn udp_to(src: IpAddr, dst: IpAddr, port: u16) -> Vec<u8> {
+    let mut p = ip(src, dst, 64, 4);
+    let off = if src.is_ipv4() { 20 } else { 40 };
+    p[off + 2..off + 4].copy_from_slice(&port.to_be_bytes());
+    // Recompute the UDP checksum for the new port.
+    p[off + 6..off + 8].copy_from_slice(&[0, 0]);
+    let udp = p[off..].to_vec();
+    let mut pseudo = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 17]);
+            pseudo.extend_from_slice(&(udp.len() as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&(udp.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, 17]);
+        }
         _ => panic!("mixed families"),
     }
+    pseudo.extend_from_slice(&udp);
+    let c = match checksum(&pseudo) {
+        0 => 0xffff,
+        c => c,
+    };
+    p[off + 6..off + 8].copy_from_slice(&c.to_be_bytes());
+    p
 }
 
 pub fn v4(s: &str) -> IpAddr {
