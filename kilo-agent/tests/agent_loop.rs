@@ -230,7 +230,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
                         resolver: Box::new(system_resolver),
                     },
                 );
-                let agent = Agent::new(
+                let mut agent = Agent::new(
                     backend,
                     planner("me"),
                     reconciler,

@@ -359,7 +359,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
 
     /// Runs until `shutdown` completes, then cleans up when `--clean-up` is set.
     pub async fn run(
-        mut self,
+        &mut self,
         mut kernel_events: Option<mpsc::Receiver<()>>,
         shutdown: impl Future<Output = ()>,
     ) -> Stats {
@@ -423,7 +423,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         } else {
             tracing::info!("--clean-up=false: leaving the mesh and datapath running");
         }
-        self.stats
+        self.stats.clone()
     }
 }
 
