@@ -67,6 +67,22 @@ pub trait Backend: Send + Sync {
     ) -> BoxFuture<'a, Result<bool, BackendError>>;
 }
 
+/// Whether `new` differs from `old` in a way the mesh cares about: a node added, removed or
+/// changed beyond its `last-seen` heartbeat (see [`kubernetes::node_changed`]), or any Peer
+/// spec. `now` is in unix seconds.
+pub fn snapshot_changed(old: &Snapshot, new: &Snapshot, now: i64) -> bool {
+    old.nodes.len() != new.nodes.len()
+        || new
+            .nodes
+            .iter()
+            .any(|(name, n)| kubernetes::node_changed(old.nodes.get(name), n, now))
+        || old.peers.len() != new.peers.len()
+        || new
+            .peers
+            .iter()
+            .any(|(name, p)| old.peers.get(name).map(|o| &o.spec) != Some(&p.spec))
+}
+
 /// Applies `changes` to `current`; returns whether anything changed.
 pub fn apply_annotations(current: &mut BTreeMap<String, String>, changes: &Annotations) -> bool {
     let mut changed = false;
