@@ -288,3 +288,31 @@ fn agents_sharing_a_directory_each_write_their_own_file() {
         assert!(dir.path().join("node-a.yaml").exists() && dir.path().join("node-b.yaml").exists());
     });
 }
+
+#[test]
+fn heartbeat_only_rewrites_cost_no_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.yaml");
+    write(&path, &node("a", &[("kilo.squat.ai/last-seen", "100")]));
+    rt().block_on(async {
+        let backend = FileBackend::start(dir.path()).unwrap();
+        let mut rx = backend.updates();
+        let first = rx.borrow_and_update().generation;
+        write(&path, &node("a", &[("kilo.squat.ai/last-seen", "130")]));
+        // Give the backend time to (wrongly) emit the heartbeat on its own.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        write(&dir.path().join("b.yaml"), &node("b", &[]));
+        rx.changed().await.unwrap();
+        let u = rx.borrow_and_update().clone();
+        assert!(u.generation > first);
+        assert!(
+            u.snapshot.nodes.contains_key("b"),
+            "an update carrying only the heartbeat was emitted"
+        );
+        // The stored view has the fresh heartbeat all the same.
+        assert_eq!(
+            u.snapshot.nodes["a"].metadata.annotations.as_ref().unwrap()["kilo.squat.ai/last-seen"],
+            "130"
+        );
+    });
+}

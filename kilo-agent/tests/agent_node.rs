@@ -437,3 +437,46 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
         "foreign churn (50 routes, 1 rule) must not trigger"
     );
 }
+
+#[test]
+fn dry_run_prints_the_difference_and_changes_nothing() {
+    if !support::require_root("dry_run_prints_the_difference_and_changes_nothing") {
+        return;
+    }
+    let (a, _b) = pair();
+    let wg = WgGo::start(&a);
+    let sk = key();
+    let remote = public(&key());
+    let p = plan(remote, &[]);
+    let before = snapshot(&a);
+    let peers_before = a.sh(&format!("wg show {} dump", wg.name));
+    let diff = in_ns(&a, &wg.name, sk, {
+        let p = p.clone();
+        async move |r: &mut Real| r.dry_run(&p).await.unwrap().to_string()
+    });
+    assert_eq!(before, snapshot(&a), "the dry run changed the kernel");
+    assert_eq!(peers_before, a.sh(&format!("wg show {} dump", wg.name)));
+    assert!(
+        diff.contains(&format!("+ wireguard peer {remote}")),
+        "{diff}"
+    );
+    assert!(diff.contains("+ route 10.2.2.0/24 via 10.4.0.2"), "{diff}");
+    assert!(diff.contains("+ route 10.0.0.2/32 via 10.0.0.2"), "{diff}");
+    assert!(
+        diff.contains("+ rule from 10.2.1.0/24 to 10.0.0.2/32 lookup 1107"),
+        "{diff}"
+    );
+    assert!(diff.contains("+ address 10.4.0.1/16"), "{diff}");
+    assert!(
+        !diff.contains(&sk.to_string()),
+        "private key printed: {diff}"
+    );
+    let after_converge = in_ns(&a, &wg.name, sk, async move |r: &mut Real| {
+        r.reconcile(&p).await.unwrap();
+        r.dry_run(&p).await.unwrap().to_string()
+    });
+    assert_eq!(
+        after_converge, "",
+        "dry run after convergence: {after_converge}"
+    );
+}

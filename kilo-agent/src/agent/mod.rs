@@ -186,6 +186,8 @@ pub struct Agent<P, K, W, D> {
     pub stats: Stats,
     last_seen_due: bool,
     seen_generation: u64,
+    /// Objects the planner rejected last time (so each is counted once, when it appears).
+    invalid: std::collections::BTreeSet<String>,
 }
 
 fn unix_now() -> u64 {
@@ -220,6 +222,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             stats: Stats::default(),
             last_seen_due: true,
             seen_generation: 0,
+            invalid: Default::default(),
         }
     }
 
@@ -228,9 +231,12 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         self.metrics.nodes.set(outcome.ready_nodes as i64);
         self.metrics.peers.set(outcome.ready_peers as i64);
         self.metrics.leader.set(i64::from(outcome.leader));
-        for e in &outcome.errors {
+        let now: std::collections::BTreeSet<String> = outcome.errors.iter().cloned().collect();
+        for e in now.difference(&self.invalid) {
+            self.metrics.error("validate");
             tracing::warn!(error = %e, "left out of the plan");
         }
+        self.invalid = now;
         outcome
     }
 
@@ -267,7 +273,6 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     /// One pass: plan from the latest snapshot, publish, reconcile.
     pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
         let update = self.backend.updates().borrow().clone();
-        self.metrics.invalid_objects.set(update.errors.len() as i64);
         if update.generation != self.seen_generation {
             self.seen_generation = update.generation;
             for e in &update.errors {
@@ -276,6 +281,9 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             }
         }
         let outcome = self.plan(&update.snapshot);
+        self.metrics
+            .invalid_objects
+            .set((update.errors.len() + outcome.errors.len()) as i64);
         self.publish(&update.snapshot, &outcome).await;
         let Some(plan) = outcome.plan else {
             return Err(AgentError::NoPlan(
@@ -351,7 +359,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
 
     /// Runs until `shutdown` completes, then cleans up when `--clean-up` is set.
     pub async fn run(
-        mut self,
+        &mut self,
         mut kernel_events: Option<mpsc::Receiver<()>>,
         shutdown: impl Future<Output = ()>,
     ) -> Stats {
@@ -415,7 +423,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         } else {
             tracing::info!("--clean-up=false: leaving the mesh and datapath running");
         }
-        self.stats
+        self.stats.clone()
     }
 }
 

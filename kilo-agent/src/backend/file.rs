@@ -297,7 +297,20 @@ async fn run(
         let update = {
             let mut c = cache.lock().expect("cache lock");
             match c.rescan(&dir) {
-                Ok(true) => Some(c.update()),
+                Ok(true) => {
+                    let u = c.update();
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs() as i64)
+                        .unwrap_or_default();
+                    let last = tx.borrow();
+                    // A heartbeat-only rewrite (kilo.squat.ai/last-seen) costs no reconcile;
+                    // the stored view still gets it with the next real change.
+                    let meaningful = u.errors != last.errors
+                        || super::snapshot_changed(&last.snapshot, &u.snapshot, now);
+                    drop(last);
+                    meaningful.then_some(u)
+                }
                 Ok(false) => None,
                 Err(e) => {
                     tracing::warn!(error = %e, "file backend rescan failed");

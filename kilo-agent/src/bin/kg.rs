@@ -48,12 +48,17 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
 
     let host = detect::observe().await?;
     let ignored = [flags.interface.as_str(), "tunl0", "kube-bridge"];
-    let ips = detect::choose(
-        &host,
-        &detect::resolve_hostname(&hostname),
-        &ignored,
-        &flags.internal_cidr,
-    );
+    // getaddrinfo can block on an unreachable resolver: bound it (before seccomp, threads are fine).
+    let name = hostname.clone();
+    let hostname_ips = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        tokio::task::spawn_blocking(move || detect::resolve_hostname(&name)),
+    )
+    .await
+    .ok()
+    .and_then(Result::ok)
+    .unwrap_or_default();
+    let ips = detect::choose(&host, &hostname_ips, &ignored, &flags.internal_cidr);
     let endpoint_ip = if flags.prioritise_private_addresses {
         ips.private.clone().or(ips.public.clone())
     } else {
@@ -180,7 +185,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(flags)) {
+    let result = runtime.block_on(run(flags));
+    // Do not wait for a getaddrinfo still blocked on an unreachable resolver.
+    runtime.shutdown_background();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");

@@ -1,0 +1,367 @@
+//! Agent benchmark at 1,000 nodes + 1,000 peers with the file backend and a wireguard-go device:
+//! processes started by the agent (0), writes of an idle resync (0) and its CPU time, the writes
+//! of one added peer, and the agent's RSS.
+//!
+//! Run as root: `cargo run --release -p kilo-agent --example bench_agent [-- NODES PEERS]`.
+//! The agent runs as PID 1 of its own PID namespace (inside a throwaway network namespace), so
+//! every PID allocated there is one of its own threads or a process it started: counting them
+//! counts processes started. The seccomp filter is installed as `kg` does.
+//!
+//! Until the topology planner is merged, a stand-in planner maps every node and peer to one
+//! WireGuard peer and one route (the same object counts as the real plan of a leader).
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::{
+    fmt::Write as _,
+    process::{Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use kilo_agent::{
+    agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome, seccomp},
+    backend::{Backend, file::FileBackend},
+    mesh::{Key, Snapshot},
+    plan::{Device, MAIN_TABLE, Plan, Route, WireGuardPeer, WireGuardPlan},
+    reconcile::{
+        FakeDatapath, Reconciler, Settings, Writes,
+        netlink::NetlinkKernel,
+        state::Devices,
+        wireguard::{WgApi, WgControl, system_resolver, uapi_socket},
+    },
+    telemetry::Metrics,
+};
+
+const CHILD: &str = "KILO_BENCH_AGENT_DIR";
+const CHILD_WG: &str = "KILO_BENCH_AGENT_WG";
+
+fn key(i: u32, salt: u8) -> Key {
+    let mut k = [salt; 32];
+    k[1..5].copy_from_slice(&i.to_le_bytes()); // byte 0 is clamped by x25519
+    Key(wireguard_control::Key(k).get_public().0)
+}
+
+fn pod_cidr(i: u32) -> String {
+    format!("10.{}.{}.0/24", 64 + i / 256, i % 256)
+}
+
+fn peer_ip(i: u32) -> String {
+    format!("10.200.{}.{}/32", i / 256, i % 256)
+}
+
+fn write_objects(dir: &std::path::Path, nodes: u32, peers: u32) {
+    for i in 0..nodes {
+        std::fs::write(
+            dir.join(format!("node-{i}.yaml")),
+            format!(
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-{i}\n  labels:\n    topology.kubernetes.io/region: r{i}\n  annotations:\n    {ANNOTATION_KEY}: \"{}\"\n    kilo.squat.ai/endpoint: \"192.0.2.{}:51820\"\nspec:\n  podCIDR: {}\n",
+                key(i, 1),
+                i % 250 + 1,
+                pod_cidr(i)
+            ),
+        )
+        .unwrap();
+    }
+    for i in 0..peers {
+        std::fs::write(
+            dir.join(format!("peer-{i}.yaml")),
+            format!(
+                "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: peer-{i}\nspec:\n  allowedIPs: [{}]\n  publicKey: \"{}\"\n  persistentKeepalive: 25\n",
+                peer_ip(i),
+                key(i, 2)
+            ),
+        )
+        .unwrap();
+    }
+}
+
+/// Stand-in planner: one WireGuard peer and one route per remote node and per Peer.
+fn planner(me: &'static str) -> impl FnMut(&Snapshot) -> PlanOutcome {
+    move |s: &Snapshot| {
+        let mut plan = Plan {
+            addresses: vec!["10.4.0.1/16".parse().unwrap()],
+            wireguard: WireGuardPlan {
+                listen_port: 51820,
+                peers: Vec::with_capacity(s.nodes.len() + s.peers.len()),
+            },
+            ..Plan::default()
+        };
+        let mut out = PlanOutcome::default();
+        let mut add = |k: Key, cidr: ipnet::IpNet, endpoint: Option<&str>, keepalive: u16| {
+            plan.wireguard.peers.push(WireGuardPeer {
+                public_key: k,
+                preshared_key: None,
+                endpoint: endpoint.and_then(|e| e.parse().ok()),
+                allowed_ips: vec![cidr],
+                persistent_keepalive: keepalive,
+            });
+            plan.routes.push(Route {
+                dst: cidr,
+                gateway: None,
+                src: None,
+                device: Device::WireGuard,
+                onlink: false,
+                table: MAIN_TABLE,
+            });
+        };
+        for (name, n) in s.nodes.iter().filter(|(n, _)| n.as_str() != me) {
+            let a = n.metadata.annotations.as_ref();
+            let k = a
+                .and_then(|a| a.get(ANNOTATION_KEY))
+                .and_then(|k| k.parse().ok());
+            let c = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.pod_cidr.as_ref())
+                .and_then(|c| c.parse().ok());
+            let e = a
+                .and_then(|a| a.get("kilo.squat.ai/endpoint"))
+                .map(String::as_str);
+            match (k, c) {
+                (Some(k), Some(c)) => add(k, c, e, 0),
+                _ => out.errors.push(format!("node {name}: no key or podCIDR")),
+            }
+        }
+        for (name, p) in &s.peers {
+            match (
+                p.spec.public_key.parse(),
+                p.spec.allowed_ips.first().and_then(|c| c.parse().ok()),
+            ) {
+                (Ok(k), Some(c)) => {
+                    add(k, c, None, p.spec.persistent_keepalive.unwrap_or(0) as u16)
+                }
+                _ => out.errors.push(format!("peer {name}: invalid")),
+            }
+        }
+        plan.routes.sort();
+        out.ready_nodes = s.nodes.len();
+        out.ready_peers = s.peers.len();
+        out.leader = true;
+        out.plan = Some(plan);
+        out
+    }
+}
+
+fn cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+fn status_kb(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// The agent side: PID 1 of its own PID namespace, inside the benchmark's network namespace.
+fn agent(dir: String, wg: String) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut report = String::new();
+    rt.block_on(async {
+        let backend = Arc::new(FileBackend::start(&dir).unwrap());
+        let reconciler = Reconciler::new(
+            NetlinkKernel::connect().unwrap(),
+            WgControl::new(&wg, WgApi::Userspace).unwrap(),
+            FakeDatapath::default(),
+            Settings {
+                devices: Devices {
+                    wireguard: wg.clone(),
+                    private: Some("eth0".into()),
+                    tunnel: None,
+                },
+                create_interface: false,
+                mtu: Some(1420),
+                private_key: Key(wireguard_control::Key::generate_private().0),
+                resolver: Box::new(system_resolver),
+            },
+        );
+        let mut agent = Agent::new(
+            backend.clone(),
+            planner("me"),
+            reconciler,
+            Local {
+                hostname: "me".into(),
+                public_key: key(0, 9),
+                endpoint: Some("10.0.0.1:51820".parse().unwrap()),
+                internal_ip: Some("10.0.0.1/24".parse().unwrap()),
+                granularity: "location".into(),
+            },
+            LoopSettings {
+                check_in: None,
+                ..LoopSettings::default()
+            },
+            Metrics::new(),
+        );
+        seccomp::forbid_exec().expect("seccomp");
+        let snap = backend.updates().borrow().snapshot.clone();
+        let _ = writeln!(
+            report,
+            "objects: {} nodes, {} peers",
+            snap.nodes.len(),
+            snap.peers.len()
+        );
+        drop(snap);
+
+        let (t, c) = (Instant::now(), cpu_time());
+        let first = agent.reconcile_once().await.expect("first reconcile");
+        assert!(first.problems.is_empty(), "{:?}", &first.problems[..first.problems.len().min(3)]);
+        let _ = writeln!(
+            report,
+            "converge: {} writes ({}) in {:?} wall, {:?} CPU",
+            first.writes.total(),
+            first.writes,
+            t.elapsed(),
+            cpu_time() - c
+        );
+        // Our own node file was just created: let the backend see it.
+        let mut rx = backend.updates();
+        let _ = tokio::time::timeout(Duration::from_secs(5), rx.changed()).await;
+
+        let mut idle = Writes::default();
+        let mut cpu = Vec::new();
+        let mut wall = Vec::new();
+        for _ in 0..10 {
+            let (t, c) = (Instant::now(), cpu_time());
+            let r = agent.reconcile_once().await.expect("idle reconcile");
+            cpu.push(cpu_time() - c);
+            wall.push(t.elapsed());
+            idle += r.writes;
+        }
+        cpu.sort();
+        wall.sort();
+        let _ = writeln!(
+            report,
+            "idle resync x10: {} writes ({idle}); CPU per resync median {:?} max {:?}; wall median {:?}",
+            idle.total(),
+            cpu[5],
+            cpu[9],
+            wall[5]
+        );
+
+        std::fs::write(
+            std::path::Path::new(&dir).join("peer-new.yaml"),
+            format!(
+                "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: peer-new\nspec:\n  allowedIPs: [10.250.0.1/32]\n  publicKey: \"{}\"\n",
+                key(7, 7)
+            ),
+        )
+        .unwrap();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            rx.wait_for(|u| u.snapshot.peers.contains_key("peer-new")),
+        )
+        .await;
+        let (t, c) = (Instant::now(), cpu_time());
+        let change = agent.reconcile_once().await.expect("change reconcile");
+        let _ = writeln!(
+            report,
+            "+1 peer: {} writes ({}) in {:?} wall, {:?} CPU",
+            change.writes.total(),
+            change.writes,
+            t.elapsed(),
+            cpu_time() - c
+        );
+        let _ = writeln!(
+            report,
+            "agent RSS: {} kB now, {} kB peak",
+            status_kb("VmRSS:"),
+            status_kb("VmHWM:")
+        );
+    });
+    let last_pid: u64 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let threads = std::fs::read_dir("/proc/self/task").unwrap().count() as u64;
+    let _ = writeln!(
+        report,
+        "PIDs allocated in the agent's PID namespace: {last_pid}; agent threads: {threads}; processes started by the agent: {}",
+        last_pid.saturating_sub(threads)
+    );
+    print!("{report}");
+}
+
+fn main() {
+    if let (Ok(dir), Ok(wg)) = (std::env::var(CHILD), std::env::var(CHILD_WG)) {
+        agent(dir, wg);
+        return;
+    }
+    if !support::require_root("bench_agent") {
+        return;
+    }
+    let args: Vec<u32> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let (nodes, peers) = (
+        args.first().copied().unwrap_or(1000),
+        args.get(1).copied().unwrap_or(1000),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    write_objects(dir.path(), nodes, peers);
+
+    let ns = support::netns::NetNs::new("bench");
+    let other = support::netns::NetNs::new("benchb");
+    support::netns::veth(&ns, "eth0", &other, "eth0");
+    ns.sh("ip addr add 10.0.0.1/24 dev eth0");
+    let wg = format!("kb{}", std::process::id() % 100_000);
+    let mut wggo = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &wg])
+        .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(uapi_socket(&wg)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "wireguard-go did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ns.name,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child",
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .env(CHILD, dir.path())
+        .env(CHILD_WG, &wg)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let _ = wggo.kill();
+    let _ = wggo.wait();
+    let _ = std::fs::remove_file(uapi_socket(&wg));
+    println!("bench_agent: {nodes} nodes + {peers} peers, file backend, wireguard-go (UAPI)");
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() {
+        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,100 @@
+//! The `kg` binary end to end in a network namespace with the file backend: it generates its
+//! key (0600), publishes its annotations, serves /health and /metrics under its seccomp filter,
+//! and on SIGTERM removes its annotations and exits 0.
+mod support;
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use support::netns::{NetNs, veth};
+
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
+    if !support::require_root("kg_starts_publishes_serves_and_cleans_up_on_sigterm") {
+        return;
+    }
+    let ns = NetNs::new("kg");
+    let gw = NetNs::new("kgw");
+    veth(&ns, "eth0", &gw, "eth0");
+    ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects");
+    std::fs::create_dir(&objects).unwrap();
+    let key = dir.path().join("state/key");
+    let kg = Command::new("ip")
+        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+        .args([
+            "--backend=file",
+            &format!("--backend-dir={}", objects.display()),
+            "--hostname=kgtest",
+            &format!("--private-key={}", key.display()),
+            "--listen=127.0.0.1:1107",
+            "--iptables-forward-rules",
+            "--log-level=debug",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mine = objects.join("kgtest.yaml");
+    eventually("kg publishes its node", || {
+        std::fs::read_to_string(&mine).is_ok_and(|s| s.contains("kilo.squat.ai/key"))
+    });
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let private = std::fs::read_to_string(&key).unwrap();
+    let text = std::fs::read_to_string(&mine).unwrap();
+    assert!(
+        text.contains("kilo.squat.ai/endpoint: 10.9.0.1:51820"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kilo.squat.ai/internal-ip: 10.9.0.1/24"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kilo.squat.ai/granularity: location"),
+        "{text}"
+    );
+    assert!(text.contains("kilo.squat.ai/last-seen"), "{text}");
+    assert!(!text.contains(private.trim()), "private key published");
+
+    let get = |path: &str| ns.try_sh(&format!("busybox wget -q -O - http://127.0.0.1:1107{path}"));
+    eventually("/health answers", || get("/health").status.success());
+    let metrics = String::from_utf8(get("/metrics").stdout).unwrap();
+    assert!(metrics.contains("kilo_reconciles_total"), "{metrics}");
+
+    // SIGTERM (to kg itself, the child of `ip netns exec`, which execs it).
+    let pid = kg.id();
+    // SAFETY: sending a signal to our own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let out = kg.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "kg exited with {}:\n{log}",
+        out.status
+    );
+    assert!(log.contains("seccomp filter installed"), "{log}");
+    assert!(log.contains("--iptables-forward-rules is ignored"), "{log}");
+    assert!(!log.contains(private.trim()), "private key logged");
+    let text = std::fs::read_to_string(&mine).unwrap();
+    assert!(
+        !text.contains("kilo.squat.ai/"),
+        "annotations left behind: {text}"
+    );
+}

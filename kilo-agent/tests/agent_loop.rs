@@ -1,0 +1,348 @@
+//! The whole agent loop in a network namespace: file backend, a wireguard-go device, the kernel
+//! watcher, a stand-in planner (until the topology planner is merged), clean-up on shutdown.
+//!
+//! Resync is disabled, so everything the test sees happen was triggered by an event.
+mod support;
+
+use std::{
+    os::fd::AsRawFd,
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use kilo_agent::{
+    agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
+    backend::file::FileBackend,
+    mesh::{Key, Snapshot},
+    plan::{Device, MAIN_TABLE, Plan, Route, WireGuardPeer, WireGuardPlan},
+    reconcile::{
+        FakeDatapath, Reconciler, Settings,
+        netlink::{NetlinkKernel, watch},
+        state::Devices,
+        wireguard::{WgApi, WgControl, system_resolver, uapi_socket},
+    },
+    telemetry::Metrics,
+};
+use support::netns::{NetNs, veth};
+
+fn key() -> Key {
+    Key(wireguard_control::Key::generate_private().0)
+}
+
+fn public(k: &Key) -> Key {
+    Key(wireguard_control::Key(k.0).get_public().0)
+}
+
+/// A stand-in planner: every other node with a key and a pod CIDR, and every valid Peer, becomes
+/// a WireGuard peer with a route through the WireGuard interface. Invalid peers are reported.
+fn planner(me: &'static str) -> impl FnMut(&Snapshot) -> PlanOutcome {
+    move |s: &Snapshot| {
+        let mut out = PlanOutcome::default();
+        if !s.nodes.contains_key(me) {
+            out.errors.push(format!("node {me} not seen yet"));
+            return out;
+        }
+        let mut plan = Plan {
+            addresses: vec!["10.4.0.1/16".parse().unwrap()],
+            wireguard: WireGuardPlan {
+                listen_port: 51820,
+                peers: vec![],
+            },
+            ..Plan::default()
+        };
+        let add = |k: Key, cidr: ipnet::IpNet, plan: &mut Plan| {
+            plan.wireguard.peers.push(WireGuardPeer {
+                public_key: k,
+                preshared_key: None,
+                endpoint: None,
+                allowed_ips: vec![cidr],
+                persistent_keepalive: 0,
+            });
+            plan.routes.push(Route {
+                dst: cidr,
+                gateway: None,
+                src: None,
+                device: Device::WireGuard,
+                onlink: false,
+                table: MAIN_TABLE,
+            });
+        };
+        for (name, n) in s.nodes.iter().filter(|(n, _)| n.as_str() != me) {
+            let k = n
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_KEY))
+                .and_then(|k| k.parse::<Key>().ok());
+            let cidr = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.pod_cidr.as_ref())
+                .and_then(|c| c.parse().ok());
+            match (k, cidr) {
+                (Some(k), Some(c)) => add(k, c, &mut plan),
+                _ => out.errors.push(format!("node {name}: no key or podCIDR")),
+            }
+        }
+        for (name, p) in &s.peers {
+            let k = p.spec.public_key.parse::<Key>();
+            let cidr = p.spec.allowed_ips.first().and_then(|c| c.parse().ok());
+            match (k, cidr) {
+                (Ok(k), Some(c)) => add(k, c, &mut plan),
+                _ => out
+                    .errors
+                    .push(format!("peer {name}: invalid publicKey or allowedIPs")),
+            }
+        }
+        plan.routes.sort();
+        out.ready_nodes = s.nodes.len();
+        out.ready_peers = s.peers.len();
+        out.leader = true;
+        out.wireguard_ip = Some("10.4.0.1/16".parse().unwrap());
+        out.plan = Some(plan);
+        out
+    }
+}
+
+fn node_yaml(name: &str, key: &Key, cidr: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  annotations:\n    {ANNOTATION_KEY}: \"{key}\"\nspec:\n  podCIDR: {cidr}\n"
+    )
+}
+
+fn peer_yaml(name: &str, key: &str, cidr: &str) -> String {
+    format!(
+        "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: {name}\nspec:\n  allowedIPs: [{cidr}]\n  publicKey: \"{key}\"\n"
+    )
+}
+
+/// Waits (bounded; liveness only) until `f` holds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    eventually_or(what, &mut f, String::new);
+}
+
+fn eventually_or(what: &str, f: &mut dyn FnMut() -> bool, show: impl Fn() -> String) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out waiting until {what}: {}",
+            show()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The value of one sample in the text exposition (0 when absent).
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
+}
+
+struct WgGo(Child, String);
+
+impl Drop for WgGo {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_file(uapi_socket(&self.1));
+    }
+}
+
+fn snapshot(ns: &NetNs) -> String {
+    ns.sh("ip route show table all; ip rule; ip addr")
+}
+
+#[test]
+fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
+    if !support::require_root("event_driven_loop_converges_repairs_reports_and_cleans_up") {
+        return;
+    }
+    let a = NetNs::new("lp");
+    let b = NetNs::new("lq");
+    for ns in [&a, &b] {
+        ns.sh("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1");
+    }
+    veth(&a, "eth0", &b, "eth0");
+    a.sh("ip addr add 10.0.0.1/24 dev eth0");
+    let before = snapshot(&a);
+
+    let wgname = format!("kl{}", std::process::id() % 100_000);
+    let child = Command::new("ip")
+        .args(["netns", "exec", &a.name, "wireguard-go", "-f", &wgname])
+        .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let wg = WgGo(child, wgname.clone());
+    eventually("wireguard-go is up", || {
+        std::os::unix::net::UnixStream::connect(uapi_socket(&wgname)).is_ok()
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let remote = public(&key());
+    std::fs::write(
+        dir.path().join("remote.yaml"),
+        node_yaml("remote", &remote, "10.2.2.0/24"),
+    )
+    .unwrap();
+    let laptop = public(&key());
+    std::fs::write(
+        dir.path().join("laptop.yaml"),
+        peer_yaml("laptop", &laptop.to_string(), "10.5.0.1/32"),
+    )
+    .unwrap();
+
+    let sk = key();
+    let me_public = public(&sk);
+    let metrics = Metrics::new();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let ns_path = format!("/run/netns/{}", a.name);
+    let backend_dir = dir.path().to_path_buf();
+    let agent_metrics = metrics.clone();
+    let agent_wg = wgname.clone();
+    let agent = std::thread::spawn(move || {
+        let f = std::fs::File::open(&ns_path).unwrap();
+        // SAFETY: a valid namespace fd; affects only this thread.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                let backend = Arc::new(FileBackend::start(backend_dir).unwrap());
+                let reconciler = Reconciler::new(
+                    NetlinkKernel::connect().unwrap(),
+                    WgControl::new(&agent_wg, WgApi::Userspace).unwrap(),
+                    FakeDatapath::default(),
+                    Settings {
+                        devices: Devices {
+                            wireguard: agent_wg.clone(),
+                            private: Some("eth0".into()),
+                            tunnel: None,
+                        },
+                        create_interface: false,
+                        mtu: None,
+                        private_key: sk,
+                        resolver: Box::new(system_resolver),
+                    },
+                );
+                let mut agent = Agent::new(
+                    backend,
+                    planner("me"),
+                    reconciler,
+                    Local {
+                        hostname: "me".into(),
+                        public_key: me_public,
+                        endpoint: Some("10.0.0.1:51820".parse().unwrap()),
+                        internal_ip: Some("10.0.0.1/24".parse().unwrap()),
+                        granularity: "location".into(),
+                    },
+                    LoopSettings {
+                        resync: None,
+                        check_in: None,
+                        clean_up: true,
+                        clean_up_interface: true,
+                        ..LoopSettings::default()
+                    },
+                    agent_metrics,
+                );
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                let _w = watch(agent.filter.clone(), tx).unwrap();
+                agent
+                    .run(Some(rx), async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await
+            })
+    });
+
+    let peers = |ns: &NetNs| ns.sh(&format!("wg show {wgname} peers"));
+    // Converges: our node file is created with our key, the mesh is applied.
+    eventually("remote and laptop are peers", || {
+        let p = peers(&a);
+        p.contains(&remote.to_string()) && p.contains(&laptop.to_string())
+    });
+    let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
+    assert!(
+        mine.contains(&me_public.to_string()) && mine.contains("10.0.0.1:51820"),
+        "{mine}"
+    );
+    assert!(
+        mine.contains("kilo.squat.ai/wireguard-ip: 10.4.0.1/16"),
+        "{mine}"
+    );
+    eventually("routes are in place", || {
+        a.sh("ip route show proto 107").contains("10.5.0.1 dev")
+    });
+
+    // A new peer file and an invalid one in the same burst: the valid one is applied, the
+    // invalid one reported (log + metric), the rest of the mesh untouched.
+    let validate_before = metric(&metrics.encode(), "kilo_errors_total{event=\"validate\"}");
+    let newcomer = public(&key());
+    std::fs::write(
+        dir.path().join("new.yaml"),
+        peer_yaml("new", &newcomer.to_string(), "10.6.0.0/24"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("bad.yaml"),
+        peer_yaml("bad", "not-a-key", "10.7.0.0/24"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("broken.yaml"), "kind: Peer\nmetadata: [").unwrap();
+    eventually("the new peer is applied", || {
+        peers(&a).contains(&newcomer.to_string())
+    });
+    eventually_or(
+        "the invalid objects are counted",
+        &mut || {
+            let text = metrics.encode();
+            metric(&text, "kilo_invalid_objects") == 2
+                && metric(&text, "kilo_errors_total{event=\"validate\"}") == validate_before + 1
+                && metric(&text, "kilo_errors_total{event=\"backend\"}") == 1
+        },
+        || metrics.encode(),
+    );
+    let p = peers(&a);
+    assert!(p.contains(&remote.to_string()) && p.contains(&laptop.to_string()));
+    assert!(!a.sh("ip route show proto 107").contains("10.7.0.0"));
+
+    // A deleted route of ours is restored by the kernel event alone (resync is off).
+    a.sh("ip route del 10.6.0.0/24");
+    eventually("the deleted route is back", || {
+        a.sh("ip route show proto 107").contains("10.6.0.0/24")
+    });
+    // A removed WireGuard peer is restored by the next event (WireGuard has no notifications).
+    a.sh(&format!("wg set {wgname} peer {laptop} remove"));
+    std::fs::write(
+        dir.path().join("other.yaml"),
+        node_yaml("other", &public(&key()), "10.2.3.0/24"),
+    )
+    .unwrap();
+    eventually("the removed peer is back", || {
+        peers(&a).contains(&laptop.to_string())
+    });
+
+    let text = metrics.encode();
+    assert!(
+        text.contains("kilo_writes_total{kind=\"wireguard_peer_add\"}"),
+        "{text}"
+    );
+    assert!(text.contains("kilo_leader 1"), "{text}");
+
+    // SIGTERM with --clean-up and --clean-up-interface: the namespace is as before.
+    stop_tx.send(()).unwrap();
+    let stats = agent.join().unwrap();
+    assert!(stats.reconciles >= 3, "{stats:?}");
+    drop(wg);
+    assert_eq!(before, snapshot(&a));
+    let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
+    assert!(
+        !mine.contains("kilo.squat.ai/"),
+        "our annotations were not removed: {mine}"
+    );
+}
