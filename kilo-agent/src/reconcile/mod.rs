@@ -238,6 +238,9 @@ pub struct Report {
     pub problems: Vec<String>,
     /// The indexes of the devices seen, for the kernel event filter.
     pub links: BTreeMap<String, LinkState>,
+    /// The endpoints WireGuard currently uses for peers that completed a handshake (what Kilo
+    /// publishes as discovered endpoints for peers behind NAT).
+    pub handshaken_endpoints: BTreeMap<Key, std::net::SocketAddr>,
 }
 
 /// The differences between plan and kernel, as `--dry-run` prints them.
@@ -312,6 +315,16 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         match self.wireguard.observe() {
             Ok(dev) => {
                 let dev = dev.unwrap_or_default();
+                report.handshaken_endpoints = dev
+                    .peers
+                    .iter()
+                    .filter(|(k, _)| {
+                        dev.stats
+                            .get(*k)
+                            .is_some_and(|s| s.last_handshake.is_some())
+                    })
+                    .filter_map(|(k, p)| Some((*k, p.endpoint?)))
+                    .collect();
                 let want = wireguard::desired(
                     &plan.wireguard,
                     self.settings.private_key,
