@@ -38,8 +38,10 @@ impl NetlinkKernel {
     /// Opens a connection in the calling thread's network namespace; must run inside a tokio
     /// runtime (the connection is spawned on it).
     pub fn connect() -> Result<Self, KernelError> {
-        let (conn, handle, _) =
-            rtnetlink::new_connection().map_err(|e| KernelError::Socket(e.to_string()))?;
+        // Strict checking lets the kernel filter dumps (routes by our protocol, addresses by
+        // link), so a host with a large routing table costs us only our own routes.
+        let (conn, handle, _) = rtnetlink::new_connection_with_strict_check()
+            .map_err(|e| KernelError::Socket(e.to_string()))?;
         tokio::spawn(conn);
         Ok(NetlinkKernel { handle })
     }
@@ -78,6 +80,7 @@ impl NetlinkKernel {
         for family in [AddressFamily::Inet, AddressFamily::Inet6] {
             let mut msg = RouteMessage::default();
             msg.header.address_family = family;
+            msg.header.protocol = RouteProtocol::from(RTPROT_KILO);
             let mut stream = self.handle.route().get(msg).execute();
             while let Some(m) = stream.try_next().await.map_err(err("dump routes"))? {
                 if let Some(r) = parse_route(&m) {
