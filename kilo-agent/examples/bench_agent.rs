@@ -2,7 +2,7 @@
 //! processes started by the agent (0), writes of an idle resync (0) and its CPU time, the writes
 //! of one added peer, and the agent's RSS.
 //!
-//! Run as root: `cargo run --release -p kilo-agent --example bench_agent [-- NODES PEERS]`.
+//! Run as root: `cargo run --release -p kilo-agent --example bench_agent [-- NODES PEERS FOREIGN_ROUTES]`.
 //! The agent runs as PID 1 of its own PID namespace (inside a throwaway network namespace), so
 //! every PID allocated there is one of its own threads or a process it started: counting them
 //! counts processes started. The seccomp filter is installed as `kg` does.
@@ -323,6 +323,21 @@ fn main() {
     let other = support::netns::NetNs::new("benchb");
     support::netns::veth(&ns, "eth0", &other, "eth0");
     ns.sh("ip addr add 10.0.0.1/24 dev eth0");
+    // Foreign routes the agent must not pay for (the kernel filters dumps by our protocol).
+    let foreign: u32 = args.get(2).copied().unwrap_or(10_000);
+    let batch = dir.path().join(".foreign-routes");
+    let mut text = String::new();
+    for i in 0..foreign {
+        let _ = writeln!(
+            text,
+            "route add 172.16.{}.{}/32 dev eth0 proto static",
+            i / 256,
+            i % 256
+        );
+    }
+    std::fs::write(&batch, text).unwrap();
+    ns.sh(&format!("ip -batch {}", batch.display()));
+    std::fs::remove_file(&batch).unwrap();
     let wg = format!("kb{}", std::process::id() % 100_000);
     let mut wggo = Command::new("ip")
         .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &wg])
@@ -358,7 +373,9 @@ fn main() {
     let _ = wggo.kill();
     let _ = wggo.wait();
     let _ = std::fs::remove_file(uapi_socket(&wg));
-    println!("bench_agent: {nodes} nodes + {peers} peers, file backend, wireguard-go (UAPI)");
+    println!(
+        "bench_agent: {nodes} nodes + {peers} peers, file backend, wireguard-go (UAPI), {foreign} foreign routes"
+    );
     print!("{}", String::from_utf8_lossy(&out.stdout));
     if !out.status.success() {
         eprintln!("{}", String::from_utf8_lossy(&out.stderr));

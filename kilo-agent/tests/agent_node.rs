@@ -348,6 +348,16 @@ fn adding_a_peer_keeps_the_other_sessions() {
     ok(&second);
     assert_eq!(second.writes.total(), 1, "{}", second.writes);
     assert_eq!(second.writes.get("wireguard_peer_add"), 1);
+    // The endpoint WireGuard uses for the handshaken remote (Kilo's discovered endpoint).
+    assert_eq!(
+        second.handshaken_endpoints.get(&remote),
+        Some(&"10.0.0.2:51820".parse().unwrap())
+    );
+    assert_eq!(
+        second.handshaken_endpoints.len(),
+        1,
+        "no handshake with the others"
+    );
     assert!(after.peers.contains_key(&newcomer));
     // The session with the remote survived: same handshake, counters not reset.
     let now = after.stats[&remote].clone();

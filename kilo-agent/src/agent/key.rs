@@ -26,6 +26,25 @@ pub fn public_key(private: &Key) -> Key {
     Key(wireguard_control::Key(private.0).get_public().0)
 }
 
+/// Loads the private key if the file exists (never writes; for `--dry-run`).
+pub fn load(path: &Path) -> Result<Option<Key>, KeyFileError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|e: crate::mesh::KeyError| KeyFileError::Invalid {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(KeyFileError::Io {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
 /// Loads the private key, generating and storing one when the file does not exist.
 /// Returns the key and whether it was generated.
 pub fn load_or_generate(path: &Path) -> Result<(Key, bool), KeyFileError> {
@@ -79,6 +98,16 @@ pub fn load_or_generate(path: &Path) -> Result<(Key, bool), KeyFileError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_never_creates() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        assert!(load(&path).unwrap().is_none());
+        assert!(!path.exists());
+        let (k, _) = load_or_generate(&path).unwrap();
+        assert_eq!(load(&path).unwrap(), Some(k));
+    }
 
     #[test]
     fn generated_once_with_mode_0600_then_reused() {

@@ -65,6 +65,9 @@ pub struct PlanOutcome {
     pub leader: bool,
     /// The local node's WireGuard IP (leaders only), published as `kilo.squat.ai/wireguard-ip`.
     pub wireguard_ip: Option<IpNet>,
+    /// Public keys of the nodes and peers behind NAT (non-zero persistent keepalive): their
+    /// observed endpoints are published as `kilo.squat.ai/discovered-endpoints`.
+    pub nat_keys: std::collections::BTreeSet<Key>,
 }
 
 /// Turns a snapshot into a plan (the topology/plan builder, injected).
@@ -119,6 +122,21 @@ pub fn annotation_changes(
         .filter(|(k, v)| current.and_then(|c| c.get(*k)) != Some(*v))
         .map(|(k, v)| (k.clone(), Some(v.clone())))
         .collect()
+}
+
+/// Kilo's format for `kilo.squat.ai/discovered-endpoints`: Go's JSON of
+/// `map[string]*net.UDPAddr`, keyed by public key.
+pub fn discovered_endpoints_json(endpoints: &BTreeMap<&Key, &SocketAddr>) -> String {
+    let map: serde_json::Map<String, serde_json::Value> = endpoints
+        .iter()
+        .map(|(k, a)| {
+            (
+                k.to_string(),
+                serde_json::json!({"IP": a.ip().to_string(), "Port": a.port(), "Zone": ""}),
+            )
+        })
+        .collect();
+    serde_json::Value::Object(map).to_string()
 }
 
 /// How the loop behaves.
@@ -241,8 +259,23 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     }
 
     /// Publishes the local annotations that differ from what the backend shows.
-    async fn publish(&mut self, snapshot: &Snapshot, outcome: &PlanOutcome) {
+    async fn publish(
+        &mut self,
+        snapshot: &Snapshot,
+        outcome: &PlanOutcome,
+        endpoints: &BTreeMap<Key, SocketAddr>,
+    ) {
         let mut want = self.local.annotations(outcome.wireguard_ip);
+        let discovered: BTreeMap<&Key, &SocketAddr> = endpoints
+            .iter()
+            .filter(|(k, _)| outcome.nat_keys.contains(k))
+            .collect();
+        if !discovered.is_empty() {
+            want.insert(
+                ANNOTATION_DISCOVERED_ENDPOINTS.into(),
+                discovered_endpoints_json(&discovered),
+            );
+        }
         if self.settings.check_in.is_some() && self.last_seen_due {
             want.insert(ANNOTATION_LAST_SEEN.into(), unix_now().to_string());
         }
@@ -280,12 +313,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 tracing::warn!(error = %e, "invalid object skipped");
             }
         }
-        let outcome = self.plan(&update.snapshot);
+        let mut outcome = self.plan(&update.snapshot);
         self.metrics
             .invalid_objects
             .set((update.errors.len() + outcome.errors.len()) as i64);
-        self.publish(&update.snapshot, &outcome).await;
-        let Some(plan) = outcome.plan else {
+        let Some(plan) = outcome.plan.take() else {
+            self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+                .await;
             return Err(AgentError::NoPlan(
                 outcome
                     .errors
@@ -296,7 +330,16 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         };
         self.metrics.reconciles.inc();
         self.stats.reconciles += 1;
-        let report = self.reconciler.reconcile(&plan).await?;
+        let report = match self.reconciler.reconcile(&plan).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+                    .await;
+                return Err(e.into());
+            }
+        };
+        self.publish(&update.snapshot, &outcome, &report.handshaken_endpoints)
+            .await;
         {
             let mut f = self.filter.lock().expect("filter lock");
             f.indexes = report.links.values().map(|l| l.index).collect();
@@ -446,6 +489,18 @@ async fn tick(i: &mut Option<tokio::time::Interval>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn discovered_endpoints_in_kilo_format() {
+        let k = Key([1; 32]);
+        let a: SocketAddr = "192.0.2.7:4500".parse().unwrap();
+        let json = discovered_endpoints_json(&BTreeMap::from([(&k, &a)]));
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            v[k.to_string()],
+            serde_json::json!({"IP": "192.0.2.7", "Port": 4500, "Zone": ""})
+        );
+    }
 
     #[test]
     fn only_differing_annotations_are_published() {

@@ -43,7 +43,18 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         Some(h) => h.clone(),
         None => hostname()?,
     };
-    let (private_key, _) = key::load_or_generate(&flags.private_key)?;
+    let private_key = if flags.dry_run {
+        // --dry-run changes nothing, not even the key file.
+        match key::load(&flags.private_key)? {
+            Some(k) => k,
+            None => {
+                tracing::warn!(path = %flags.private_key.display(), "no key yet; the dry run uses a throwaway one");
+                kilo_agent::mesh::Key(wireguard_control::Key::generate_private().0)
+            }
+        }
+    } else {
+        key::load_or_generate(&flags.private_key)?.0
+    };
     let public_key = key::public_key(&private_key);
 
     let host = detect::observe().await?;

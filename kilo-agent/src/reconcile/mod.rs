@@ -4,6 +4,12 @@
 //! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule, implemented by the
 //! datapath module). [`Reconciler`] runs them in order and returns the [`Writes`] it made.
 //!
+//! Write kinds counted in [`Writes`]: `link_add`, `link_set`, `link_del`, `address_add`,
+//! `address_del`, `route_add`, `route_replace`, `route_del`, `rule_add`, `rule_del`,
+//! `wireguard_device_set` (private key / listen port), `wireguard_peer_add`,
+//! `wireguard_peer_update`, `wireguard_peer_remove`, plus whatever the datapath reports
+//! (`map_insert`, `map_delete`, ...). A reconcile of a node that matches its plan returns none.
+//!
 //! Ownership marker: our routes and rules carry protocol [`RTPROT_KILO`] (107, from Kilo's table
 //! 1107; unused by iproute2's `rt_protos`, bird, FRR, Calico (80) or Cilium), so the agent never
 //! reads, replaces or deletes anybody else's routes, even in the main table.
@@ -238,6 +244,9 @@ pub struct Report {
     pub problems: Vec<String>,
     /// The indexes of the devices seen, for the kernel event filter.
     pub links: BTreeMap<String, LinkState>,
+    /// The endpoints WireGuard currently uses for peers that completed a handshake (what Kilo
+    /// publishes as discovered endpoints for peers behind NAT).
+    pub handshaken_endpoints: BTreeMap<Key, std::net::SocketAddr>,
 }
 
 /// The differences between plan and kernel, as `--dry-run` prints them.
@@ -312,6 +321,16 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         match self.wireguard.observe() {
             Ok(dev) => {
                 let dev = dev.unwrap_or_default();
+                report.handshaken_endpoints = dev
+                    .peers
+                    .iter()
+                    .filter(|(k, _)| {
+                        dev.stats
+                            .get(*k)
+                            .is_some_and(|s| s.last_handshake.is_some())
+                    })
+                    .filter_map(|(k, p)| Some((*k, p.endpoint?)))
+                    .collect();
                 let want = wireguard::desired(
                     &plan.wireguard,
                     self.settings.private_key,

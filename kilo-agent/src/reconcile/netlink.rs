@@ -38,8 +38,10 @@ impl NetlinkKernel {
     /// Opens a connection in the calling thread's network namespace; must run inside a tokio
     /// runtime (the connection is spawned on it).
     pub fn connect() -> Result<Self, KernelError> {
-        let (conn, handle, _) =
-            rtnetlink::new_connection().map_err(|e| KernelError::Socket(e.to_string()))?;
+        // Strict checking lets the kernel filter dumps (routes by our protocol, addresses by
+        // link), so a host with a large routing table costs us only our own routes.
+        let (conn, handle, _) = rtnetlink::new_connection_with_strict_check()
+            .map_err(|e| KernelError::Socket(e.to_string()))?;
         tokio::spawn(conn);
         Ok(NetlinkKernel { handle })
     }
@@ -78,6 +80,7 @@ impl NetlinkKernel {
         for family in [AddressFamily::Inet, AddressFamily::Inet6] {
             let mut msg = RouteMessage::default();
             msg.header.address_family = family;
+            msg.header.protocol = RouteProtocol::from(RTPROT_KILO);
             let mut stream = self.handle.route().get(msg).execute();
             while let Some(m) = stream.try_next().await.map_err(err("dump routes"))? {
                 if let Some(r) = parse_route(&m) {
@@ -471,14 +474,16 @@ pub fn is_relevant(msg: &RouteNetlinkMessage, f: &EventFilter) -> bool {
     }
 }
 
-/// Subscribes to link, address, route and rule notifications (in the calling thread's namespace)
-/// and sends `()` on `tx` for each relevant one. Full channel = a trigger is already pending, so
-/// bursts coalesce. Runs until `tx` is closed.
-pub fn watch(
-    filter: Arc<Mutex<EventFilter>>,
-    tx: tokio::sync::mpsc::Sender<()>,
-) -> Result<tokio::task::JoinHandle<()>, KernelError> {
-    let (conn, _handle, mut messages) = rtnetlink::new_multicast_connection(&[
+type Subscription = (
+    tokio::task::JoinHandle<()>,
+    futures::channel::mpsc::UnboundedReceiver<(
+        netlink_packet_core::NetlinkMessage<RouteNetlinkMessage>,
+        netlink_sys::SocketAddr,
+    )>,
+);
+
+fn subscribe() -> Result<Subscription, KernelError> {
+    let (conn, _handle, messages) = rtnetlink::new_multicast_connection(&[
         MulticastGroup::Link,
         MulticastGroup::Ipv4Ifaddr,
         MulticastGroup::Ipv6Ifaddr,
@@ -488,22 +493,54 @@ pub fn watch(
         MulticastGroup::Ipv6Rule,
     ])
     .map_err(|e| KernelError::Socket(e.to_string()))?;
-    let conn = tokio::spawn(conn);
+    Ok((tokio::spawn(conn), messages))
+}
+
+/// Subscribes to link, address, route and rule notifications (in the calling thread's namespace)
+/// and sends `()` on `tx` for each relevant one. Full channel = a trigger is already pending, so
+/// bursts coalesce. If the subscription ends (e.g. the socket overran under churn and
+/// notifications were lost) it triggers a reconcile and subscribes again. Runs until `tx` is
+/// closed.
+pub fn watch(
+    filter: Arc<Mutex<EventFilter>>,
+    tx: tokio::sync::mpsc::Sender<()>,
+) -> Result<tokio::task::JoinHandle<()>, KernelError> {
+    let first = subscribe()?;
     Ok(tokio::spawn(async move {
-        while let Some((msg, _)) = messages.next().await {
-            let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
-                continue;
+        let mut next = Some(first);
+        loop {
+            let (conn, mut messages) = match next.take() {
+                Some(s) => s,
+                None => match subscribe() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kernel notifications unavailable; retrying");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        continue;
+                    }
+                },
             };
-            let relevant = is_relevant(inner, &filter.lock().expect("filter lock"));
-            if relevant {
-                tracing::debug!(?inner, "kernel change to one of our objects");
-                if tx.is_closed() {
-                    break;
+            while let Some((msg, _)) = messages.next().await {
+                let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
+                    continue;
+                };
+                let relevant = is_relevant(inner, &filter.lock().expect("filter lock"));
+                if relevant {
+                    tracing::debug!(?inner, "kernel change to one of our objects");
+                    if tx.is_closed() {
+                        break;
+                    }
+                    let _ = tx.try_send(());
                 }
-                let _ = tx.try_send(());
             }
+            conn.abort();
+            if tx.is_closed() {
+                return;
+            }
+            tracing::warn!("kernel notifications interrupted; reconciling and subscribing again");
+            let _ = tx.try_send(());
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        conn.abort();
     }))
 }
 
