@@ -10,11 +10,12 @@
 #     inet .100             a host outside the mesh
 set -euo pipefail
 BIN=${1:?usage: demo.sh BIN_DIR}
-P=krs-demo
+P=${KRS_DEMO_PREFIX:-krs-demo}
 WORK=$(mktemp -d /tmp/krs-demo.XXXXXX)
 DIR=$WORK/objects
 mkdir -p "$DIR"
 PIDS=()
+WG_PIDS=()
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 inns() { local ns=$1; shift; ip netns exec "$P-$ns" "$@"; }
@@ -24,6 +25,7 @@ cleanup() {
   say "clean-up: SIGTERM every kg (they remove their routes, maps, pins and NAT table), then the namespaces"
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+  for pid in "${WG_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
   for ns in n1 n2 n3 pod1 pod2 pod3 inet under; do ip netns del "$P-$ns" 2>/dev/null; done
   rm -rf "$WORK"
 }
@@ -62,8 +64,11 @@ for i in 1 2 3; do
   inns "n$i" ip link set "veth-pod$i" master kube-bridge
   inns "pod$i" ip addr add "10.42.$i.2/24" dev eth0
   inns "pod$i" ip route add default via "10.42.$i.1"
-  # The userspace WireGuard device, as Kilo's userspace manifests run it.
-  WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 inns "n$i" wireguard-go kilo0 2>/dev/null
+  # The userspace WireGuard device, as Kilo's userspace manifests run it (its UAPI socket
+  # lives in the shared /var/run/wireguard, so each node gets its own interface name).
+  ip netns exec "$P-n$i" env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 \
+    wireguard-go --foreground "kilo$i" >/dev/null 2>&1 &
+  WG_PIDS+=($!)
   loc=east; [ "$i" = 3 ] && loc=west
   cat > "$DIR/node-n$i.yaml" <<YAML
 apiVersion: v1
@@ -77,10 +82,14 @@ spec:
 YAML
 done
 
+for i in 1 2 3; do # wireguard-go creates its device and socket in the background
+  for _ in $(seq 1 50); do [ -S "/var/run/wireguard/kilo$i.sock" ] && break; sleep 0.1; done
+done
+
 say "starting kg on every node (file backend: $DIR)"
 for i in 1 2 3; do
-  inns "n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
-    --create-interface=false --interface kilo0 --encapsulate never \
+  ip netns exec "$P-n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
+    --create-interface=false --interface "kilo$i" --encapsulate never \
     --private-key "$WORK/n$i.key" --bpffs-dir "/sys/fs/bpf/$P-n$i" \
     --listen "127.0.0.1:1107" --resync-period 10s --log-level info \
     >"$WORK/kg-n$i.log" 2>&1 &
@@ -89,7 +98,7 @@ done
 
 say "waiting for the mesh to converge"
 for _ in $(seq 1 60); do
-  if inns n1 wg show kilo0 peers 2>/dev/null | grep -q . && inns n3 wg show kilo0 peers 2>/dev/null | grep -q . \
+  if inns n1 wg show kilo1 peers 2>/dev/null | grep -q . && inns n3 wg show kilo3 peers 2>/dev/null | grep -q . \
      && inns pod1 busybox ping -c1 -W1 10.42.3.2 >/dev/null 2>&1; then break; fi
   sleep 1
 done
@@ -99,7 +108,7 @@ say "kgctl graph (Graphviz DOT, Kilo's layout)"
 say "kgctl showconf node n1 (the leader of east)"
 "$BIN/kgctl" --backend file --backend-dir "$DIR" showconf node n1
 say "wg show on n1: a real WireGuard device, configured by kg over its UAPI socket"
-inns n1 wg show kilo0
+inns n1 wg show kilo1
 
 say "pod1 (east) -> pod3 (west): through the WireGuard tunnel between the two leaders"
 inns pod1 busybox ping -c3 -W2 10.42.3.2

@@ -6,34 +6,12 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{ArgAction, Parser, ValueEnum};
 use ipnet::IpNet;
 
+pub use crate::{mesh::Granularity, plan::Encapsulation as Encapsulate};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
     Kubernetes,
     File,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Granularity {
-    Location,
-    Full,
-    Cross,
-}
-
-impl Granularity {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Granularity::Location => "location",
-            Granularity::Full => "full",
-            Granularity::Cross => "cross",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Encapsulate {
-    Never,
-    Crosssubnet,
-    Always,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -165,7 +143,7 @@ pub struct Flags {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub create_interface: bool,
     /// Intra-location encapsulation.
-    #[arg(long, value_enum, default_value = "always")]
+    #[arg(long, default_value = "always", value_parser = str::parse::<Encapsulate>)]
     pub encapsulate: Encapsulate,
     /// Path to a kubeconfig (in-cluster configuration when empty).
     #[arg(long)]
@@ -189,7 +167,7 @@ pub struct Flags {
     #[arg(long, default_value = "auto", value_parser = parse_mtu)]
     pub mtu: Mtu,
     /// Which nodes are in one location.
-    #[arg(long, value_enum, default_value = "location")]
+    #[arg(long, default_value = "location", value_parser = str::parse::<Granularity>)]
     pub mesh_granularity: Granularity,
     /// Node label giving its location.
     #[arg(long, default_value = "topology.kubernetes.io/region")]
@@ -230,6 +208,20 @@ pub struct Flags {
     /// Kilo's iptables FORWARD rules: not needed (accepted, ignored; see the warning).
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub iptables_forward_rules: bool,
+    /// Pod-facing interfaces whose ingress runs the datapath (besides the WireGuard interface);
+    /// those that do not exist (yet) are attached when they appear.
+    #[arg(long = "datapath-interface", default_value = "kube-bridge")]
+    pub datapath_interfaces: Vec<String>,
+    /// bpffs directory where the datapath's maps and links are pinned (they outlive the agent).
+    #[arg(long, default_value = "/sys/fs/bpf/kilo")]
+    pub bpffs_dir: PathBuf,
+    /// Redirect mesh traffic straight to its egress device, skipping routing, conntrack and
+    /// netfilter. Off by default: it also bypasses NetworkPolicy enforced in netfilter's FORWARD.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub fast_path: bool,
+    /// Run without the eBPF datapath (no masquerading decisions: only WireGuard, routes and rules).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub datapath: bool,
 }
 
 impl Flags {
@@ -244,9 +236,6 @@ impl Flags {
                  masquerade rule"
                     .to_string(),
             );
-        }
-        if self.encapsulate != Encapsulate::Never && self.compatibility.is_empty() {
-            // Not a misuse, only information: the tunnel device is whatever the plan names.
         }
         w
     }

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod detect;
 pub mod key;
+pub mod planner;
 pub mod seccomp;
 
 use std::{
@@ -208,7 +209,7 @@ pub struct Agent<P, K, W, D> {
     invalid: std::collections::BTreeSet<String>,
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

@@ -22,80 +22,15 @@ use notify::{EventKind, RecursiveMode, Watcher, event::AccessKind};
 use tokio::sync::{mpsc, watch};
 
 use super::{Annotations, Backend, BackendError, Update, apply_annotations};
-use crate::mesh::{KubeNode, Peer, Snapshot};
+use crate::mesh::{
+    Snapshot,
+    objects::{Object, parse_object},
+};
 
 /// How long the directory must be quiet before a rescan.
 pub const QUIET: Duration = Duration::from_millis(50);
 /// The longest a rescan waits under a continuous stream of events.
 pub const MAX_DELAY: Duration = Duration::from_millis(500);
-
-/// One object read from a file.
-#[derive(Debug, Clone)]
-enum Object {
-    Node(Box<KubeNode>),
-    Peer(Box<Peer>),
-}
-
-impl Object {
-    fn name(&self) -> &str {
-        match self {
-            Object::Node(n) => n.metadata.name.as_deref().unwrap_or_default(),
-            Object::Peer(p) => p.metadata.name.as_deref().unwrap_or_default(),
-        }
-    }
-}
-
-/// Parses one Kubernetes-shaped object (YAML or JSON) by its `kind`.
-fn parse_object(text: &str) -> Result<Object, String> {
-    let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
-    let kind = value
-        .get("kind")
-        .and_then(|k| k.as_str())
-        .ok_or("field kind: missing")?
-        .to_owned();
-    let obj = match kind.as_str() {
-        "Node" => Object::Node(Box::new(
-            serde_yaml::from_value(value).map_err(|e| format!("Node: {e}"))?,
-        )),
-        "Peer" => Object::Peer(Box::new(
-            serde_yaml::from_value(peer_field_names(value)).map_err(|e| format!("Peer: {e}"))?,
-        )),
-        other => return Err(format!("field kind: {other:?} is neither Node nor Peer")),
-    };
-    if obj.name().is_empty() {
-        return Err(format!("{kind}: field metadata.name: missing"));
-    }
-    Ok(obj)
-}
-
-/// Kilo's CRD spells the field `allowedIPs`; map the spelling used in a file onto the one the
-/// `PeerSpec` contract deserializes, whichever that is (temporary until mesh::objects parses).
-fn peer_field_names(mut value: serde_yaml::Value) -> serde_yaml::Value {
-    let expected = serde_json::to_value(crate::mesh::PeerSpec::default())
-        .ok()
-        .and_then(|v| {
-            v.as_object()?
-                .keys()
-                .find(|k| k.eq_ignore_ascii_case("allowedips"))
-                .cloned()
-        });
-    if let (Some(expected), Some(spec)) = (
-        expected,
-        value.get_mut("spec").and_then(|s| s.as_mapping_mut()),
-    ) {
-        let found = spec
-            .keys()
-            .filter_map(|k| k.as_str())
-            .find(|k| k.eq_ignore_ascii_case("allowedips") && *k != expected)
-            .map(str::to_owned);
-        if let Some(found) = found
-            && let Some(v) = spec.remove(found.as_str())
-        {
-            spec.insert(expected.into(), v);
-        }
-    }
-    value
-}
 
 /// What identifies a file's version without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,9 +90,11 @@ impl Cache {
             if self.files.get(&path).is_some_and(|(old, _)| *old == fp) {
                 continue;
             }
-            let parsed = match std::fs::read_to_string(&path) {
-                Ok(text) => parse_object(&text),
-                Err(e) => Err(e.to_string()),
+            let parsed = match std::fs::read(&path) {
+                Ok(bytes) => {
+                    parse_object(&bytes, &path.display().to_string()).map_err(|e| e.to_string())
+                }
+                Err(e) => Err(format!("{}: {e}", path.display())),
             };
             if let Err(e) = &parsed {
                 tracing::warn!(file = %path.display(), error = %e, "skipping invalid object file");
@@ -179,7 +116,10 @@ impl Cache {
             match parsed {
                 Err(e) => errors.push(format!("{}: {e}", path.display())),
                 Ok(obj) => {
-                    let key = (matches!(obj, Object::Node(_)), obj.name().to_owned());
+                    let key = (
+                        matches!(obj, Object::Node(_)),
+                        obj.name().unwrap_or_default().to_owned(),
+                    );
                     if let Some(first) = origin.get(&key) {
                         errors.push(format!(
                             "{}: {} also defined in {}, ignored",
@@ -192,10 +132,14 @@ impl Cache {
                     origin.insert(key, path);
                     match obj {
                         Object::Node(n) => {
-                            snapshot.nodes.insert(obj.name().to_owned(), (**n).clone());
+                            snapshot
+                                .nodes
+                                .insert(obj.name().unwrap_or_default().to_owned(), (**n).clone());
                         }
                         Object::Peer(p) => {
-                            snapshot.peers.insert(obj.name().to_owned(), (**p).clone());
+                            snapshot
+                                .peers
+                                .insert(obj.name().unwrap_or_default().to_owned(), (**p).clone());
                         }
                     }
                 }
@@ -427,27 +371,5 @@ impl Backend for FileBackend {
             publish_file(&self.dir, existing, node, annotations)
         }
         .boxed()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_nodes_and_peers_and_names_the_problem() {
-        let node =
-            "apiVersion: v1\nkind: Node\nmetadata:\n  name: a\nspec:\n  podCIDR: 10.2.1.0/24\n";
-        assert!(matches!(parse_object(node), Ok(Object::Node(_))));
-        let peer = r#"{"apiVersion":"kilo.squat.ai/v1alpha1","kind":"Peer","metadata":{"name":"p"},
-            "spec":{"allowedIPs":["10.5.0.1/32"],"publicKey":"a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="}}"#;
-        let p = parse_object(peer);
-        assert!(matches!(p, Ok(Object::Peer(_))), "{p:?}");
-        let e = parse_object("kind: Pod\nmetadata: {name: x}").unwrap_err();
-        assert!(e.contains("kind"), "{e}");
-        let e = parse_object("kind: Node\nmetadata: {}").unwrap_err();
-        assert!(e.contains("metadata.name"), "{e}");
-        let e = parse_object("kind: Peer\nmetadata: {name: p}\nspec: {allowedIPs: 3}").unwrap_err();
-        assert!(e.starts_with("Peer"), "{e}");
     }
 }

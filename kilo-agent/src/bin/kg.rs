@@ -7,14 +7,17 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use kilo_agent::{
     agent::{
-        Agent, Local, LoopSettings, PlanOutcome,
+        Agent, Local, LoopSettings,
         config::{BackendKind, Encapsulate, Flags, Mtu},
-        detect, key, seccomp,
+        detect, key,
+        planner::planner,
+        seccomp,
     },
-    backend::{Backend, file::FileBackend, kubernetes},
-    mesh::Snapshot,
+    backend::{Backend, Liveness, file::FileBackend, kubernetes},
+    datapath::{AgentDatapath, Datapath, DatapathConfig},
+    plan,
     reconcile::{
-        NoDatapath, Reconciler, Settings,
+        DatapathSync, NoDatapath, Reconciler, Settings,
         netlink::{self, NetlinkKernel},
         state::Devices,
         wireguard::{WgApi, WgControl, system_resolver},
@@ -22,13 +25,42 @@ use kilo_agent::{
     telemetry::{self, Metrics},
 };
 
-/// The topology/plan builder, injected into the agent. The planner and the datapath are wired
-/// here when they are merged (`crate::plan::plan_for`, `crate::datapath`).
-fn planner(_flags: &Flags, _local: &Local) -> impl FnMut(&Snapshot) -> PlanOutcome + use<> {
-    |_snapshot: &Snapshot| PlanOutcome {
-        errors: vec!["the topology planner is not wired into kg yet".into()],
-        ..PlanOutcome::default()
+/// What the pure planner needs from the flags.
+fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
+    plan::Settings {
+        hostname: hostname.to_string(),
+        granularity: flags.mesh_granularity,
+        subnet: flags.subnet,
+        port: flags.port,
+        service_cidrs: flags.service_cidr.clone(),
+        local: flags.local,
+        encapsulate: flags.encapsulate,
+        cni: flags.cni,
+        topology_label: flags.topology_label.clone(),
+        // Liveness is the agent's (see `backend::Liveness`), applied before planning.
+        now: None,
+        ..plan::Settings::default()
     }
+}
+
+/// The eBPF datapath, or none with `--datapath=false` (and in a dry run before any datapath
+/// exists, which must not create one).
+fn datapath(flags: &Flags, devices: Devices) -> anyhow::Result<Box<dyn DatapathSync>> {
+    if !flags.datapath || (flags.dry_run && !flags.bpffs_dir.exists()) {
+        return Ok(Box::new(NoDatapath));
+    }
+    let loaded = Datapath::open(DatapathConfig {
+        pin_dir: Some(flags.bpffs_dir.clone()),
+        fast_path: flags.fast_path,
+        ..DatapathConfig::default()
+    })
+    .context("loading the eBPF datapath")?;
+    Ok(Box::new(AgentDatapath::new(
+        loaded,
+        devices,
+        &flags.datapath_interfaces,
+        flags.fast_path,
+    )))
 }
 
 fn hostname() -> anyhow::Result<String> {
@@ -108,16 +140,18 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         WgControl::detect(&flags.interface)?
     };
     tracing::info!(api = ?wireguard.api(), interface = %flags.interface, "WireGuard device");
+    let devices = Devices {
+        wireguard: flags.interface.clone(),
+        private: ips.private.map(|a| a.interface),
+        tunnel: (flags.encapsulate != Encapsulate::Never).then(|| "tunl0".to_string()),
+    };
+    let datapath = datapath(&flags, devices.clone())?;
     let reconciler = Reconciler::new(
         NetlinkKernel::connect()?,
         wireguard,
-        NoDatapath,
+        datapath,
         Settings {
-            devices: Devices {
-                wireguard: flags.interface.clone(),
-                private: ips.private.map(|a| a.interface),
-                tunnel: (flags.encapsulate != Encapsulate::Never).then(|| "tunl0".to_string()),
-            },
+            devices,
             create_interface: flags.create_interface,
             mtu: Some(mtu),
             private_key,
@@ -125,7 +159,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         },
     );
     let metrics = Metrics::new();
-    let planner = planner(&flags, &local);
+    let planner = planner(
+        plan_settings(&flags, &hostname),
+        Liveness::from_check_in(flags.check_in()),
+    );
     let mut agent = Agent::new(
         backend.clone(),
         planner,

@@ -9,6 +9,7 @@
 //! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
 //!
 //! Nothing here starts a process.
+mod agent;
 mod kernel;
 mod keys;
 pub mod nft;
@@ -19,6 +20,7 @@ use std::{io, path::PathBuf};
 use ipnet::IpNet;
 pub use kilo_common::{Counter, Decision};
 
+pub use agent::AgentDatapath;
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, KernelMaps, OBJECT, framing, ifindex,
 };

@@ -59,7 +59,7 @@ pub trait DatapathMaps {
     }
 }
 
-fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
+pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
     match role {
         Role::Mesh => &plan.mesh_destinations,
         Role::NatSource => &plan.nat_sources,

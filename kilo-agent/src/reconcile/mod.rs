@@ -75,6 +75,18 @@ pub trait DatapathSync {
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
 }
 
+impl DatapathSync for Box<dyn DatapathSync> {
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        (**self).sync(plan)
+    }
+    fn describe(&mut self, plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+        (**self).describe(plan)
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        (**self).clean_up()
+    }
+}
+
 /// A datapath that does nothing (no eBPF available, or tests of the other reconcilers).
 #[derive(Debug, Default)]
 pub struct NoDatapath;
