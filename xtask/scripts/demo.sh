@@ -11,6 +11,7 @@
 set -euo pipefail
 BIN=${1:?usage: demo.sh BIN_DIR}
 P=${KRS_DEMO_PREFIX:-krs-demo}
+WG=${KRS_DEMO_WG:-kilo} # WireGuard interfaces $WG1..3 (their UAPI sockets share /var/run/wireguard)
 WORK=$(mktemp -d /tmp/krs-demo.XXXXXX)
 DIR=$WORK/objects
 mkdir -p "$DIR"
@@ -40,10 +41,11 @@ inns under ip link add br0 type bridge
 inns under ip link set br0 up
 
 link() { # link NS IFNAME PEER_NS PEER_IFNAME
-  ip link add "$P-tmp-a" type veth peer name "$P-tmp-b"
-  ip link set "$P-tmp-a" netns "$P-$1"; ip link set "$P-tmp-b" netns "$P-$3"
-  inns "$1" ip link set "$P-tmp-a" name "$2"; inns "$1" ip link set "$2" up
-  inns "$3" ip link set "$P-tmp-b" name "$4"; inns "$3" ip link set "$4" up
+  local a="kd$$a" b="kd$$b" # interface names are at most 15 bytes
+  ip link add "$a" type veth peer name "$b"
+  ip link set "$a" netns "$P-$1"; ip link set "$b" netns "$P-$3"
+  inns "$1" ip link set "$a" name "$2"; inns "$1" ip link set "$2" up
+  inns "$3" ip link set "$b" name "$4"; inns "$3" ip link set "$4" up
 }
 
 say "building the underlay, the nodes, their pods and the internet host"
@@ -67,7 +69,7 @@ for i in 1 2 3; do
   # The userspace WireGuard device, as Kilo's userspace manifests run it (its UAPI socket
   # lives in the shared /var/run/wireguard, so each node gets its own interface name).
   ip netns exec "$P-n$i" env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 \
-    wireguard-go --foreground "kilo$i" >/dev/null 2>&1 &
+    wireguard-go --foreground "$WG$i" >/dev/null 2>&1 &
   WG_PIDS+=($!)
   loc=east; [ "$i" = 3 ] && loc=west
   cat > "$DIR/node-n$i.yaml" <<YAML
@@ -83,13 +85,13 @@ YAML
 done
 
 for i in 1 2 3; do # wireguard-go creates its device and socket in the background
-  for _ in $(seq 1 50); do [ -S "/var/run/wireguard/kilo$i.sock" ] && break; sleep 0.1; done
+  for _ in $(seq 1 50); do [ -S "/var/run/wireguard/$WG$i.sock" ] && break; sleep 0.1; done
 done
 
 say "starting kg on every node (file backend: $DIR)"
 for i in 1 2 3; do
   ip netns exec "$P-n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
-    --create-interface=false --interface "kilo$i" --encapsulate never \
+    --create-interface=false --interface "$WG$i" --encapsulate never \
     --private-key "$WORK/n$i.key" --bpffs-dir "/sys/fs/bpf/$P-n$i" \
     --listen "127.0.0.1:1107" --resync-period 10s --log-level info \
     >"$WORK/kg-n$i.log" 2>&1 &
@@ -98,7 +100,7 @@ done
 
 say "waiting for the mesh to converge"
 for _ in $(seq 1 60); do
-  if inns n1 wg show kilo1 peers 2>/dev/null | grep -q . && inns n3 wg show kilo3 peers 2>/dev/null | grep -q . \
+  if inns n1 wg show "${WG}1" peers 2>/dev/null | grep -q . && inns n3 wg show "${WG}3" peers 2>/dev/null | grep -q . \
      && inns pod1 busybox ping -c1 -W1 10.42.3.2 >/dev/null 2>&1; then break; fi
   sleep 1
 done
@@ -108,7 +110,7 @@ say "kgctl graph (Graphviz DOT, Kilo's layout)"
 say "kgctl showconf node n1 (the leader of east)"
 "$BIN/kgctl" --backend file --backend-dir "$DIR" showconf node n1
 say "wg show on n1: a real WireGuard device, configured by kg over its UAPI socket"
-inns n1 wg show kilo1
+inns n1 wg show "${WG}1"
 
 say "pod1 (east) -> pod3 (west): through the WireGuard tunnel between the two leaders"
 inns pod1 busybox ping -c3 -W2 10.42.3.2
