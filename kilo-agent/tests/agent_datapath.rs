@@ -1,0 +1,137 @@
+//! Node tier, datapath part: the agent's reconciler driving the real eBPF datapath
+//! ([`AgentDatapath`]) in a throwaway namespace. It converges (programs attached, NAT rule,
+//! entries), a second pass writes nothing, a map entry deleted behind its back (here by a second
+//! loader that adopts the pins, as an operator's tool would) is restored by the next reconcile with
+//! exactly one write, and clean-up removes programs, pins and the NAT table.
+mod support;
+
+use std::{collections::BTreeMap, path::PathBuf};
+
+use ipnet::IpNet;
+use kilo_agent::{
+    datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathMaps as _, Role},
+    mesh::Key,
+    plan::{DatapathEntry, DatapathPlan, EntryKind, Plan},
+    reconcile::{
+        Reconciler, Settings, netlink::NetlinkKernel, state::Devices, wireguard::FakeWireGuard,
+        wireguard::system_resolver,
+    },
+};
+use support::netns::NetNs;
+
+fn entry(kind: EntryKind, owner: &str) -> DatapathEntry {
+    DatapathEntry {
+        kind,
+        owner: owner.into(),
+        next_hop: None,
+    }
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+#[test]
+fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
+    if !support::require_root("reconcile_converges_is_idle_then_restores_a_deleted_map_entry") {
+        return;
+    }
+    let ns = NetNs::new("dpr");
+    // A TUN device (raw IP, like WireGuard) stands in for the WireGuard link (the WireGuard device itself is faked here; the
+    // real one is covered by agent_node.rs), plus the pod-facing bridge.
+    ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
+    ns.sh("ip link add kube-bridge type bridge && ip link set kube-bridge up");
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krs-dpr-{}", std::process::id()));
+    let table = format!("krsdpr{}", std::process::id());
+    let config = DatapathConfig {
+        pin_dir: Some(pin_dir.clone()),
+        nft_table: table.clone(),
+        ..DatapathConfig::default()
+    };
+    let plan = Plan {
+        datapath: DatapathPlan {
+            mesh_destinations: BTreeMap::from([
+                (net("10.2.2.0/24"), entry(EntryKind::Node, "b")),
+                (net("10.4.0.2/32"), entry(EntryKind::WireGuardIp, "b")),
+                (
+                    net("10.96.0.0/12"),
+                    entry(EntryKind::Service, "--service-cidr"),
+                ),
+            ]),
+            nat_sources: BTreeMap::from([(net("10.2.1.0/24"), entry(EntryKind::LocalPods, "a"))]),
+            masquerade_destinations: BTreeMap::new(),
+        },
+        ..Plan::default()
+    };
+    let (first, second, third, fourth, cleaned) = ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let devices = Devices {
+                wireguard: "kwg0".into(),
+                private: None,
+                tunnel: None,
+            };
+            let datapath = AgentDatapath::new(
+                Datapath::open(config.clone()).expect("open datapath"),
+                devices.clone(),
+                &["kube-bridge".to_string()],
+                false,
+            );
+            let mut reconciler = Reconciler::new(
+                NetlinkKernel::connect().unwrap(),
+                FakeWireGuard::default(),
+                datapath,
+                Settings {
+                    devices,
+                    create_interface: false,
+                    mtu: None,
+                    private_key: Key([7; 32]),
+                    resolver: Box::new(system_resolver),
+                },
+            );
+            let first = reconciler.reconcile(&plan).await.unwrap();
+            let second = reconciler.reconcile(&plan).await.unwrap();
+            {
+                // Someone else adopts the pins and deletes an entry.
+                let mut other = Datapath::open(config).expect("adopt the pins");
+                other
+                    .maps()
+                    .remove(Role::Mesh, net("10.2.2.0/24"))
+                    .expect("delete an entry");
+            }
+            let third = reconciler.reconcile(&plan).await.unwrap();
+            let fourth = reconciler.reconcile(&plan).await.unwrap();
+            let cleaned = reconciler.clean_up(false).await.unwrap();
+            (first, second, third, fourth, cleaned)
+        })
+    });
+    assert!(first.problems.is_empty(), "{:?}", first.problems);
+    assert_eq!(first.writes.get("map_insert"), 4, "{}", first.writes);
+    assert_eq!(first.writes.get("link_attach"), 2, "{}", first.writes);
+    assert_eq!(first.writes.get("nft_rule"), 1, "{}", first.writes);
+    assert!(
+        second.writes.is_empty(),
+        "idle pass wrote {}",
+        second.writes
+    );
+    assert_eq!(third.writes.get("map_insert"), 1, "{}", third.writes);
+    assert_eq!(
+        third.writes.total() - third.writes.get("map_index"),
+        1,
+        "only the deleted entry is written back: {}",
+        third.writes
+    );
+    assert!(fourth.writes.is_empty(), "{}", fourth.writes);
+    assert!(cleaned.problems.is_empty(), "{:?}", cleaned.problems);
+    assert!(!pin_dir.exists(), "pins left in {}", pin_dir.display());
+    let ruleset = ns.sh("nft list tables");
+    assert!(!ruleset.contains(&table), "nft table left: {ruleset}");
+    let filters = ns.sh("bpftool net show dev kube-bridge 2>/dev/null || true");
+    assert!(
+        !filters.contains("kilo"),
+        "program left attached: {filters}"
+    );
+}
