@@ -202,6 +202,16 @@ fn check(dp: &mut Datapath, framing: Framing, pkt: &[u8], want: Want) -> packets
     r
 }
 
+/// Table rows of `(src, dst, want)`, each made a packet by `build`.
+fn addressed(
+    build: fn(&str, &str) -> Vec<u8>,
+    rows: Vec<(&str, &str, Want)>,
+) -> Vec<(Vec<u8>, Want)> {
+    rows.into_iter()
+        .map(|(src, dst, want)| (build(src, dst), want))
+        .collect()
+}
+
 /// [`check`] on each packet of a table, in order.
 #[track_caller]
 fn check_each(dp: &mut Datapath, framing: Framing, cases: Vec<(Vec<u8>, Want)>) {
@@ -217,36 +227,35 @@ fn ipv4_ethernet_decisions() {
     }
     let mut dp = open();
     use Decision::*;
-    let cases = vec![
+    let rows = vec![
         // NAT source to the internet: masqueraded.
-        (eth_ip("10.244.1.5", "8.8.8.8"), masq(&[NAT4])),
+        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
         // NAT source to a mesh destination: left alone; the longest prefix (/16, not /8)
         // counts it.
-        (eth_ip("10.244.1.5", "10.1.5.5"), mesh("10.1.0.0/16")),
-        (eth_ip("10.244.1.5", "10.7.0.1"), mesh("10.0.0.0/8")),
+        ("10.244.1.5", "10.1.5.5", mesh("10.1.0.0/16")),
+        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
         // Not a NAT source, not a masquerade destination: left alone.
-        (eth_ip("172.16.0.1", "8.8.8.8"), untouched(Pass)),
+        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
         // Allowed-location IPs are masqueraded from anywhere...
-        (eth_ip("172.16.0.1", "192.168.50.9"), masq(&[ALLOWED4])),
+        ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
         // ...and both entries count a NAT source sending there.
-        (
-            eth_ip("10.244.1.5", "192.168.50.9"),
-            masq(&[NAT4, ALLOWED4]),
-        ),
+        ("10.244.1.5", "192.168.50.9", masq(&[NAT4, ALLOWED4])),
         // ...unless they are also a mesh destination.
-        (eth_ip("172.16.0.1", "10.1.2.3"), mesh("10.1.0.0/16")),
+        ("172.16.0.1", "10.1.2.3", mesh("10.1.0.0/16")),
         // Other mark bits (kube-proxy's 0x4000) are kept, ours added...
         (
-            eth_ip("10.244.1.5", "8.8.8.8"),
+            "10.244.1.5",
+            "8.8.8.8",
             masq(&[NAT4]).marks(0x4000, 0x4000 | MARK),
         ),
         // ...and left untouched when we do not masquerade.
         (
-            eth_ip("172.16.0.1", "8.8.8.8"),
+            "172.16.0.1",
+            "8.8.8.8",
             untouched(Pass).marks(0x4000, 0x4000),
         ),
     ];
-    check_each(&mut dp, Framing::L2, cases);
+    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
     // The packet is never rewritten.
     let pkt = eth_ip("10.244.1.5", "8.8.8.8");
     let r = run(dp.program(Framing::L2), &pkt, 0, 0, 1);
@@ -260,22 +269,16 @@ fn ipv6_ethernet_decisions() {
     }
     let mut dp = open();
     use Decision::*;
-    let cases = vec![
-        (eth_ip("fd00:244:1::5", "2001:db8::1"), masq(&[NAT6])),
-        (
-            eth_ip("fd00:244:1::5", "fd00:1:2::9"),
-            mesh("fd00:1:2::/64"),
-        ),
-        (
-            eth_ip("fd00:244:1::5", "fd00:1:0:3::9"),
-            mesh("fd00:1::/48"),
-        ),
-        (eth_ip("fd00:99::1", "2001:db8::1"), untouched(Pass)),
-        (eth_ip("fd00:99::1", "fd00:50::7"), masq(&[ALLOWED6])),
+    let rows = vec![
+        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+        ("fd00:244:1::5", "fd00:1:2::9", mesh("fd00:1:2::/64")),
+        ("fd00:244:1::5", "fd00:1:0:3::9", mesh("fd00:1::/48")),
+        ("fd00:99::1", "2001:db8::1", untouched(Pass)),
+        ("fd00:99::1", "fd00:50::7", masq(&[ALLOWED6])),
         // An IPv4-mapped address does not match IPv4 entries (the family is part of the key).
-        (eth_ip("::ffff:10.244.1.5", "2001:db8::1"), untouched(Pass)),
+        ("::ffff:10.244.1.5", "2001:db8::1", untouched(Pass)),
     ];
-    check_each(&mut dp, Framing::L2, cases);
+    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
 }
 
 #[test]
@@ -372,22 +375,22 @@ fn raw_ip_framing_on_a_device_without_mac_header() {
     let full6 = raw_ip("fd00:244:1::5", "2001:db8::1");
     let mut bad_ihl = m4.clone();
     bad_ihl[0] = 0x43;
-    let cases = vec![
-        (raw_ip("10.244.1.5", "10.1.9.9"), mesh("10.1.0.0/16")),
-        (raw_ip("172.16.0.1", "192.168.50.1"), masq(&[ALLOWED4])),
-        (full6.clone(), masq(&[NAT6])),
-        (
-            raw_ip("fd00:244:1::5", "fd00:1:2::1"),
-            mesh("fd00:1:2::/64"),
-        ),
-        (raw_ip("172.16.0.1", "8.8.8.8"), untouched(Pass)),
+    let rows = vec![
+        ("10.244.1.5", "10.1.9.9", mesh("10.1.0.0/16")),
+        ("172.16.0.1", "192.168.50.1", masq(&[ALLOWED4])),
+        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+        ("fd00:244:1::5", "fd00:1:2::1", mesh("fd00:1:2::/64")),
+        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
+    ];
+    let mut cases = addressed(raw_ip, rows);
+    cases.extend([
         // Truncated raw IP: inside the IPv4 and the IPv6 header; a bad IHL.
         (m4[..19].to_vec(), untouched(Malformed)),
         (full6[..39].to_vec(), untouched(Malformed)),
         (bad_ihl, untouched(Malformed)),
         // Not IP (version nibble 1).
         (vec![0x10; 28], untouched(NotIp)),
-    ];
+    ]);
     check_each(&mut dp, Framing::L3, cases);
     // The Ethernet program on the same bytes would misparse: framing matters.
     let r = run(dp.program(Framing::L2), &m4, 0, 0, 1);
@@ -461,12 +464,12 @@ fn fast_path_redirects_mesh_but_never_services() {
     ttl1.extend(ip(v4("10.244.1.5"), v4("10.1.5.5"), 1, 10));
     let r = check(&mut dp, l2, &ttl1, mesh("10.1.0.0/16"));
     assert_eq!(r.data, ttl1);
-    let cases = vec![
+    let rows = vec![
         // Entries without an egress are not redirected; masquerading is unaffected.
-        (eth_ip("10.244.1.5", "10.7.0.1"), mesh("10.0.0.0/8")),
-        (eth_ip("10.244.1.5", "8.8.8.8"), masq(&[NAT4])),
+        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
+        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
     ];
-    check_each(&mut dp, l2, cases);
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
     // IPv6 hop limit.
     give_egress(&mut dp, "fd00:1:2::/64", ENTRY_REDIRECT);
     let p6 = eth_ip("fd00:244:1::5", "fd00:1:2::9");
@@ -531,17 +534,14 @@ fn prefix_lengths_follow_the_entries() {
     }
     let w = dp.sync(&p2, &NoResolver).unwrap();
     assert_eq!((w.get("map_insert"), w.get("map_index")), (2, 2), "{w}");
-    let cases = vec![
-        (to("10.1.5.5"), mesh("10.1.5.5/32")),
-        (to("10.1.5.6"), mesh("10.0.0.0/8")),
-        (to("8.8.8.8"), mesh("0.0.0.0/0")),
+    let rows = vec![
+        ("172.16.0.1", "10.1.5.5", mesh("10.1.5.5/32")),
+        ("172.16.0.1", "10.1.5.6", mesh("10.0.0.0/8")),
+        ("172.16.0.1", "8.8.8.8", mesh("0.0.0.0/0")),
         // IPv6 is unaffected by IPv4 lengths.
-        (
-            eth_ip("fd00:99::1", "2001:db8::1"),
-            untouched(Decision::Pass),
-        ),
+        ("fd00:99::1", "2001:db8::1", untouched(Decision::Pass)),
     ];
-    check_each(&mut dp, l2, cases);
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
     // Another entry of an existing length: no index write.
     let mut p3 = p2.clone();
     for net in ["10.2.0.0/16", "10.3.0.0/16"] {
