@@ -141,6 +141,11 @@ impl MeshPeer {
     }
 }
 
+/// A field's value, trimmed, if not empty.
+fn given(v: &Option<String>) -> Option<&str> {
+    v.as_deref().map(str::trim).filter(|s| !s.is_empty())
+}
+
 /// `spec.endpoint`: the IP wins over the DNS name when both are given (as the CRD documents).
 fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
     let port = u16::try_from(e.port)
@@ -152,18 +157,7 @@ fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
                 format!("{} is not a UDP port", e.port),
             )
         })?;
-    let ip = e
-        .dns_or_ip
-        .ip
-        .as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
-    let dns = e
-        .dns_or_ip
-        .dns
-        .as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
+    let (ip, dns) = (given(&e.dns_or_ip.ip), given(&e.dns_or_ip.dns));
     if let Some(ip) = ip {
         let ip: IpAddr = ip.parse().map_err(|_| {
             (
