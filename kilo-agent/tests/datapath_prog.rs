@@ -3,7 +3,7 @@
 //! NAT sources, allowed-location IPs, truncated and malformed packets, and the fast path.
 mod support;
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
 use kilo_agent::{
@@ -23,16 +23,20 @@ const OK: u32 = 0;
 const REDIRECT: u32 = 7;
 const MARK: u32 = kilo_common::DEFAULT_MARK;
 
+fn entry(kind: EntryKind, owner: String) -> DatapathEntry {
+    DatapathEntry {
+        kind,
+        owner,
+        next_hop: None,
+    }
+}
+
 fn entries(list: &[(&str, EntryKind)]) -> BTreeMap<IpNet, DatapathEntry> {
     list.iter()
         .map(|(net, kind)| {
             (
                 net.parse().unwrap(),
-                DatapathEntry {
-                    kind: *kind,
-                    owner: format!("owner-of-{net}"),
-                    next_hop: None,
-                },
+                entry(*kind, format!("owner-of-{net}")),
             )
         })
         .collect()
@@ -98,40 +102,122 @@ fn delta(
     (d, e)
 }
 
+/// What one run must show: the packet arrives with `mark_in` and leaves with `verdict` and
+/// `mark`; `decision` counts it (one packet, its bytes) and exactly `entries` count it.
+#[derive(Debug, Clone)]
+struct Want {
+    mark_in: u32,
+    verdict: u32,
+    mark: u32,
+    decision: Decision,
+    entries: Vec<(Role, &'static str)>,
+}
+
+impl Want {
+    /// The packet arrives carrying `mark_in` and must leave with `mark`.
+    fn marks(self, mark_in: u32, mark: u32) -> Self {
+        Want {
+            mark_in,
+            mark,
+            ..self
+        }
+    }
+}
+
+fn want(verdict: u32, mark: u32, decision: Decision, entries: &[(Role, &'static str)]) -> Want {
+    Want {
+        mark_in: 0,
+        verdict,
+        mark,
+        decision,
+        entries: entries.to_vec(),
+    }
+}
+
+/// Masqueraded (our mark set), counted by `entries`.
+fn masq(entries: &[(Role, &'static str)]) -> Want {
+    want(OK, MARK, Decision::Masquerade, entries)
+}
+
+/// Left alone as mesh traffic, counted by the mesh entry `net`.
+fn mesh(net: &'static str) -> Want {
+    want(OK, 0, Decision::Mesh, &[(Role::Mesh, net)])
+}
+
+/// Redirected by the fast path, counted by the mesh entry `net`.
+fn redirected(net: &'static str) -> Want {
+    want(REDIRECT, 0, Decision::Redirect, &[(Role::Mesh, net)])
+}
+
+/// Left alone and counted by no entry (`Pass`, `Malformed`, `NotIp`).
+fn untouched(decision: Decision) -> Want {
+    want(OK, 0, decision, &[])
+}
+
+const NAT4: (Role, &str) = (Role::NatSource, "10.244.1.0/24");
+const NAT6: (Role, &str) = (Role::NatSource, "fd00:244:1::/64");
+const ALLOWED4: (Role, &str) = (Role::MasqueradeDestination, "192.168.50.0/24");
+const ALLOWED6: (Role, &str) = (Role::MasqueradeDestination, "fd00:50::/64");
+
+fn addr(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// An untagged Ethernet frame from `src` to `dst`.
+fn eth_ip(src: &str, dst: &str) -> Vec<u8> {
+    frame(&[], addr(src), addr(dst))
+}
+
+/// A raw IP packet (TTL 64, 10 bytes of payload) from `src` to `dst`.
+fn raw_ip(src: &str, dst: &str) -> Vec<u8> {
+    ip(addr(src), addr(dst), 64, 10)
+}
+
 /// Runs one packet and checks verdict, mark, the one decision counter that moved (packets and
 /// bytes) and exactly which entries counted it.
 #[track_caller]
-fn check(
-    dp: &mut Datapath,
-    framing: Framing,
-    ifindex: u32,
-    pkt: &[u8],
-    mark_in: u32,
-    want: (u32, u32, Decision),
-    want_entries: &[(Role, &str)],
-) -> packets::Run {
+fn check(dp: &mut Datapath, framing: Framing, pkt: &[u8], want: Want) -> packets::Run {
     let before = dp.counters().unwrap();
-    let r = run(dp.program(framing), pkt, mark_in, ifindex, 1);
+    let r = run(dp.program(framing), pkt, want.mark_in, 0, 1);
     let after = dp.counters().unwrap();
     let (d, e) = delta(&before, &after);
     assert_eq!(
         (r.verdict, r.mark),
-        (want.0, want.1),
+        (want.verdict, want.mark),
         "verdict/mark for {pkt:02x?} (decisions {d:?}, entries {e:?}, out {:02x?})",
         r.data
     );
     let bytes = pkt.len() as u64;
     assert_eq!(
         d,
-        BTreeMap::from([(want.2, Counter { packets: 1, bytes })]),
-        "decision counters"
+        BTreeMap::from([(want.decision, Counter { packets: 1, bytes })]),
+        "decision counters for {pkt:02x?}"
     );
-    let we: BTreeMap<(Role, IpNet), u64> = want_entries
+    let we: BTreeMap<(Role, IpNet), u64> = want
+        .entries
         .iter()
         .map(|(r, n)| ((*r, n.parse().unwrap()), 1))
         .collect();
-    assert_eq!(e, we, "entry counters");
+    assert_eq!(e, we, "entry counters for {pkt:02x?}");
     r
+}
+
+/// Table rows of `(src, dst, want)`, each made a packet by `build`.
+fn addressed(
+    build: fn(&str, &str) -> Vec<u8>,
+    rows: Vec<(&str, &str, Want)>,
+) -> Vec<(Vec<u8>, Want)> {
+    rows.into_iter()
+        .map(|(src, dst, want)| (build(src, dst), want))
+        .collect()
+}
+
+/// [`check`] on each packet of a table, in order.
+#[track_caller]
+fn check_each(dp: &mut Datapath, framing: Framing, cases: Vec<(Vec<u8>, Want)>) {
+    for (pkt, want) in cases {
+        check(dp, framing, &pkt, want);
+    }
 }
 
 #[test]
@@ -141,102 +227,38 @@ fn ipv4_ethernet_decisions() {
     }
     let mut dp = open();
     use Decision::*;
-    let l2 = Framing::L2;
-    // NAT source to the internet: masqueraded.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("8.8.8.8")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
-    // NAT source to a mesh destination: left alone; the longest prefix (/16, not /8) counts it.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("10.1.5.5")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("10.7.0.1")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.0.0.0/8")],
-    );
-    // Not a NAT source, not a masquerade destination: left alone.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("172.16.0.1"), v4("8.8.8.8")),
-        0,
-        (OK, 0, Pass),
-        &[],
-    );
-    // Allowed-location IPs are masqueraded from anywhere...
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("172.16.0.1"), v4("192.168.50.9")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::MasqueradeDestination, "192.168.50.0/24")],
-    );
-    // ...and both entries count a NAT source sending there.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("192.168.50.9")),
-        0,
-        (OK, MARK, Masquerade),
-        &[
-            (Role::NatSource, "10.244.1.0/24"),
-            (Role::MasqueradeDestination, "192.168.50.0/24"),
-        ],
-    );
-    // ...unless they are also a mesh destination.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("172.16.0.1"), v4("10.1.2.3")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
-    // Other mark bits (kube-proxy's 0x4000) are kept, ours added.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("8.8.8.8")),
-        0x4000,
-        (OK, 0x4000 | MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
-    // ...and left untouched when we do not masquerade.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("172.16.0.1"), v4("8.8.8.8")),
-        0x4000,
-        (OK, 0x4000, Pass),
-        &[],
-    );
+    let rows = vec![
+        // NAT source to the internet: masqueraded.
+        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
+        // NAT source to a mesh destination: left alone; the longest prefix (/16, not /8)
+        // counts it.
+        ("10.244.1.5", "10.1.5.5", mesh("10.1.0.0/16")),
+        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
+        // Not a NAT source, not a masquerade destination: left alone.
+        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
+        // Allowed-location IPs are masqueraded from anywhere...
+        ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
+        // ...and both entries count a NAT source sending there.
+        ("10.244.1.5", "192.168.50.9", masq(&[NAT4, ALLOWED4])),
+        // ...unless they are also a mesh destination.
+        ("172.16.0.1", "10.1.2.3", mesh("10.1.0.0/16")),
+        // Other mark bits (kube-proxy's 0x4000) are kept, ours added...
+        (
+            "10.244.1.5",
+            "8.8.8.8",
+            masq(&[NAT4]).marks(0x4000, 0x4000 | MARK),
+        ),
+        // ...and left untouched when we do not masquerade.
+        (
+            "172.16.0.1",
+            "8.8.8.8",
+            untouched(Pass).marks(0x4000, 0x4000),
+        ),
+    ];
+    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
     // The packet is never rewritten.
-    let pkt = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
-    let r = run(dp.program(l2), &pkt, 0, 0, 1);
+    let pkt = eth_ip("10.244.1.5", "8.8.8.8");
+    let r = run(dp.program(Framing::L2), &pkt, 0, 0, 1);
     assert_eq!(r.data, pkt);
 }
 
@@ -247,62 +269,16 @@ fn ipv6_ethernet_decisions() {
     }
     let mut dp = open();
     use Decision::*;
-    let l2 = Framing::L2;
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:244:1::5"), v6("2001:db8::1")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "fd00:244:1::/64")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:244:1::5"), v6("fd00:1:2::9")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "fd00:1:2::/64")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:244:1::5"), v6("fd00:1:0:3::9")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "fd00:1::/48")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:99::1"), v6("2001:db8::1")),
-        0,
-        (OK, 0, Pass),
-        &[],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:99::1"), v6("fd00:50::7")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::MasqueradeDestination, "fd00:50::/64")],
-    );
-    // An IPv4-mapped address does not match IPv4 entries (the family is part of the key).
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("::ffff:10.244.1.5"), v6("2001:db8::1")),
-        0,
-        (OK, 0, Pass),
-        &[],
-    );
+    let rows = vec![
+        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+        ("fd00:244:1::5", "fd00:1:2::9", mesh("fd00:1:2::/64")),
+        ("fd00:244:1::5", "fd00:1:0:3::9", mesh("fd00:1::/48")),
+        ("fd00:99::1", "2001:db8::1", untouched(Pass)),
+        ("fd00:99::1", "fd00:50::7", masq(&[ALLOWED6])),
+        // An IPv4-mapped address does not match IPv4 entries (the family is part of the key).
+        ("::ffff:10.244.1.5", "2001:db8::1", untouched(Pass)),
+    ];
+    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
 }
 
 #[test]
@@ -311,41 +287,24 @@ fn vlan_tags_are_skipped() {
         return;
     }
     let mut dp = open();
-    use Decision::*;
-    let l2 = Framing::L2;
     let q = [(ETH_P_8021Q, 7)];
     let qinq = [(ETH_P_8021AD, 100), (ETH_P_8021Q, 7)];
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&q, v4("10.244.1.5"), v4("8.8.8.8")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&qinq, v4("10.244.1.5"), v4("10.1.5.5")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&qinq, v6("fd00:244:1::5"), v6("2001:db8::1")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "fd00:244:1::/64")],
-    );
     // A tag with nothing after it is truncated.
-    let mut p = eth(&[], ETH_P_8021Q);
-    p.extend_from_slice(&[0, 7]);
-    check(&mut dp, l2, 0, &p, 0, (OK, 0, Malformed), &[]);
+    let mut cut = eth(&[], ETH_P_8021Q);
+    cut.extend_from_slice(&[0, 7]);
+    let cases = vec![
+        (frame(&q, v4("10.244.1.5"), v4("8.8.8.8")), masq(&[NAT4])),
+        (
+            frame(&qinq, v4("10.244.1.5"), v4("10.1.5.5")),
+            mesh("10.1.0.0/16"),
+        ),
+        (
+            frame(&qinq, v6("fd00:244:1::5"), v6("2001:db8::1")),
+            masq(&[NAT6]),
+        ),
+        (cut, untouched(Decision::Malformed)),
+    ];
+    check_each(&mut dp, Framing::L2, cases);
 }
 
 #[test]
@@ -364,53 +323,32 @@ fn truncated_and_malformed_packets_pass_untouched() {
     let tagged4 = frame(&q, v4("10.244.1.5"), v4("8.8.8.8"));
     let tagged6 = frame(&q, v6("fd00:244:1::5"), v6("2001:db8::1"));
     for cut in [18, 19, 30, 37] {
-        let r = check(
-            &mut dp,
-            l2,
-            0,
-            &tagged4[..cut],
-            0x20,
-            (OK, 0x20, Malformed),
-            &[],
-        );
+        let want = untouched(Malformed).marks(0x20, 0x20);
+        let r = check(&mut dp, l2, &tagged4[..cut], want);
         assert_eq!(r.data, tagged4[..cut], "left untouched");
     }
-    for cut in [18, 40, 57] {
-        check(&mut dp, l2, 0, &tagged6[..cut], 0, (OK, 0, Malformed), &[]);
-    }
-    // A bare header with no payload is complete: decided normally.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &tagged4[..38],
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &full4[..34],
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
-    // Wrong version nibble for the ethertype, and an IHL below 5.
-    let mut bad = full4.clone();
-    bad[14] = 0x65;
-    check(&mut dp, l2, 0, &bad, 0, (OK, 0, Malformed), &[]);
-    let mut bad = full4.clone();
-    bad[14] = 0x44;
-    check(&mut dp, l2, 0, &bad, 0, (OK, 0, Malformed), &[]);
-    let mut bad = full6.clone();
-    bad[14] = 0x45;
-    check(&mut dp, l2, 0, &bad, 0, (OK, 0, Malformed), &[]);
-    // Not IP at all.
+    let with_first_ip_byte = |pkt: &[u8], b| {
+        let mut bad = pkt.to_vec();
+        bad[14] = b;
+        bad
+    };
     let mut arp = eth(&[], ETH_P_ARP);
     arp.extend_from_slice(&[0u8; 28]);
-    check(&mut dp, l2, 0, &arp, 0, (OK, 0, NotIp), &[]);
+    let mut cases: Vec<_> = [18, 40, 57]
+        .map(|cut| (tagged6[..cut].to_vec(), untouched(Malformed)))
+        .into();
+    cases.extend([
+        // A bare header with no payload is complete: decided normally.
+        (tagged4[..38].to_vec(), masq(&[NAT4])),
+        (full4[..34].to_vec(), masq(&[NAT4])),
+        // Wrong version nibble for the ethertype, and an IHL below 5.
+        (with_first_ip_byte(&full4, 0x65), untouched(Malformed)),
+        (with_first_ip_byte(&full4, 0x44), untouched(Malformed)),
+        (with_first_ip_byte(&full6, 0x45), untouched(Malformed)),
+        // Not IP at all.
+        (arp, untouched(NotIp)),
+    ]);
+    check_each(&mut dp, l2, cases);
 }
 
 #[test]
@@ -431,75 +369,53 @@ fn raw_ip_framing_on_a_device_without_mac_header() {
     // (The kernel requires at least 14 bytes of input.)
     let mut dp = open();
     use Decision::*;
-    let l3 = Framing::L3;
-    let m4 = ip(v4("10.244.1.5"), v4("8.8.8.8"), 64, 10);
-    let r = check(
-        &mut dp,
-        l3,
-        0,
-        &m4,
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
+    let m4 = raw_ip("10.244.1.5", "8.8.8.8");
+    let r = check(&mut dp, Framing::L3, &m4, masq(&[NAT4]));
     assert_eq!(r.data, m4, "the packet is left as it was");
-    check(
-        &mut dp,
-        l3,
-        0,
-        &ip(v4("10.244.1.5"), v4("10.1.9.9"), 64, 10),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
-    check(
-        &mut dp,
-        l3,
-        0,
-        &ip(v4("172.16.0.1"), v4("192.168.50.1"), 64, 10),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::MasqueradeDestination, "192.168.50.0/24")],
-    );
-    check(
-        &mut dp,
-        l3,
-        0,
-        &ip(v6("fd00:244:1::5"), v6("2001:db8::1"), 64, 10),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "fd00:244:1::/64")],
-    );
-    check(
-        &mut dp,
-        l3,
-        0,
-        &ip(v6("fd00:244:1::5"), v6("fd00:1:2::1"), 64, 10),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "fd00:1:2::/64")],
-    );
-    check(
-        &mut dp,
-        l3,
-        0,
-        &ip(v4("172.16.0.1"), v4("8.8.8.8"), 64, 10),
-        0,
-        (OK, 0, Pass),
-        &[],
-    );
-    // Truncated raw IP: inside the IPv4 and the IPv6 header; a bad IHL.
-    let full6 = ip(v6("fd00:244:1::5"), v6("2001:db8::1"), 64, 10);
-    check(&mut dp, l3, 0, &m4[..19], 0, (OK, 0, Malformed), &[]);
-    check(&mut dp, l3, 0, &full6[..39], 0, (OK, 0, Malformed), &[]);
-    let mut bad = m4.clone();
-    bad[0] = 0x43;
-    check(&mut dp, l3, 0, &bad, 0, (OK, 0, Malformed), &[]);
-    // Not IP (version nibble 1).
-    check(&mut dp, l3, 0, &[0x10; 28], 0, (OK, 0, NotIp), &[]);
+    let full6 = raw_ip("fd00:244:1::5", "2001:db8::1");
+    let mut bad_ihl = m4.clone();
+    bad_ihl[0] = 0x43;
+    let rows = vec![
+        ("10.244.1.5", "10.1.9.9", mesh("10.1.0.0/16")),
+        ("172.16.0.1", "192.168.50.1", masq(&[ALLOWED4])),
+        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+        ("fd00:244:1::5", "fd00:1:2::1", mesh("fd00:1:2::/64")),
+        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
+    ];
+    let mut cases = addressed(raw_ip, rows);
+    cases.extend([
+        // Truncated raw IP: inside the IPv4 and the IPv6 header; a bad IHL.
+        (m4[..19].to_vec(), untouched(Malformed)),
+        (full6[..39].to_vec(), untouched(Malformed)),
+        (bad_ihl, untouched(Malformed)),
+        // Not IP (version nibble 1).
+        (vec![0x10; 28], untouched(NotIp)),
+    ]);
+    check_each(&mut dp, Framing::L3, cases);
     // The Ethernet program on the same bytes would misparse: framing matters.
     let r = run(dp.program(Framing::L2), &m4, 0, 0, 1);
     assert_eq!(r.mark, 0);
+}
+
+/// The mesh entry for `net`, as the datapath holds it.
+fn mesh_entry(dp: &mut Datapath, net: IpNet) -> EntryValue {
+    dp.maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .find(|(n, _)| *n == net)
+        .unwrap()
+        .1
+}
+
+/// The networks in the mesh table.
+fn mesh_nets(dp: &mut Datapath) -> Vec<IpNet> {
+    dp.maps()
+        .entries(Role::Mesh)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect()
 }
 
 #[test]
@@ -508,66 +424,29 @@ fn fast_path_redirects_mesh_but_never_services() {
         return;
     }
     let mut dp = open();
-    use Decision::*;
     let l2 = Framing::L2;
-    // Give the /16 peer entry and the service an egress (raw writes, as a resolver would).
-    let redirect = |counter, flags| EntryValue {
-        counter,
-        flags,
-        kind: 3,
-        ifindex: 1,
-        nh_family: FAMILY_V4,
-        nh_addr: [10, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    // Give an entry an egress (a raw write, as a resolver would), keeping its counter slot.
+    let give_egress = |dp: &mut Datapath, net: &str, flags| {
+        let net: IpNet = net.parse().unwrap();
+        let value = EntryValue {
+            counter: mesh_entry(dp, net).counter,
+            flags,
+            kind: 3,
+            ifindex: 1,
+            nh_family: FAMILY_V4,
+            nh_addr: [10, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        };
+        dp.maps().insert(Role::Mesh, net, &value).unwrap();
     };
-    let peer: IpNet = "10.1.0.0/16".parse().unwrap();
-    let svc: IpNet = "10.96.0.0/12".parse().unwrap();
-    let slot = |dp: &mut Datapath, net| {
-        dp.maps()
-            .entries(Role::Mesh)
-            .unwrap()
-            .into_iter()
-            .find(|(n, _)| *n == net)
-            .unwrap()
-            .1
-            .counter
-    };
-    let (ps, ss) = (slot(&mut dp, peer), slot(&mut dp, svc));
-    dp.maps()
-        .insert(
-            Role::Mesh,
-            peer,
-            &redirect(ps, ENTRY_REDIRECT | ENTRY_NEIGH),
-        )
-        .unwrap();
-    dp.maps()
-        .insert(
-            Role::Mesh,
-            svc,
-            &redirect(ss, ENTRY_REDIRECT | ENTRY_SERVICE),
-        )
-        .unwrap();
-    let to_peer = frame(&[], v4("10.244.1.5"), v4("10.1.5.5"));
+    // The /16 peer entry and the service.
+    give_egress(&mut dp, "10.1.0.0/16", ENTRY_REDIRECT | ENTRY_NEIGH);
+    give_egress(&mut dp, "10.96.0.0/12", ENTRY_REDIRECT | ENTRY_SERVICE);
+    let to_peer = eth_ip("10.244.1.5", "10.1.5.5");
     // Off by default: left to the stack.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to_peer,
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
+    check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
     assert!(!dp.set_fast_path(true).unwrap().is_empty());
     assert!(dp.set_fast_path(true).unwrap().is_empty());
-    let r = check(
-        &mut dp,
-        l2,
-        0,
-        &to_peer,
-        0,
-        (REDIRECT, 0, Redirect),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
+    let r = check(&mut dp, l2, &to_peer, redirected("10.1.0.0/16"));
     // Forwarded like a router: TTL 64 -> 63 with a valid header checksum, nothing else changed.
     assert_eq!(r.data[14 + 8], 63);
     assert_eq!(
@@ -578,75 +457,27 @@ fn fast_path_redirects_mesh_but_never_services() {
     assert_eq!(r.data[..22], to_peer[..22]);
     assert_eq!(r.data[26..], to_peer[26..]);
     // Services are never redirected, even with an egress in their entry.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("10.96.0.10")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.96.0.0/12")],
-    );
+    let to_service = eth_ip("10.244.1.5", "10.96.0.10");
+    check(&mut dp, l2, &to_service, mesh("10.96.0.0/12"));
     // A packet whose TTL would expire goes to the stack (which sends the ICMP error).
     let mut ttl1 = eth(&[], ETH_P_IP);
     ttl1.extend(ip(v4("10.244.1.5"), v4("10.1.5.5"), 1, 10));
-    let r = check(
-        &mut dp,
-        l2,
-        0,
-        &ttl1,
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
+    let r = check(&mut dp, l2, &ttl1, mesh("10.1.0.0/16"));
     assert_eq!(r.data, ttl1);
-    // Entries without an egress are not redirected; masquerading is unaffected.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("10.7.0.1")),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.0.0.0/8")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v4("10.244.1.5"), v4("8.8.8.8")),
-        0,
-        (OK, MARK, Masquerade),
-        &[(Role::NatSource, "10.244.1.0/24")],
-    );
+    let rows = vec![
+        // Entries without an egress are not redirected; masquerading is unaffected.
+        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
+        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
+    ];
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
     // IPv6 hop limit.
-    let six: IpNet = "fd00:1:2::/64".parse().unwrap();
-    let s6 = slot(&mut dp, six);
-    dp.maps()
-        .insert(Role::Mesh, six, &redirect(s6, ENTRY_REDIRECT))
-        .unwrap();
-    let p6 = frame(&[], v6("fd00:244:1::5"), v6("fd00:1:2::9"));
-    let r = check(
-        &mut dp,
-        l2,
-        0,
-        &p6,
-        0,
-        (REDIRECT, 0, Redirect),
-        &[(Role::Mesh, "fd00:1:2::/64")],
-    );
+    give_egress(&mut dp, "fd00:1:2::/64", ENTRY_REDIRECT);
+    let p6 = eth_ip("fd00:244:1::5", "fd00:1:2::9");
+    let r = check(&mut dp, l2, &p6, redirected("fd00:1:2::/64"));
     assert_eq!(r.data[14 + 7], 63);
     // Turning it off again.
     dp.set_fast_path(false).unwrap();
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to_peer,
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
+    check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
 }
 
 #[test]
@@ -678,20 +509,11 @@ fn prefix_lengths_follow_the_entries() {
     if !support::require_root("prefix_lengths_follow_the_entries") {
         return;
     }
-    use Decision::*;
     let l2 = Framing::L2;
     let mut dp = open();
     let to = |d: &str| frame(&[], v4("172.16.0.1"), v4(d));
     // /16 and /8 present: the /16 wins.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to("10.1.5.5"),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.0.0/16")],
-    );
+    check(&mut dp, l2, &to("10.1.5.5"), mesh("10.1.0.0/16"));
     // Drop the /16 (the only /16 in the mesh table): the /8 takes over, one delete and one
     // index write.
     let mut p = plan();
@@ -703,84 +525,29 @@ fn prefix_lengths_follow_the_entries() {
         (1, 1, 2),
         "{w}"
     );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to("10.1.5.5"),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.0.0.0/8")],
-    );
+    check(&mut dp, l2, &to("10.1.5.5"), mesh("10.0.0.0/8"));
     // A /32 inside it and a default route: the most specific still wins, the rest falls to /0.
     let mut p2 = p.clone();
     for net in ["10.1.5.5/32", "0.0.0.0/0"] {
-        p2.mesh_destinations.insert(
-            net.parse().unwrap(),
-            DatapathEntry {
-                kind: EntryKind::Peer,
-                owner: "p".into(),
-                next_hop: None,
-            },
-        );
+        p2.mesh_destinations
+            .insert(net.parse().unwrap(), entry(EntryKind::Peer, "p".into()));
     }
     let w = dp.sync(&p2, &NoResolver).unwrap();
     assert_eq!((w.get("map_insert"), w.get("map_index")), (2, 2), "{w}");
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to("10.1.5.5"),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.1.5.5/32")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to("10.1.5.6"),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "10.0.0.0/8")],
-    );
-    check(
-        &mut dp,
-        l2,
-        0,
-        &to("8.8.8.8"),
-        0,
-        (OK, 0, Mesh),
-        &[(Role::Mesh, "0.0.0.0/0")],
-    );
-    // IPv6 is unaffected by IPv4 lengths.
-    check(
-        &mut dp,
-        l2,
-        0,
-        &frame(&[], v6("fd00:99::1"), v6("2001:db8::1")),
-        0,
-        (OK, 0, Pass),
-        &[],
-    );
+    let rows = vec![
+        ("172.16.0.1", "10.1.5.5", mesh("10.1.5.5/32")),
+        ("172.16.0.1", "10.1.5.6", mesh("10.0.0.0/8")),
+        ("172.16.0.1", "8.8.8.8", mesh("0.0.0.0/0")),
+        // IPv6 is unaffected by IPv4 lengths.
+        ("fd00:99::1", "2001:db8::1", untouched(Decision::Pass)),
+    ];
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
     // Another entry of an existing length: no index write.
     let mut p3 = p2.clone();
-    p3.mesh_destinations.insert(
-        "10.2.0.0/16".parse().unwrap(),
-        DatapathEntry {
-            kind: EntryKind::Peer,
-            owner: "p".into(),
-            next_hop: None,
-        },
-    );
-    p3.mesh_destinations.insert(
-        "10.3.0.0/16".parse().unwrap(),
-        DatapathEntry {
-            kind: EntryKind::Peer,
-            owner: "p".into(),
-            next_hop: None,
-        },
-    );
+    for net in ["10.2.0.0/16", "10.3.0.0/16"] {
+        p3.mesh_destinations
+            .insert(net.parse().unwrap(), entry(EntryKind::Peer, "p".into()));
+    }
     let w = dp.sync(&p3, &NoResolver).unwrap();
     assert_eq!((w.get("map_insert"), w.get("map_index")), (2, 1), "{w}");
     let p4 = {
@@ -799,38 +566,20 @@ fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
         return;
     }
     let mut dp = open();
-    let before: Vec<IpNet> = dp
-        .maps()
-        .entries(Role::Mesh)
-        .unwrap()
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let before = mesh_nets(&mut dp);
     // 33 IPv4 lengths (/0 ../32) on top of the /8 and /16 already there: one too many.
     let mut p = plan();
     for len in 0..=32u8 {
         let net = IpNet::V4(ipnet::Ipv4Net::new([11, 0, 0, 0].into(), len).unwrap()).trunc();
-        p.mesh_destinations.insert(
-            net,
-            DatapathEntry {
-                kind: EntryKind::Peer,
-                owner: format!("peer-{len}"),
-                next_hop: None,
-            },
-        );
+        p.mesh_destinations
+            .insert(net, entry(EntryKind::Peer, format!("peer-{len}")));
     }
     let err = dp.sync(&p, &NoResolver).unwrap_err().to_string();
     assert!(
         err.contains("prefix lengths") && err.contains("owner"),
         "{err}"
     );
-    let after: Vec<IpNet> = dp
-        .maps()
-        .entries(Role::Mesh)
-        .unwrap()
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let after = mesh_nets(&mut dp);
     for net in before {
         assert!(after.contains(&net), "{net} lost");
     }
@@ -838,7 +587,7 @@ fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
     // force: they are the new topology; IPv6 is untouched).
     let r = run(
         dp.program(Framing::L2),
-        &frame(&[], v6("fd00:244:1::5"), v6("2001:db8::1")),
+        &eth_ip("fd00:244:1::5", "2001:db8::1"),
         0,
         0,
         1,
@@ -865,11 +614,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
         .map(|i| {
             (
                 IpNet::V4(ipnet::Ipv4Net::new([10, 50, i, 0].into(), 24).unwrap()),
-                DatapathEntry {
-                    kind: EntryKind::Node,
-                    owner: format!("node-{i}"),
-                    next_hop: None,
-                },
+                entry(EntryKind::Node, format!("node-{i}")),
             )
         })
         .collect();
@@ -878,13 +623,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
         err.contains("full") && err.contains("10.50.") && err.contains("node-"),
         "{err}"
     );
-    let have: Vec<IpNet> = dp
-        .maps()
-        .entries(Role::Mesh)
-        .unwrap()
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let have = mesh_nets(&mut dp);
     for net in old.mesh_destinations.keys() {
         assert!(have.contains(net), "{net} lost: {have:?}");
     }
@@ -892,7 +631,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
     let before = dp.counters().unwrap();
     let r = run(
         dp.program(Framing::L2),
-        &frame(&[], v4("10.244.1.5"), v4("10.1.5.5")),
+        &eth_ip("10.244.1.5", "10.1.5.5"),
         0,
         0,
         1,

@@ -76,17 +76,33 @@ fn header_line(text: &str, header: &str) -> String {
         .to_string()
 }
 
+/// Every golden file: granularity, host and the file's text.
+fn each_golden() -> impl Iterator<Item = (Granularity, &'static str, String)> {
+    GRANULARITIES.into_iter().flat_map(|g| {
+        HOSTS
+            .into_iter()
+            .map(move |h| (g, h, data(&golden_name(g, h))))
+    })
+}
+
+/// Every golden file with our topology for its granularity and host.
 fn each_case() -> impl Iterator<Item = (Granularity, &'static str, String, Topology)> {
     let snap = fixture();
-    GRANULARITIES.into_iter().flat_map(move |g| {
-        let snap = snap.clone();
-        HOSTS.into_iter().map(move |h| {
-            let planned = plan::plan_for(&snap, &settings(g, h));
-            assert!(planned.errors.is_empty(), "{:?}", planned.errors);
-            let t = planned.topology.expect("local node is ready");
-            (g, h, data(&golden_name(g, h)), t)
-        })
+    each_golden().map(move |(g, h, text)| {
+        let planned = plan::plan_for(&snap, &settings(g, h));
+        assert!(planned.errors.is_empty(), "{:?}", planned.errors);
+        let t = planned.topology.expect("local node is ready");
+        (g, h, text, t)
     })
+}
+
+/// The plan for `s`, which must have one.
+fn plan_of(snap: &mesh::Snapshot, s: &Settings) -> plan::Plan {
+    plan::plan_for(snap, s).plan.expect("local node is ready")
+}
+
+fn keys<V>(m: &BTreeMap<IpNet, V>) -> BTreeSet<IpNet> {
+    m.keys().copied().collect()
 }
 
 #[test]
@@ -196,30 +212,25 @@ fn kilo_routes_normalized(section: &str) -> (BTreeSet<String>, BTreeSet<String>)
 #[test]
 fn routes_and_rules_match_golden_for_every_local_and_encapsulation() {
     let snap = fixture();
-    for g in GRANULARITIES {
-        for h in HOSTS {
-            let text = data(&golden_name(g, h));
-            for local in [false, true] {
-                for (enc, enc_name) in ENCAPS {
-                    let s = Settings {
-                        local,
-                        encapsulate: enc,
-                        ..settings(g, h)
-                    };
-                    let plan = plan::plan_for(&snap, &s).plan.unwrap();
-                    let header = format!(
-                        "## routes: Topology.Routes(local={local}, encapsulate={enc_name}, IPIP)"
-                    );
-                    let (want_routes, want_rules) =
-                        kilo_routes_normalized(&section(&text, &header));
-                    let routes: BTreeSet<String> =
-                        plan.routes.iter().map(ToString::to_string).collect();
-                    let rules: BTreeSet<String> =
-                        plan.rules.iter().map(ToString::to_string).collect();
-                    assert_eq!(routes, want_routes, "{g} from {h} {header}");
-                    assert_eq!(rules, want_rules, "{g} from {h} {header}");
-                    assert_eq!(routes.len(), plan.routes.len(), "no duplicate routes");
-                }
+    for (g, h, text) in each_golden() {
+        for local in [false, true] {
+            for (enc, enc_name) in ENCAPS {
+                let s = Settings {
+                    local,
+                    encapsulate: enc,
+                    ..settings(g, h)
+                };
+                let plan = plan_of(&snap, &s);
+                let header = format!(
+                    "## routes: Topology.Routes(local={local}, encapsulate={enc_name}, IPIP)"
+                );
+                let (want_routes, want_rules) = kilo_routes_normalized(&section(&text, &header));
+                let routes: BTreeSet<String> =
+                    plan.routes.iter().map(ToString::to_string).collect();
+                let rules: BTreeSet<String> = plan.rules.iter().map(ToString::to_string).collect();
+                assert_eq!(routes, want_routes, "{g} from {h} {header}");
+                assert_eq!(rules, want_rules, "{g} from {h} {header}");
+                assert_eq!(routes.len(), plan.routes.len(), "no duplicate routes");
             }
         }
     }
@@ -246,16 +257,12 @@ fn deliberate_route_differences() {
         .filter(|l| l.starts_with("route 192.168.0.1/32 "))
         .count();
     assert_eq!((kilo_peer_routes, kilo_shared), (3, 2));
-    let plan = plan::plan_for(
-        &snap,
-        &Settings {
-            local: true,
-            encapsulate: Encapsulation::Never,
-            ..settings(Granularity::Full, "c")
-        },
-    )
-    .plan
-    .unwrap();
+    let s = Settings {
+        local: true,
+        encapsulate: Encapsulation::Never,
+        ..settings(Granularity::Full, "c")
+    };
+    let plan = plan_of(&snap, &s);
     let peer: Vec<_> = plan
         .routes
         .iter()
@@ -346,49 +353,30 @@ fn iptables_sets(section: &str) -> [BTreeSet<IpNet>; 3] {
 #[test]
 fn datapath_matches_kilo_iptables_rules() {
     let snap = fixture();
-    for g in GRANULARITIES {
-        for h in HOSTS {
-            let text = data(&golden_name(g, h));
-            for cni in [true, false] {
-                let plan = plan::plan_for(
-                    &snap,
-                    &Settings {
-                        cni,
-                        ..settings(g, h)
-                    },
-                )
-                .plan
-                .unwrap();
-                let header =
-                    format!("## iptables: Topology.Rules(cni={cni}, iptablesForwardRule=false)");
-                let [mesh, nat, masq] = iptables_sets(&section(&text, &header));
-                let d = &plan.datapath;
-                assert_eq!(
-                    d.mesh_destinations.keys().copied().collect::<BTreeSet<_>>(),
-                    mesh,
-                    "{g} from {h} cni={cni}"
-                );
-                assert_eq!(
-                    d.nat_sources.keys().copied().collect::<BTreeSet<_>>(),
-                    nat,
-                    "{g} from {h} cni={cni}"
-                );
-                assert_eq!(
-                    d.masquerade_destinations
-                        .keys()
-                        .copied()
-                        .collect::<BTreeSet<_>>(),
-                    masq,
-                    "{g} from {h} cni={cni}"
-                );
-                for (k, _) in d
-                    .mesh_destinations
-                    .iter()
-                    .chain(&d.nat_sources)
-                    .chain(&d.masquerade_destinations)
-                {
-                    assert_eq!(*k, k.trunc(), "LPM keys have no host bits");
-                }
+    for (g, h, text) in each_golden() {
+        for cni in [true, false] {
+            let d = plan_of(
+                &snap,
+                &Settings {
+                    cni,
+                    ..settings(g, h)
+                },
+            )
+            .datapath;
+            let header =
+                format!("## iptables: Topology.Rules(cni={cni}, iptablesForwardRule=false)");
+            let [mesh, nat, masq] = iptables_sets(&section(&text, &header));
+            let what = format!("{g} from {h} cni={cni}");
+            assert_eq!(keys(&d.mesh_destinations), mesh, "{what}");
+            assert_eq!(keys(&d.nat_sources), nat, "{what}");
+            assert_eq!(keys(&d.masquerade_destinations), masq, "{what}");
+            for (k, _) in d
+                .mesh_destinations
+                .iter()
+                .chain(&d.nat_sources)
+                .chain(&d.masquerade_destinations)
+            {
+                assert_eq!(*k, k.trunc(), "LPM keys have no host bits");
             }
         }
     }
@@ -400,10 +388,7 @@ fn datapath_entries_have_kind_owner_and_next_hop() {
     let svc: IpNet = "10.96.0.0/12".parse().unwrap();
     let n = |s: &str| s.parse::<IpNet>().unwrap();
     // Leader a (location:1): remote segments and peers go straight into WireGuard.
-    let d = plan::plan_for(&snap, &settings(Granularity::Location, "a"))
-        .plan
-        .unwrap()
-        .datapath;
+    let d = plan_of(&snap, &settings(Granularity::Location, "a")).datapath;
     let e = &d.mesh_destinations;
     assert_eq!(
         (
@@ -432,10 +417,7 @@ fn datapath_entries_have_kind_owner_and_next_hop() {
     assert_eq!(d.nat_sources[&n("10.5.0.0/24")].kind, EntryKind::Peer);
     assert!(d.masquerade_destinations.is_empty());
     // Non-leader c (location:2, leader b at 192.168.0.1): remote via the leader's private IP.
-    let d = plan::plan_for(&snap, &settings(Granularity::Location, "c"))
-        .plan
-        .unwrap()
-        .datapath;
+    let d = plan_of(&snap, &settings(Granularity::Location, "c")).datapath;
     let gw = Some(NextHop::Gateway {
         address: "192.168.0.1".parse().unwrap(),
         device: Device::Private,
@@ -457,9 +439,7 @@ fn plan_interface_addresses_and_leadership() {
     let leaders: BTreeMap<&str, Vec<String>> = HOSTS
         .iter()
         .map(|h| {
-            let p = plan::plan_for(&snap, &settings(Granularity::Location, h))
-                .plan
-                .unwrap();
+            let p = plan_of(&snap, &settings(Granularity::Location, h));
             assert_eq!(p.wireguard.peers.is_empty(), p.addresses.is_empty());
             (*h, p.addresses.iter().map(ToString::to_string).collect())
         })
@@ -517,40 +497,37 @@ fn bad_objects_are_reported_and_skipped() {
 #[test]
 fn ipip_sources_match_golden() {
     let snap = fixture();
-    for g in GRANULARITIES {
-        for h in HOSTS {
-            let text = data(&golden_name(g, h));
-            let sec = section(&text, "## iptables: IPIP encapsulator Rules");
-            let want: Vec<IpNet> = sec
-                .lines()
-                .filter(|l| l.contains("-A KILO-IPIP"))
-                .map(|l| {
-                    let w: Vec<&str> = l.split_whitespace().collect();
-                    w[w.iter().position(|x| *x == "-s").unwrap() + 1]
-                        .parse()
-                        .unwrap()
-                })
-                .collect();
-            let s = settings(g, h);
-            let t = plan::plan_for(&snap, &s).topology.unwrap();
-            // Kilo renders the rules from the logical location even in full mode; they are
-            // only installed in location mode (full mode has no location to encapsulate in).
-            let ours = plan::ipip_sources(&t, &s);
-            if g == Granularity::Location {
-                assert_eq!(ours, want, "{g} from {h}");
-            } else {
-                assert!(ours.is_empty());
-            }
-            let never = Settings {
-                encapsulate: Encapsulation::Never,
-                ..s.clone()
-            };
-            assert!(plan::ipip_sources(&t, &never).is_empty());
-            assert_eq!(
-                plan::tunnel_address(&t, &s).map(|a| a.to_string()),
-                Some(t.pod_cidrs[0].to_string().replace(".0/24", ".1/32"))
-            );
-            assert_eq!(plan::tunnel_address(&t, &never), None);
+    for (g, h, text) in each_golden() {
+        let sec = section(&text, "## iptables: IPIP encapsulator Rules");
+        let want: Vec<IpNet> = sec
+            .lines()
+            .filter(|l| l.contains("-A KILO-IPIP"))
+            .map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                w[w.iter().position(|x| *x == "-s").unwrap() + 1]
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        let s = settings(g, h);
+        let t = plan::plan_for(&snap, &s).topology.unwrap();
+        // Kilo renders the rules from the logical location even in full mode; they are
+        // only installed in location mode (full mode has no location to encapsulate in).
+        let ours = plan::ipip_sources(&t, &s);
+        if g == Granularity::Location {
+            assert_eq!(ours, want, "{g} from {h}");
+        } else {
+            assert!(ours.is_empty());
         }
+        let never = Settings {
+            encapsulate: Encapsulation::Never,
+            ..s.clone()
+        };
+        assert!(plan::ipip_sources(&t, &never).is_empty());
+        assert_eq!(
+            plan::tunnel_address(&t, &s).map(|a| a.to_string()),
+            Some(t.pod_cidrs[0].to_string().replace(".0/24", ".1/32"))
+        );
+        assert_eq!(plan::tunnel_address(&t, &never), None);
     }
 }

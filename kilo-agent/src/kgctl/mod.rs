@@ -275,6 +275,27 @@ fn as_mesh_peer(name: &str, w: &WireGuardPeer) -> MeshPeer {
     }
 }
 
+fn as_wireguard_peer(p: &MeshPeer) -> WireGuardPeer {
+    WireGuardPeer {
+        public_key: p.public_key,
+        preshared_key: p.preshared_key,
+        endpoint: p.endpoint.clone(),
+        allowed_ips: p.allowed_ips.clone(),
+        persistent_keepalive: p.persistent_keepalive,
+    }
+}
+
+/// `--as-peer`: `p` with the `--allowed-ips` added (each once), as a WireGuard `[Peer]`
+/// section or a Peer object named `name`.
+fn show_as_peer(name: &str, mut p: WireGuardPeer, o: &ShowOptions) -> Result<String, KgctlError> {
+    p.allowed_ips.extend(&o.allowed_ips);
+    dedup_text(&mut p.allowed_ips);
+    match o.output {
+        OutputFormat::WireGuard => Ok(render_wireguard(None, &[p])),
+        f => encode_peer(&as_mesh_peer(name, &p), f),
+    }
+}
+
 /// `kgctl showconf node NAME`.
 pub fn showconf_node(c: &Cluster, name: &str, o: &ShowOptions) -> Result<Shown, KgctlError> {
     let node = c
@@ -297,17 +318,12 @@ pub fn showconf_node(c: &Cluster, name: &str, o: &ShowOptions) -> Result<Shown, 
             &t.conf(),
         )
     } else {
-        let mut p = t.as_peer().expect("a leader has a local segment");
-        p.allowed_ips.extend(&o.allowed_ips);
-        dedup_text(&mut p.allowed_ips);
-        match o.output {
-            OutputFormat::WireGuard => render_wireguard(None, &[p]),
-            f => encode_peer(&as_mesh_peer(name, &p), f)?,
-        }
+        let p = t.as_peer().expect("a leader has a local segment");
+        show_as_peer(name, p, o)?
     };
     Ok(Shown {
         stdout,
-        stderr: String::new(),
+        ..Shown::default()
     })
 }
 
@@ -321,26 +337,11 @@ pub fn showconf_peer(c: &Cluster, name: &str, o: &ShowOptions) -> Result<Shown, 
         let t = c.topology(&c.any_host().name.clone(), peer.persistent_keepalive)?;
         render_wireguard(None, &t.peer_conf(name))
     } else {
-        let mut p = peer.clone();
-        p.allowed_ips.extend(&o.allowed_ips);
-        dedup_text(&mut p.allowed_ips);
-        match o.output {
-            OutputFormat::WireGuard => render_wireguard(
-                None,
-                &[WireGuardPeer {
-                    public_key: p.public_key,
-                    preshared_key: p.preshared_key,
-                    endpoint: p.endpoint.clone(),
-                    allowed_ips: p.allowed_ips.clone(),
-                    persistent_keepalive: p.persistent_keepalive,
-                }],
-            ),
-            f => encode_peer(&p, f)?,
-        }
+        show_as_peer(&peer.name, as_wireguard_peer(peer), o)?
     };
     Ok(Shown {
         stdout,
-        stderr: String::new(),
+        ..Shown::default()
     })
 }
 

@@ -30,6 +30,13 @@ fn fixture(g: Granularity) -> Cluster {
     cluster(&snapshot(), &opts(g)).unwrap()
 }
 
+/// Sets the annotation `key` of node `node` in `snap` to `value`.
+fn annotate(snap: &mut Snapshot, node: &str, key: &str, value: &str) {
+    let n = snap.nodes.get_mut(node).unwrap();
+    let annotations = n.metadata.annotations.as_mut().unwrap();
+    annotations.insert(key.into(), value.into());
+}
+
 #[test]
 fn non_leader_is_reported_on_stderr() {
     let c = fixture(Granularity::Location);
@@ -159,20 +166,15 @@ fn granularity_auto_and_subnet_detection() {
         ("cross", Granularity::Cross),
         ("location", Granularity::Location),
     ] {
-        let a = snap.nodes.get_mut("a").unwrap();
-        a.metadata
-            .annotations
-            .as_mut()
-            .unwrap()
-            .insert(mesh::annotations::GRANULARITY.into(), value.into());
+        annotate(&mut snap, "a", mesh::annotations::GRANULARITY, value);
         assert_eq!(cluster(&snap, &auto).unwrap().granularity, g);
     }
-    let d = snap.nodes.get_mut("d").unwrap();
-    d.metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert(mesh::annotations::WIREGUARD_IP.into(), "10.6.0.1/16".into());
+    annotate(
+        &mut snap,
+        "d",
+        mesh::annotations::WIREGUARD_IP,
+        "10.6.0.1/16",
+    );
     let c = cluster(&snap, &auto).unwrap();
     assert_eq!(c.subnet.to_string(), "10.6.0.0/16");
     assert!(graph(&c).unwrap().contains("label=\"10.6.0.0/16\";"));
@@ -201,18 +203,10 @@ fn cross_graph() {
     let c = fixture(Granularity::Cross);
     let dot = graph(&c).unwrap();
     // a and d are in location 1 but d has no internal IP: its own group.
-    assert!(
-        dot.contains("subgraph \"cluster_location_location:1\""),
-        "{dot}"
-    );
-    assert!(
-        dot.contains("subgraph \"cluster_location_location:2\""),
-        "{dot}"
-    );
-    assert!(
-        dot.contains("subgraph \"cluster_location_node:d\""),
-        "{dot}"
-    );
+    for group in ["location:1", "location:2", "node:d"] {
+        let subgraph = format!("subgraph \"cluster_location_{group}\"");
+        assert!(dot.contains(&subgraph), "{subgraph} in {dot}");
+    }
     assert!(
         !dot.contains("\"b\"->\"c\"[ dir=both ]"),
         "b and c share a location: no tunnel"
@@ -230,12 +224,7 @@ fn cross_graph() {
 #[test]
 fn dot_escapes_quotes() {
     let mut snap = snapshot();
-    let a = snap.nodes.get_mut("a").unwrap();
-    a.metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert(mesh::annotations::LOCATION.into(), "x\"y".into());
+    annotate(&mut snap, "a", mesh::annotations::LOCATION, "x\"y");
     let dot = graph(&cluster(&snap, &opts(Granularity::Location)).unwrap()).unwrap();
     assert!(dot.contains("label=\"location:x\\\"y\";"), "{dot}");
 }

@@ -316,21 +316,23 @@ mod tests {
         }
     }
 
+    /// Parses the node [`kube_node`] builds, with the default topology label.
+    fn parse(
+        name: &str,
+        ann: &[(&str, &str)],
+        pod_cidr: Option<&str>,
+    ) -> Result<Node, Vec<ObjectError>> {
+        Node::from_kube(&kube_node(name, ann, pod_cidr), DEFAULT_TOPOLOGY_LABEL)
+    }
+
     fn ready_node() -> Node {
-        Node::from_kube(
-            &kube_node(
-                "n",
-                &[
-                    (annotations::ENDPOINT, "2.2.2.2:51820"),
-                    (annotations::INTERNAL_IP, "1.1.1.1/32"),
-                    (annotations::KEY, KEY1),
-                    (annotations::LAST_SEEN, "1000"),
-                ],
-                Some("10.2.0.0/16"),
-            ),
-            DEFAULT_TOPOLOGY_LABEL,
-        )
-        .unwrap()
+        let ann = [
+            (annotations::ENDPOINT, "2.2.2.2:51820"),
+            (annotations::INTERNAL_IP, "1.1.1.1/32"),
+            (annotations::KEY, KEY1),
+            (annotations::LAST_SEEN, "1000"),
+        ];
+        parse("n", &ann, Some("10.2.0.0/16")).unwrap()
     }
 
     /// Kilo's TestReady cases.
@@ -338,23 +340,25 @@ mod tests {
     fn ready_like_kilo() {
         let now = Some(1010);
         assert!(ready_node().ready(now), "valid");
-        let empty = Node::from_kube(&kube_node("e", &[], None), DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let empty = parse("e", &[], None).unwrap();
         assert!(!empty.ready(now), "empty fields");
-        let mut n = ready_node();
-        n.endpoint = None;
-        assert!(!n.ready(now), "empty endpoint");
-        let mut n = ready_node();
-        n.key = None;
-        assert!(!n.ready(now), "empty key");
-        let mut n = ready_node();
-        n.key = Some(Key([0; 32]));
-        assert!(!n.ready(now), "zero key");
-        let mut n = ready_node();
-        n.internal_ips.clear();
-        assert!(n.ready(now), "empty internal IP is still ready, as in Kilo");
-        let mut n = ready_node();
-        n.pod_cidrs.clear();
-        assert!(!n.ready(now), "empty subnet");
+        type Edit = fn(&mut Node);
+        let cases: [(Edit, bool, &str); 5] = [
+            (|n| n.endpoint = None, false, "empty endpoint"),
+            (|n| n.key = None, false, "empty key"),
+            (|n| n.key = Some(Key([0; 32])), false, "zero key"),
+            (
+                |n| n.internal_ips.clear(),
+                true,
+                "empty internal IP is still ready, as in Kilo",
+            ),
+            (|n| n.pod_cidrs.clear(), false, "empty subnet"),
+        ];
+        for (edit, ready, why) in cases {
+            let mut n = ready_node();
+            edit(&mut n);
+            assert_eq!(n.ready(now), ready, "{why}");
+        }
         assert!(!ready_node().ready(Some(1000 + 60)), "stale last-seen");
         assert!(ready_node().ready(Some(1000 + 59)));
         let mut n = ready_node();
@@ -437,27 +441,18 @@ mod tests {
 
     #[test]
     fn force_internal_ip() {
+        let forced = |v| {
+            let ann = [
+                (annotations::INTERNAL_IP, "1.1.1.1/32"),
+                (annotations::FORCE_INTERNAL_IP, v),
+            ];
+            parse("a", &ann, None).unwrap()
+        };
         for v in ["", "-"] {
-            let kn = kube_node(
-                "a",
-                &[
-                    (annotations::INTERNAL_IP, "1.1.1.1/32"),
-                    (annotations::FORCE_INTERNAL_IP, v),
-                ],
-                None,
-            );
-            let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+            let n = forced(v);
             assert!(n.internal_ips.is_empty() && n.no_internal_ip, "{v:?}");
         }
-        let kn = kube_node(
-            "a",
-            &[
-                (annotations::INTERNAL_IP, "1.1.1.1/32"),
-                (annotations::FORCE_INTERNAL_IP, "fd00::1/64,2.2.2.2/24"),
-            ],
-            None,
-        );
-        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let n = forced("fd00::1/64,2.2.2.2/24");
         assert_eq!(
             n.internal_ips,
             vec![
@@ -494,8 +489,7 @@ mod tests {
             (annotations::CNI_COMPATIBILITY_IP, "1.2.3"),
         ];
         for (k, v) in cases {
-            let errs = Node::from_kube(&kube_node("b", &[(k, v)], None), DEFAULT_TOPOLOGY_LABEL)
-                .unwrap_err();
+            let errs = parse("b", &[(k, v)], None).unwrap_err();
             assert_eq!(errs.len(), 1, "{k}={v}: {errs:?}");
             let msg = errs[0].to_string();
             assert!(
@@ -503,20 +497,12 @@ mod tests {
                 "{msg}"
             );
         }
-        let errs = Node::from_kube(
-            &kube_node("b", &[], Some("10.2.0.0/33")),
-            DEFAULT_TOPOLOGY_LABEL,
-        )
-        .unwrap_err();
+        let errs = parse("b", &[], Some("10.2.0.0/33")).unwrap_err();
         assert_eq!(
             errs[0].to_string(),
             r#"node "b": spec.podCIDR: invalid CIDR "10.2.0.0/33""#
         );
-        let errs = Node::from_kube(
-            &kube_node("b", &[(annotations::INTERNAL_IP, "x")], None),
-            DEFAULT_TOPOLOGY_LABEL,
-        )
-        .unwrap_err();
+        let errs = parse("b", &[(annotations::INTERNAL_IP, "x")], None).unwrap_err();
         assert_eq!(
             errs[0].to_string(),
             r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#
@@ -526,15 +512,11 @@ mod tests {
     #[test]
     fn empty_written_annotations_mean_absent() {
         // Kilo writes "" for the internal and WireGuard IPs of nodes that have none.
-        let kn = kube_node(
-            "c",
-            &[
-                (annotations::INTERNAL_IP, ""),
-                (annotations::WIREGUARD_IP, ""),
-            ],
-            None,
-        );
-        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let ann = [
+            (annotations::INTERNAL_IP, ""),
+            (annotations::WIREGUARD_IP, ""),
+        ];
+        let n = parse("c", &ann, None).unwrap();
         assert!(n.internal_ips.is_empty() && n.wireguard_ip.is_none() && !n.no_internal_ip);
     }
 }

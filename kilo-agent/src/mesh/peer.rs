@@ -141,6 +141,11 @@ impl MeshPeer {
     }
 }
 
+/// A field's value, trimmed, if not empty.
+fn given(v: &Option<String>) -> Option<&str> {
+    v.as_deref().map(str::trim).filter(|s| !s.is_empty())
+}
+
 /// `spec.endpoint`: the IP wins over the DNS name when both are given (as the CRD documents).
 fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
     let port = u16::try_from(e.port)
@@ -152,18 +157,7 @@ fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
                 format!("{} is not a UDP port", e.port),
             )
         })?;
-    let ip = e
-        .dns_or_ip
-        .ip
-        .as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
-    let dns = e
-        .dns_or_ip
-        .dns
-        .as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
+    let (ip, dns) = (given(&e.dns_or_ip.ip), given(&e.dns_or_ip.dns));
     if let Some(ip) = ip {
         let ip: IpAddr = ip.parse().map_err(|_| {
             (
@@ -241,90 +235,71 @@ mod tests {
         assert_eq!(p.endpoint, None);
     }
 
+    /// The endpoint a spec with `endpoint` parses to.
+    fn endpoint_of(endpoint: Option<PeerEndpoint>) -> String {
+        let s = PeerSpec { endpoint, ..spec() };
+        let p = MeshPeer::from_crd(&crd(s)).unwrap();
+        p.endpoint.unwrap().to_string()
+    }
+
     #[test]
     fn endpoints() {
-        let mut s = spec();
-        s.endpoint = ep(Some("192.168.0.1"), None, 51820);
-        assert_eq!(
-            MeshPeer::from_crd(&crd(s.clone()))
-                .unwrap()
-                .endpoint
-                .unwrap()
-                .to_string(),
-            "192.168.0.1:51820"
-        );
-        s.endpoint = ep(Some("fd00::1"), None, 51820);
-        assert_eq!(
-            MeshPeer::from_crd(&crd(s.clone()))
-                .unwrap()
-                .endpoint
-                .unwrap()
-                .to_string(),
-            "[fd00::1]:51820"
-        );
-        s.endpoint = ep(None, Some("peer.example.com"), 51820);
-        assert_eq!(
-            MeshPeer::from_crd(&crd(s.clone()))
-                .unwrap()
-                .endpoint
-                .unwrap()
-                .to_string(),
-            "peer.example.com:51820"
-        );
+        for (ip, dns, want) in [
+            (Some("192.168.0.1"), None, "192.168.0.1:51820"),
+            (Some("fd00::1"), None, "[fd00::1]:51820"),
+            (None, Some("peer.example.com"), "peer.example.com:51820"),
+        ] {
+            assert_eq!(endpoint_of(ep(ip, dns, 51820)), want);
+        }
     }
 
     /// Deliberate difference: Kilo's translatePeer lets the DNS name win; the CRD says the IP wins.
     #[test]
     fn ip_wins_over_dns() {
-        let mut s = spec();
-        s.endpoint = ep(Some("1.2.3.4"), Some("peer.example.com"), 51820);
-        assert_eq!(
-            MeshPeer::from_crd(&crd(s))
-                .unwrap()
-                .endpoint
-                .unwrap()
-                .to_string(),
-            "1.2.3.4:51820"
-        );
+        let both = ep(Some("1.2.3.4"), Some("peer.example.com"), 51820);
+        assert_eq!(endpoint_of(both), "1.2.3.4:51820");
     }
 
     #[test]
     fn every_bad_value_names_object_and_field() {
-        let mut cases: Vec<(PeerSpec, &str)> = Vec::new();
-        let mut s = spec();
-        s.allowed_ips = vec![];
-        cases.push((s, "spec.allowedIPs"));
-        let mut s = spec();
-        s.allowed_ips = vec!["10.0.0.0/8".into(), "x".into()];
-        cases.push((s, "spec.allowedIPs[1]"));
-        let mut s = spec();
-        s.public_key = "".into();
-        cases.push((s, "spec.publicKey"));
-        let mut s = spec();
-        s.public_key = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into();
-        cases.push((s, "spec.publicKey"));
-        let mut s = spec();
-        s.persistent_keepalive = Some(-1);
-        cases.push((s, "spec.persistentKeepalive"));
-        let mut s = spec();
-        s.preshared_key = Some("zz".into());
-        cases.push((s, "spec.presharedKey"));
-        let mut s = spec();
-        s.endpoint = ep(Some("1.2.3"), None, 1);
-        cases.push((s, "spec.endpoint.dnsOrIP.ip"));
-        let mut s = spec();
-        s.endpoint = ep(None, Some("Bad_Name"), 1);
-        cases.push((s, "spec.endpoint.dnsOrIP.dns"));
-        let mut s = spec();
-        s.endpoint = ep(None, None, 1);
-        cases.push((s, "spec.endpoint.dnsOrIP"));
-        let mut s = spec();
-        s.endpoint = ep(Some("1.2.3.4"), None, 0);
-        cases.push((s, "spec.endpoint.port"));
-        let mut s = spec();
-        s.endpoint = ep(Some("1.2.3.4"), None, 70000);
-        cases.push((s, "spec.endpoint.port"));
-        for (s, field) in cases {
+        type Edit = fn(&mut PeerSpec);
+        let cases: [(Edit, &str); 11] = [
+            (|s| s.allowed_ips = vec![], "spec.allowedIPs"),
+            (
+                |s| s.allowed_ips = vec!["10.0.0.0/8".into(), "x".into()],
+                "spec.allowedIPs[1]",
+            ),
+            (|s| s.public_key = "".into(), "spec.publicKey"),
+            (
+                |s| s.public_key = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into(),
+                "spec.publicKey",
+            ),
+            (
+                |s| s.persistent_keepalive = Some(-1),
+                "spec.persistentKeepalive",
+            ),
+            (|s| s.preshared_key = Some("zz".into()), "spec.presharedKey"),
+            (
+                |s| s.endpoint = ep(Some("1.2.3"), None, 1),
+                "spec.endpoint.dnsOrIP.ip",
+            ),
+            (
+                |s| s.endpoint = ep(None, Some("Bad_Name"), 1),
+                "spec.endpoint.dnsOrIP.dns",
+            ),
+            (|s| s.endpoint = ep(None, None, 1), "spec.endpoint.dnsOrIP"),
+            (
+                |s| s.endpoint = ep(Some("1.2.3.4"), None, 0),
+                "spec.endpoint.port",
+            ),
+            (
+                |s| s.endpoint = ep(Some("1.2.3.4"), None, 70000),
+                "spec.endpoint.port",
+            ),
+        ];
+        for (edit, field) in cases {
+            let mut s = spec();
+            edit(&mut s);
             let errs = MeshPeer::from_crd(&crd(s.clone())).unwrap_err();
             assert_eq!(errs.len(), 1, "{s:?}: {errs:?}");
             assert!(

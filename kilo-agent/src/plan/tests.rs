@@ -33,46 +33,9 @@ fn settings(enc: Encapsulation, local: bool) -> Settings {
     }
 }
 
-fn cross() -> (Vec<crate::mesh::Node>, Vec<crate::mesh::MeshPeer>) {
-    let a = node(
-        "a",
-        "eu",
-        "192.168.1.1/24",
-        "10.2.1.0/24",
-        "1.1.1.1:51820",
-        1,
-    );
-    let mut b = node(
-        "b",
-        "eu",
-        "192.168.1.2/24",
-        "10.2.2.0/24",
-        "1.1.1.2:51820",
-        2,
-    );
-    b.allowed_location_ips = nets("172.16.0.0/24");
-    let c = node(
-        "c",
-        "us",
-        "192.168.2.1/24",
-        "10.2.3.0/24",
-        "2.2.2.1:51820",
-        3,
-    );
-    let d = node(
-        "d",
-        "us",
-        "192.168.2.2/24",
-        "10.2.4.0/24",
-        "2.2.2.2:51820",
-        4,
-    );
-    (vec![a, b, c, d], vec![peer("p", "10.5.0.0/24", 5)])
-}
-
 #[test]
 fn cross_plan_from_a() {
-    let (n, p) = cross();
+    let (n, p) = cross_fixture();
     let t = topo(&n, &p, Granularity::Cross, "a", "10.4.0.0/16");
     let plan = build(&t, &settings(Encapsulation::Never, true));
     assert_eq!(plan.addresses, nets("10.4.0.1/16"));
@@ -112,7 +75,7 @@ fn cross_plan_from_a() {
     );
     // b is in eu too: it masquerades eu's allowed-location IPs even though a carries them.
     let tb = topo(
-        &n_clone(&cross().0),
+        &cross_fixture().0,
         &p,
         Granularity::Cross,
         "b",
@@ -127,13 +90,9 @@ fn cross_plan_from_a() {
     );
 }
 
-fn n_clone<T: Clone>(v: &[T]) -> Vec<T> {
-    v.to_vec()
-}
-
 #[test]
 fn cross_plan_from_c_encapsulated() {
-    let (n, p) = cross();
+    let (n, p) = cross_fixture();
     let t = topo(&n, &p, Granularity::Cross, "c", "10.4.0.0/16");
     let plan = build(&t, &settings(Encapsulation::Always, true));
     assert_eq!(
@@ -180,38 +139,9 @@ fn cross_plan_from_c_encapsulated() {
     assert!(!routes(&plan).iter().any(|r| r.contains("192.168.2.2 dev")));
 }
 
-fn dual() -> Vec<crate::mesh::Node> {
-    vec![
-        node(
-            "a",
-            "1",
-            "192.168.0.1/24,fd00:1::1/64",
-            "10.2.1.0/24,fd10:2:1::/64",
-            "[2001:db8::1]:51820",
-            1,
-        ),
-        node(
-            "b",
-            "1",
-            "192.168.0.2/24,fd00:1::2/64",
-            "10.2.2.0/24,fd10:2:2::/64",
-            "10.1.0.2:51820",
-            2,
-        ),
-        node(
-            "c",
-            "2",
-            "fd00:2::1/64",
-            "fd10:2:3::/64",
-            "[2001:db8::3]:51820",
-            3,
-        ),
-    ]
-}
-
 #[test]
 fn dual_stack_plan_leader() {
-    let t = topo(&dual(), &[], Granularity::Location, "a", "fd04::/64");
+    let t = dual_topo("a");
     let plan = build(&t, &settings(Encapsulation::Always, true));
     assert_eq!(plan.addresses, nets("fd04::1/64"));
     assert_eq!(
@@ -239,7 +169,7 @@ fn dual_stack_plan_leader() {
 
 #[test]
 fn dual_stack_plan_non_leader() {
-    let t = topo(&dual(), &[], Granularity::Location, "b", "fd04::/64");
+    let t = dual_topo("b");
     let plan = build(&t, &settings(Encapsulation::Always, true));
     assert!(plan.addresses.is_empty() && plan.wireguard.peers.is_empty());
     assert_eq!(
@@ -270,7 +200,7 @@ fn dual_stack_plan_non_leader() {
 
 #[test]
 fn dual_stack_plan_ipv6_only_leader() {
-    let t = topo(&dual(), &[], Granularity::Location, "c", "fd04::/64");
+    let t = dual_topo("c");
     let plan = build(&t, &settings(Encapsulation::Always, true));
     assert_eq!(
         routes(&plan),

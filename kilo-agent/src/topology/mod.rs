@@ -406,41 +406,50 @@ impl Topology {
         }
     }
 
+    /// A segment as a WireGuard peer: its allowed IPs, then its allowed-location IPs.
+    fn segment_as_peer(&self, s: &Segment, psk: Option<Key>, keepalive: u16) -> WireGuardPeer {
+        WireGuardPeer {
+            public_key: s.key,
+            preshared_key: psk,
+            endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
+            allowed_ips: s
+                .allowed_ips
+                .iter()
+                .chain(&s.allowed_location_ips)
+                .copied()
+                .collect(),
+            persistent_keepalive: keepalive,
+        }
+    }
+
+    /// A Peer as a WireGuard peer.
+    fn mesh_peer_as_peer(&self, p: &MeshPeer, psk: Option<Key>, keepalive: u16) -> WireGuardPeer {
+        WireGuardPeer {
+            public_key: p.public_key,
+            preshared_key: psk,
+            endpoint: self.update_endpoint(
+                p.endpoint.as_ref(),
+                &p.public_key,
+                p.persistent_keepalive,
+            ),
+            allowed_ips: p.allowed_ips.clone(),
+            persistent_keepalive: keepalive,
+        }
+    }
+
     /// Kilo's `Conf()` peers: one per segment of another group, then one per Peer.
     /// CIDRs as written, in Kilo's order (what `kgctl showconf node` prints).
     pub fn conf(&self) -> Vec<WireGuardPeer> {
-        let mut out = Vec::new();
-        for s in &self.segments {
-            if s.group == self.group {
-                continue;
-            }
-            out.push(WireGuardPeer {
-                public_key: s.key,
-                preshared_key: None,
-                endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
-                allowed_ips: s
-                    .allowed_ips
-                    .iter()
-                    .chain(&s.allowed_location_ips)
-                    .copied()
-                    .collect(),
-                persistent_keepalive: self.persistent_keepalive,
-            });
-        }
-        for p in &self.peers {
-            out.push(WireGuardPeer {
-                public_key: p.public_key,
-                preshared_key: p.preshared_key,
-                endpoint: self.update_endpoint(
-                    p.endpoint.as_ref(),
-                    &p.public_key,
-                    p.persistent_keepalive,
-                ),
-                allowed_ips: p.allowed_ips.clone(),
-                persistent_keepalive: self.persistent_keepalive,
-            });
-        }
-        out
+        let ka = self.persistent_keepalive;
+        let segments = self.segments.iter().filter(|s| s.group != self.group);
+        let peers = self
+            .peers
+            .iter()
+            .map(|p| self.mesh_peer_as_peer(p, p.preshared_key, ka));
+        segments
+            .map(|s| self.segment_as_peer(s, None, ka))
+            .chain(peers)
+            .collect()
     }
 
     /// Kilo's `PeerConf(name)`: every segment, then every other Peer, with the named peer's
@@ -449,35 +458,12 @@ impl Topology {
         let me = self.peers.iter().find(|p| p.name == name);
         let pka = me.map_or(0, |p| p.persistent_keepalive);
         let psk = me.and_then(|p| p.preshared_key);
-        let mut out = Vec::new();
-        for s in &self.segments {
-            out.push(WireGuardPeer {
-                public_key: s.key,
-                preshared_key: psk,
-                endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
-                allowed_ips: s
-                    .allowed_ips
-                    .iter()
-                    .chain(&s.allowed_location_ips)
-                    .copied()
-                    .collect(),
-                persistent_keepalive: pka,
-            });
-        }
-        for p in self.peers.iter().filter(|p| p.name != name) {
-            out.push(WireGuardPeer {
-                public_key: p.public_key,
-                preshared_key: None,
-                endpoint: self.update_endpoint(
-                    p.endpoint.as_ref(),
-                    &p.public_key,
-                    p.persistent_keepalive,
-                ),
-                allowed_ips: p.allowed_ips.clone(),
-                persistent_keepalive: pka,
-            });
-        }
-        out
+        let others = self.peers.iter().filter(|p| p.name != name);
+        self.segments
+            .iter()
+            .map(|s| self.segment_as_peer(s, psk, pka))
+            .chain(others.map(|p| self.mesh_peer_as_peer(p, None, pka)))
+            .collect()
     }
 
     /// Kilo's `AsPeer()`: the local segment as a peer (allowed IPs without the

@@ -179,43 +179,6 @@ fn discovered_endpoints_only_for_nat_segments() {
     );
 }
 
-fn cross_fixture() -> (Vec<Node>, Vec<MeshPeer>) {
-    let a = node(
-        "a",
-        "eu",
-        "192.168.1.1/24",
-        "10.2.1.0/24",
-        "1.1.1.1:51820",
-        1,
-    );
-    let mut b = node(
-        "b",
-        "eu",
-        "192.168.1.2/24",
-        "10.2.2.0/24",
-        "1.1.1.2:51820",
-        2,
-    );
-    b.allowed_location_ips = nets("172.16.0.0/24");
-    let c = node(
-        "c",
-        "us",
-        "192.168.2.1/24",
-        "10.2.3.0/24",
-        "2.2.2.1:51820",
-        3,
-    );
-    let d = node(
-        "d",
-        "us",
-        "192.168.2.2/24",
-        "10.2.4.0/24",
-        "2.2.2.2:51820",
-        4,
-    );
-    (vec![a, b, c, d], vec![peer("p", "10.5.0.0/24", 5)])
-}
-
 /// Cross granularity, checked by hand: a node per segment, WireGuard only across locations,
 /// the location's allowed-location IPs on the node findLeader picks (a, first public).
 #[test]
@@ -293,31 +256,7 @@ fn cross_node_without_internal_ip_is_its_own_location() {
 /// Dual-stack, checked by hand: IPv6 pod CIDRs, internal IPs, endpoints and subnet.
 #[test]
 fn dual_stack_topology() {
-    let a = node(
-        "a",
-        "1",
-        "192.168.0.1/24,fd00:1::1/64",
-        "10.2.1.0/24,fd10:2:1::/64",
-        "[2001:db8::1]:51820",
-        1,
-    );
-    let b = node(
-        "b",
-        "1",
-        "192.168.0.2/24,fd00:1::2/64",
-        "10.2.2.0/24,fd10:2:2::/64",
-        "10.1.0.2:51820",
-        2,
-    );
-    let c = node(
-        "c",
-        "2",
-        "fd00:2::1/64",
-        "fd10:2:3::/64",
-        "[2001:db8::3]:51820",
-        3,
-    );
-    let t = topo(&[a, b, c], &[], Granularity::Location, "a", "fd04::/64");
+    let t = dual_topo("a");
     assert!(t.leader, "a has the public (IPv6) endpoint");
     assert_eq!(t.wireguard_cidr.to_string(), "fd04::1/64");
     assert_eq!(
@@ -337,24 +276,7 @@ fn dual_stack_topology() {
         "[2001:db8::3]:51820"
     );
     let t = topo(
-        &[
-            node(
-                "a",
-                "1",
-                "192.168.0.1/24,fd00:1::1/64",
-                "10.2.1.0/24,fd10:2:1::/64",
-                "[2001:db8::1]:51820",
-                1,
-            ),
-            node(
-                "b",
-                "1",
-                "192.168.0.2/24,fd00:1::2/64",
-                "10.2.2.0/24,fd10:2:2::/64",
-                "10.1.0.2:51820",
-                2,
-            ),
-        ],
+        &dual_fixture()[..2],
         &[],
         Granularity::Location,
         "b",

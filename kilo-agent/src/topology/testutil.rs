@@ -77,3 +77,84 @@ pub fn topo(
     )
     .unwrap()
 }
+
+/// Cross granularity: a and b in eu (b with allowed-location IPs), c and d in us, all with
+/// public endpoints; a peer p.
+pub fn cross_fixture() -> (Vec<Node>, Vec<MeshPeer>) {
+    let a = node(
+        "a",
+        "eu",
+        "192.168.1.1/24",
+        "10.2.1.0/24",
+        "1.1.1.1:51820",
+        1,
+    );
+    let mut b = node(
+        "b",
+        "eu",
+        "192.168.1.2/24",
+        "10.2.2.0/24",
+        "1.1.1.2:51820",
+        2,
+    );
+    b.allowed_location_ips = nets("172.16.0.0/24");
+    let c = node(
+        "c",
+        "us",
+        "192.168.2.1/24",
+        "10.2.3.0/24",
+        "2.2.2.1:51820",
+        3,
+    );
+    let d = node(
+        "d",
+        "us",
+        "192.168.2.2/24",
+        "10.2.4.0/24",
+        "2.2.2.2:51820",
+        4,
+    );
+    (vec![a, b, c, d], vec![peer("p", "10.5.0.0/24", 5)])
+}
+
+/// Dual-stack: a (public IPv6 endpoint) and b (private IPv4 endpoint) in location 1, c
+/// (IPv6 only) in location 2.
+pub fn dual_fixture() -> Vec<Node> {
+    vec![
+        node(
+            "a",
+            "1",
+            "192.168.0.1/24,fd00:1::1/64",
+            "10.2.1.0/24,fd10:2:1::/64",
+            "[2001:db8::1]:51820",
+            1,
+        ),
+        node(
+            "b",
+            "1",
+            "192.168.0.2/24,fd00:1::2/64",
+            "10.2.2.0/24,fd10:2:2::/64",
+            "10.1.0.2:51820",
+            2,
+        ),
+        node(
+            "c",
+            "2",
+            "fd00:2::1/64",
+            "fd10:2:3::/64",
+            "[2001:db8::3]:51820",
+            3,
+        ),
+    ]
+}
+
+/// The dual-stack fixture at location granularity in fd04::/64, seen from `host`.
+pub fn dual_topo(host: &str) -> Topology {
+    topo(
+        &dual_fixture(),
+        &[],
+        Granularity::Location,
+        host,
+        "fd04::/64",
+    )
+}

@@ -41,6 +41,32 @@ pub fn checksum(data: &[u8]) -> u16 {
     !(sum as u16)
 }
 
+/// The UDP checksum of `udp` (its checksum field zero) over the pseudo header of `src` and
+/// `dst`; never 0, which means "no checksum" (and is not allowed for IPv6).
+fn udp_checksum(src: IpAddr, dst: IpAddr, udp: &[u8]) -> u16 {
+    let mut pseudo = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 17]);
+            pseudo.extend_from_slice(&(udp.len() as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&(udp.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, 17]);
+        }
+        _ => panic!("mixed families"),
+    }
+    pseudo.extend_from_slice(udp);
+    match checksum(&pseudo) {
+        0 => 0xffff,
+        c => c,
+    }
+}
+
 /// An IPv4/UDP or IPv6/UDP packet (no L2 header) with `payload` bytes of payload.
 pub fn ip(src: IpAddr, dst: IpAddr, ttl: u8, payload: usize) -> Vec<u8> {
     let udp_len = 8 + payload;
@@ -48,28 +74,7 @@ pub fn ip(src: IpAddr, dst: IpAddr, ttl: u8, payload: usize) -> Vec<u8> {
     udp.extend_from_slice(&(udp_len as u16).to_be_bytes());
     udp.extend_from_slice(&[0, 0]);
     udp.extend(std::iter::repeat_n(0xab, payload));
-    // The UDP checksum over the pseudo header (mandatory for IPv6).
-    let mut pseudo = Vec::new();
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&[0, 17]);
-            pseudo.extend_from_slice(&(udp_len as u16).to_be_bytes());
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&(udp_len as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, 17]);
-        }
-        _ => panic!("mixed families"),
-    }
-    pseudo.extend_from_slice(&udp);
-    let c = match checksum(&pseudo) {
-        0 => 0xffff,
-        c => c,
-    };
+    let c = udp_checksum(src, dst, &udp);
     udp[6..8].copy_from_slice(&c.to_be_bytes());
     match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
@@ -103,28 +108,7 @@ pub fn udp_to(src: IpAddr, dst: IpAddr, port: u16) -> Vec<u8> {
     p[off + 2..off + 4].copy_from_slice(&port.to_be_bytes());
     // Recompute the UDP checksum for the new port.
     p[off + 6..off + 8].copy_from_slice(&[0, 0]);
-    let udp = p[off..].to_vec();
-    let mut pseudo = Vec::new();
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&[0, 17]);
-            pseudo.extend_from_slice(&(udp.len() as u16).to_be_bytes());
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&(udp.len() as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, 17]);
-        }
-        _ => panic!("mixed families"),
-    }
-    pseudo.extend_from_slice(&udp);
-    let c = match checksum(&pseudo) {
-        0 => 0xffff,
-        c => c,
-    };
+    let c = udp_checksum(src, dst, &p[off..]);
     p[off + 6..off + 8].copy_from_slice(&c.to_be_bytes());
     p
 }
