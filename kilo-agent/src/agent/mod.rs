@@ -230,6 +230,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             names: devices.names().map(str::to_owned).collect(),
             ..EventFilter::default()
         };
+        metrics.set_datapath(reconciler.datapath.stats_source());
         Agent {
             backend,
             planner,

@@ -18,8 +18,10 @@ pub mod state;
 pub mod wireguard;
 mod writes;
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
+use ipnet::IpNet;
+pub use kilo_common::Counter;
 pub use writes::Writes;
 
 use self::{
@@ -73,6 +75,42 @@ pub trait DatapathSync {
     }
     /// Removes map entries, programs, pins and the NAT rule.
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
+    /// scrape time, never writing). `None` when there is nothing to read.
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        None
+    }
+}
+
+/// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
+pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
+}
+
+/// Traffic counters and map occupancy, labelled for the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatapathStats {
+    /// Per decision (`kilo_common::Decision::name`), every decision present.
+    pub decisions: Vec<(&'static str, Counter)>,
+    /// Per map entry.
+    pub entries: Vec<EntryStats>,
+    /// Entries per role (`datapath::Role::label`), every role present.
+    pub occupancy: Vec<(&'static str, u64)>,
+}
+
+/// One map entry's traffic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStats {
+    /// `datapath::Role::label`.
+    pub role: &'static str,
+    pub cidr: IpNet,
+    /// The plan's entry kind (`node`, `local_pods`, ...), `unknown` for a code the agent does
+    /// not know.
+    pub kind: &'static str,
+    /// The node, segment, peer or flag the plan gives the entry ("" for an entry it does not
+    /// know, e.g. left over from an adopted topology).
+    pub owner: String,
+    pub counter: Counter,
 }
 
 impl DatapathSync for Box<dyn DatapathSync> {
@@ -84,6 +122,9 @@ impl DatapathSync for Box<dyn DatapathSync> {
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         (**self).clean_up()
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        (**self).stats_source()
     }
 }
 
