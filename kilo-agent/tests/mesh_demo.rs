@@ -49,11 +49,11 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         "kilo_datapath_entry_bytes_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"}",
     ] {
         let value = metric(&stdout, series);
-        assert!(value > 0.0, "{series} is {value} in:\n{stdout}");
+        assert!(value > 0, "{series} is {value} in:\n{stdout}");
     }
     assert_eq!(
         metric(&stdout, "kilo_datapath_entries{role=\"nat_source\"}"),
-        1.0,
+        1,
         "{stdout}"
     );
     // Two pings across locations, both complete.
@@ -70,13 +70,8 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
     assert!(!Path::new(&format!("/sys/fs/bpf/{prefix}-n1")).exists());
 }
 
-/// The value of the one series named exactly `series` (name and labels); panics if absent.
-fn metric(exposition: &str, series: &str) -> f64 {
-    let values: Vec<f64> = exposition
-        .lines()
-        .filter_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map(|v| v.trim().parse().expect("a number"))
-        .collect();
-    assert_eq!(values.len(), 1, "{series} in:\n{exposition}");
-    values[0]
+/// The value of `series` (name and labels) in the demo's output; panics if absent.
+fn metric(exposition: &str, series: &str) -> u64 {
+    support::agent::metric(exposition, series)
+        .unwrap_or_else(|| panic!("no {series} in:\n{exposition}"))
 }
