@@ -1,6 +1,7 @@
 //! The agent loop against the in-memory kernel, device and datapath with the real file backend
-//! (no root): bursts coalesce, `--clean-up=false` leaves everything, `--clean-up=true` removes
-//! our routes, rules, addresses, map entries and annotations.
+//! (no root): bursts coalesce, `--clean-up=false` leaves everything, the datapath metrics read the
+//! maps at scrape time, `--clean-up=true` removes our routes, rules, addresses, map entries and
+//! annotations.
 mod support;
 
 use std::{sync::Arc, time::Duration};
@@ -8,6 +9,7 @@ use std::{sync::Arc, time::Duration};
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
     backend::file::FileBackend,
+    datapath::{Counter, Role},
     mesh::{Key, Snapshot},
     reconcile::{FakeDatapath, FakeKernel, Reconciler, wireguard::FakeWireGuard},
     telemetry::Metrics,
@@ -117,16 +119,22 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
         a.reconciler.wireguard.device.as_ref().unwrap().peers.len(),
         21
     );
-    assert_eq!(
-        a.reconciler
-            .datapath
-            .applied
-            .as_ref()
-            .unwrap()
-            .mesh_destinations
-            .len(),
-        21
-    );
+    assert_eq!(a.reconciler.datapath.len(), 21);
+    // The datapath metrics read the maps at scrape time, labelled with the plan's owners.
+    let text = a.metrics.encode();
+    let entries = r#"kilo_datapath_entries{role="mesh_destination"}"#;
+    assert_eq!(support::agent::metric(&text, entries), Some(21), "{text}");
+    let mut maps = a.reconciler.datapath.maps();
+    let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
+    let slot = maps.tries[&Role::Mesh][&p1].counter as usize;
+    maps.counters[slot] = Counter {
+        packets: 5,
+        bytes: 420,
+    };
+    a.reconciler.datapath.set_maps(maps);
+    let text = a.metrics.encode();
+    let p1_packets = r#"kilo_datapath_entry_packets_total{role="mesh_destination",cidr="10.200.0.1/32",kind="peer",owner="p1"}"#;
+    assert_eq!(support::agent::metric(&text, p1_packets), Some(5), "{text}");
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(mine.contains(ANNOTATION_KEY), "{mine}");
     assert_eq!(a.stats.last_problems, Vec::<String>::new());
@@ -144,7 +152,7 @@ fn clean_up_true_removes_our_state_and_annotations() {
         k.links.contains_key("kilo0"),
         "--clean-up-interface=false keeps the link"
     );
-    assert!(a.reconciler.datapath.applied.is_none());
+    assert!(a.reconciler.datapath.is_empty());
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(!mine.contains("kilo.squat.ai/"), "{mine}");
 }

@@ -12,10 +12,9 @@ use std::{
 
 use super::{Datapath, DatapathError, DatapathMaps as _, Role, ifindex, sync::plan_role};
 use crate::{
-    plan::{DatapathPlan, Device, EntryKind},
+    plan::{DatapathPlan, Device},
     reconcile::{
-        DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, Writes,
-        state::Devices,
+        DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Writes, state::Devices,
     },
 };
 
@@ -44,19 +43,6 @@ impl Stats {
     }
 }
 
-/// The metrics label of an entry kind.
-fn kind_label(kind: Option<EntryKind>) -> &'static str {
-    match kind {
-        Some(EntryKind::Node) => "node",
-        Some(EntryKind::WireGuardIp) => "wireguard_ip",
-        Some(EntryKind::Peer) => "peer",
-        Some(EntryKind::Service) => "service",
-        Some(EntryKind::LocalPods) => "local_pods",
-        Some(EntryKind::AllowedLocation) => "allowed_location",
-        None => "unknown",
-    }
-}
-
 impl DatapathStatsSource for Stats {
     fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
         let shared = self.lock();
@@ -65,29 +51,7 @@ impl DatapathStatsSource for Stats {
             .as_ref()
             .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))?;
         let counters = datapath.counters().map_err(failed)?;
-        let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
-        let entries = counters
-            .labelled(&shared.plan)
-            .map(|(e, owner)| {
-                *occupancy.entry(e.role).or_default() += 1;
-                EntryStats {
-                    role: e.role.label(),
-                    cidr: e.net,
-                    kind: kind_label(e.kind),
-                    owner: owner.to_string(),
-                    counter: e.counter,
-                }
-            })
-            .collect();
-        Ok(DatapathStats {
-            decisions: counters
-                .decisions
-                .iter()
-                .map(|(d, c)| (d.name(), *c))
-                .collect(),
-            entries,
-            occupancy: occupancy.into_iter().map(|(r, n)| (r.label(), n)).collect(),
-        })
+        Ok(DatapathStats::labelled(&counters, &shared.plan))
     }
 }
 

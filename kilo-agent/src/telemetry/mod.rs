@@ -98,37 +98,38 @@ impl Collector for DatapathCollector {
         let Some(stats) = self.read() else {
             return Ok(());
         };
-        let decision = |(d, _): &(&'static str, _)| DecisionLabel { decision: d };
-        encode_counters(
-            &mut encoder,
-            "kilo_datapath_packets",
-            "Packets the eBPF program saw, by decision",
-            stats.decisions.iter().map(|s| (decision(s), s.1.packets)),
-        )?;
-        encode_counters(
-            &mut encoder,
-            "kilo_datapath_bytes",
-            "Bytes the eBPF program saw, by decision",
-            stats.decisions.iter().map(|s| (decision(s), s.1.bytes)),
-        )?;
-        let entry = |e: &crate::reconcile::EntryStats| EntryLabels {
-            role: e.role,
-            cidr: e.cidr.to_string(),
-            kind: e.kind,
-            owner: e.owner.clone(),
-        };
-        encode_counters(
-            &mut encoder,
-            "kilo_datapath_entry_packets",
-            "Packets that matched a datapath map entry",
-            stats.entries.iter().map(|e| (entry(e), e.counter.packets)),
-        )?;
-        encode_counters(
-            &mut encoder,
-            "kilo_datapath_entry_bytes",
-            "Bytes that matched a datapath map entry",
-            stats.entries.iter().map(|e| (entry(e), e.counter.bytes)),
-        )?;
+        type Field = fn(&crate::reconcile::Counter) -> u64;
+        let fields: [(&str, &str, Field); 2] = [
+            ("packets", "Packets", |c| c.packets),
+            ("bytes", "Bytes", |c| c.bytes),
+        ];
+        for (unit, what, value) in fields {
+            encode_counters(
+                &mut encoder,
+                &format!("kilo_datapath_{unit}"),
+                &format!("{what} the eBPF program saw, by decision"),
+                stats
+                    .decisions
+                    .iter()
+                    .map(|(d, c)| (DecisionLabel { decision: d }, value(c))),
+            )?;
+        }
+        for (unit, what, value) in fields {
+            encode_counters(
+                &mut encoder,
+                &format!("kilo_datapath_entry_{unit}"),
+                &format!("{what} that matched a datapath map entry"),
+                stats.entries.iter().map(|e| {
+                    let labels = EntryLabels {
+                        role: e.role,
+                        cidr: e.cidr.to_string(),
+                        kind: e.kind,
+                        owner: e.owner.clone(),
+                    };
+                    (labels, value(&e.counter))
+                }),
+            )?;
+        }
         let mut family = encoder.encode_descriptor(
             "kilo_datapath_entries",
             "Entries in each datapath map",
