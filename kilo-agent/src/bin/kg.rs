@@ -220,7 +220,9 @@ fn init_logging(flags: &Flags) {
             .with_current_span(false)
             .with_span_list(false)
             .init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
     }
 }
 
