@@ -201,18 +201,19 @@ fn agent(dir: String, wg: String) {
             status_kb("VmRSS:"),
             status_kb("VmHWM:")
         );
+        // Counted while the agent (and its backend's watcher thread) is still alive.
+        let last_pid: u64 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let threads = std::fs::read_dir("/proc/self/task").unwrap().count() as u64;
+        let _ = writeln!(
+            report,
+            "PIDs allocated in the agent's PID namespace: {last_pid}; agent threads: {threads}; processes started by the agent: {}",
+            last_pid.saturating_sub(threads)
+        );
     });
-    let last_pid: u64 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let threads = std::fs::read_dir("/proc/self/task").unwrap().count() as u64;
-    let _ = writeln!(
-        report,
-        "PIDs allocated in the agent's PID namespace: {last_pid}; agent threads: {threads}; processes started by the agent: {}",
-        last_pid.saturating_sub(threads)
-    );
     print!("{report}");
 }
 
