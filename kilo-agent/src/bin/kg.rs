@@ -1,6 +1,7 @@
 //! `kg`: the kilo-rs agent. Parses Kilo's flags, loads (or generates) the key, detects local
 //! addresses, starts the backend, the metrics server and the kernel watcher, forbids exec, then
-//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`).
+//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`). Logs go to stderr
+//! as JSON lines (`--log-format=json`, the default, as Kilo logs) or text.
 use std::{net::SocketAddr, process::ExitCode, sync::Arc};
 
 use anyhow::Context as _;

@@ -4,7 +4,9 @@
 //! only when the kernel differs, so an idle reconcile writes nothing.
 //!
 //! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (shared under
-//! a mutex held only for the reads), labelled with the owners of the last plan synced.
+//! a mutex that a sync holds while it writes and a scrape while it reads; nothing else waits on
+//! it), labelled with the owners of the last plan synced. An idle sync adds only a comparison of
+//! that plan with the new one.
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
