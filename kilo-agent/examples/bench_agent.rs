@@ -7,8 +7,8 @@
 //! every PID allocated there is one of its own threads or a process it started: counting them
 //! counts processes started. The seccomp filter is installed as `kg` does.
 //!
-//! Until the topology planner is merged, a stand-in planner maps every node and peer to one
-//! WireGuard peer and one route (the same object counts as the real plan of a leader).
+//! A stand-in planner (`tests/support/agent.rs`) maps every node and peer to one WireGuard peer,
+//! one route and one datapath entry (the same object counts as the real plan of a leader).
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -20,18 +20,17 @@ use std::{
 };
 
 use kilo_agent::{
-    agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome, seccomp},
+    agent::{ANNOTATION_KEY, Agent, LoopSettings, seccomp},
     backend::{Backend, file::FileBackend},
-    mesh::{Key, Snapshot},
-    plan::{Device, MAIN_TABLE, Plan, Route, WireGuardPeer, WireGuardPlan},
+    mesh::Key,
     reconcile::{
-        FakeDatapath, Reconciler, Settings, Writes,
+        FakeDatapath, Reconciler, Writes,
         netlink::NetlinkKernel,
-        state::Devices,
-        wireguard::{WgApi, WgControl, system_resolver, uapi_socket},
+        wireguard::{WgApi, WgControl, uapi_socket},
     },
     telemetry::Metrics,
 };
+use support::agent::{ENDPOINT_ANNOTATION, local, peer_yaml, planner, settings};
 
 const CHILD: &str = "KILO_BENCH_AGENT_DIR";
 const CHILD_WG: &str = "KILO_BENCH_AGENT_WG";
@@ -55,7 +54,7 @@ fn write_objects(dir: &std::path::Path, nodes: u32, peers: u32) {
         std::fs::write(
             dir.join(format!("node-{i}.yaml")),
             format!(
-                "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-{i}\n  labels:\n    topology.kubernetes.io/region: r{i}\n  annotations:\n    {ANNOTATION_KEY}: \"{}\"\n    kilo.squat.ai/endpoint: \"192.0.2.{}:51820\"\nspec:\n  podCIDR: {}\n",
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-{i}\n  labels:\n    topology.kubernetes.io/region: r{i}\n  annotations:\n    {ANNOTATION_KEY}: \"{}\"\n    {ENDPOINT_ANNOTATION}: \"192.0.2.{}:51820\"\nspec:\n  podCIDR: {}\n",
                 key(i, 1),
                 i % 250 + 1,
                 pod_cidr(i)
@@ -64,82 +63,12 @@ fn write_objects(dir: &std::path::Path, nodes: u32, peers: u32) {
         .unwrap();
     }
     for i in 0..peers {
+        let yaml = peer_yaml(&format!("peer-{i}"), key(i, 2), &peer_ip(i));
         std::fs::write(
             dir.join(format!("peer-{i}.yaml")),
-            format!(
-                "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: peer-{i}\nspec:\n  allowedIPs: [{}]\n  publicKey: \"{}\"\n  persistentKeepalive: 25\n",
-                peer_ip(i),
-                key(i, 2)
-            ),
+            format!("{yaml}  persistentKeepalive: 25\n"),
         )
         .unwrap();
-    }
-}
-
-/// Stand-in planner: one WireGuard peer and one route per remote node and per Peer.
-fn planner(me: &'static str) -> impl FnMut(&Snapshot) -> PlanOutcome {
-    move |s: &Snapshot| {
-        let mut plan = Plan {
-            addresses: vec!["10.4.0.1/16".parse().unwrap()],
-            wireguard: WireGuardPlan {
-                listen_port: 51820,
-                peers: Vec::with_capacity(s.nodes.len() + s.peers.len()),
-            },
-            ..Plan::default()
-        };
-        let mut out = PlanOutcome::default();
-        let mut add = |k: Key, cidr: ipnet::IpNet, endpoint: Option<&str>, keepalive: u16| {
-            plan.wireguard.peers.push(WireGuardPeer {
-                public_key: k,
-                preshared_key: None,
-                endpoint: endpoint.and_then(|e| e.parse().ok()),
-                allowed_ips: vec![cidr],
-                persistent_keepalive: keepalive,
-            });
-            plan.routes.push(Route {
-                dst: cidr,
-                gateway: None,
-                src: None,
-                device: Device::WireGuard,
-                onlink: false,
-                table: MAIN_TABLE,
-            });
-        };
-        for (name, n) in s.nodes.iter().filter(|(n, _)| n.as_str() != me) {
-            let a = n.metadata.annotations.as_ref();
-            let k = a
-                .and_then(|a| a.get(ANNOTATION_KEY))
-                .and_then(|k| k.parse().ok());
-            let c = n
-                .spec
-                .as_ref()
-                .and_then(|s| s.pod_cidr.as_ref())
-                .and_then(|c| c.parse().ok());
-            let e = a
-                .and_then(|a| a.get("kilo.squat.ai/endpoint"))
-                .map(String::as_str);
-            match (k, c) {
-                (Some(k), Some(c)) => add(k, c, e, 0),
-                _ => out.errors.push(format!("node {name}: no key or podCIDR")),
-            }
-        }
-        for (name, p) in &s.peers {
-            match (
-                p.spec.public_key.parse(),
-                p.spec.allowed_ips.first().and_then(|c| c.parse().ok()),
-            ) {
-                (Ok(k), Some(c)) => {
-                    add(k, c, None, p.spec.persistent_keepalive.unwrap_or(0) as u16)
-                }
-                _ => out.errors.push(format!("peer {name}: invalid")),
-            }
-        }
-        plan.routes.sort();
-        out.ready_nodes = s.nodes.len();
-        out.ready_peers = s.peers.len();
-        out.leader = true;
-        out.plan = Some(plan);
-        out
     }
 }
 
@@ -181,29 +110,19 @@ fn agent(dir: String, wg: String) {
             NetlinkKernel::connect().unwrap(),
             WgControl::new(&wg, WgApi::Userspace).unwrap(),
             FakeDatapath::default(),
-            Settings {
-                devices: Devices {
-                    wireguard: wg.clone(),
-                    private: Some("eth0".into()),
-                    tunnel: None,
-                },
-                create_interface: false,
-                mtu: Some(1420),
-                private_key: Key(wireguard_control::Key::generate_private().0),
-                resolver: Box::new(system_resolver),
-            },
+            settings(
+                &wg,
+                Some("eth0"),
+                false,
+                Key(wireguard_control::Key::generate_private().0),
+            ),
         );
         let mut agent = Agent::new(
             backend.clone(),
-            planner("me"),
+            // The first reconcile comes before our own node is published: plan without it.
+            planner("me", false),
             reconciler,
-            Local {
-                hostname: "me".into(),
-                public_key: key(0, 9),
-                endpoint: Some("10.0.0.1:51820".parse().unwrap()),
-                internal_ip: Some("10.0.0.1/24".parse().unwrap()),
-                granularity: "location".into(),
-            },
+            local("me", key(0, 9), "location"),
             LoopSettings {
                 check_in: None,
                 ..LoopSettings::default()
@@ -258,10 +177,7 @@ fn agent(dir: String, wg: String) {
 
         std::fs::write(
             std::path::Path::new(&dir).join("peer-new.yaml"),
-            format!(
-                "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: peer-new\nspec:\n  allowedIPs: [10.250.0.1/32]\n  publicKey: \"{}\"\n",
-                key(7, 7)
-            ),
+            peer_yaml("peer-new", key(7, 7), "10.250.0.1/32"),
         )
         .unwrap();
         let _ = tokio::time::timeout(
@@ -285,18 +201,19 @@ fn agent(dir: String, wg: String) {
             status_kb("VmRSS:"),
             status_kb("VmHWM:")
         );
+        // Counted while the agent (and its backend's watcher thread) is still alive.
+        let last_pid: u64 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let threads = std::fs::read_dir("/proc/self/task").unwrap().count() as u64;
+        let _ = writeln!(
+            report,
+            "PIDs allocated in the agent's PID namespace: {last_pid}; agent threads: {threads}; processes started by the agent: {}",
+            last_pid.saturating_sub(threads)
+        );
     });
-    let last_pid: u64 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let threads = std::fs::read_dir("/proc/self/task").unwrap().count() as u64;
-    let _ = writeln!(
-        report,
-        "PIDs allocated in the agent's PID namespace: {last_pid}; agent threads: {threads}; processes started by the agent: {}",
-        last_pid.saturating_sub(threads)
-    );
     print!("{report}");
 }
 

@@ -1,18 +1,17 @@
 //! The agent loop against the in-memory kernel, device and datapath with the real file backend
-//! (no root): bursts coalesce, `--clean-up=false` leaves everything, `--clean-up=true` removes
-//! our routes, rules, addresses, map entries and annotations.
+//! (no root): bursts coalesce, `--clean-up=false` leaves everything, the datapath metrics read the
+//! maps at scrape time, `--clean-up=true` removes our routes, rules, addresses, map entries and
+//! annotations.
+mod support;
+
 use std::{sync::Arc, time::Duration};
 
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
     backend::file::FileBackend,
+    datapath::{Counter, Role},
     mesh::{Key, Snapshot},
-    plan::{DatapathEntry, Device, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
-    reconcile::{
-        FakeDatapath, FakeKernel, Reconciler, Settings,
-        state::Devices,
-        wireguard::{FakeWireGuard, system_resolver},
-    },
+    reconcile::{FakeDatapath, FakeKernel, Reconciler, wireguard::FakeWireGuard},
     telemetry::Metrics,
 };
 
@@ -23,83 +22,25 @@ fn key(i: u32) -> Key {
 }
 
 fn peer_yaml(i: u32) -> String {
-    format!(
-        "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: p{i}\nspec:\n  allowedIPs: [10.200.0.{i}/32]\n  publicKey: \"{}\"\n",
-        key(i)
-    )
+    support::agent::peer_yaml(&format!("p{i}"), key(i), &format!("10.200.0.{i}/32"))
 }
 
-/// One WireGuard peer, one route and one datapath entry per Peer, once our node is seen.
-fn planner(s: &Snapshot) -> PlanOutcome {
-    let mut out = PlanOutcome::default();
-    if !s.nodes.contains_key("me") {
-        out.errors.push("node me not seen yet".into());
-        return out;
-    }
-    let mut plan = Plan {
-        addresses: vec!["10.4.0.1/16".parse().unwrap()],
-        ..Plan::default()
-    };
-    for p in s.peers.values() {
-        let cidr: ipnet::IpNet = p.spec.allowed_ips[0].parse().unwrap();
-        plan.wireguard.peers.push(WireGuardPeer {
-            public_key: p.spec.public_key.parse().unwrap(),
-            preshared_key: None,
-            endpoint: None,
-            allowed_ips: vec![cidr],
-            persistent_keepalive: 0,
-        });
-        plan.routes.push(Route {
-            dst: cidr,
-            gateway: None,
-            src: None,
-            device: Device::WireGuard,
-            onlink: false,
-            table: MAIN_TABLE,
-        });
-        plan.datapath.mesh_destinations.insert(
-            cidr,
-            DatapathEntry {
-                kind: EntryKind::Peer,
-                owner: p.metadata.name.clone().unwrap_or_default(),
-                next_hop: None,
-            },
-        );
-    }
-    plan.routes.sort();
-    out.ready_peers = s.peers.len();
-    out.plan = Some(plan);
-    out
-}
-
-type FakeAgent = Agent<fn(&Snapshot) -> PlanOutcome, FakeKernel, FakeWireGuard, FakeDatapath>;
+type FakeAgent =
+    Agent<Box<dyn FnMut(&Snapshot) -> PlanOutcome>, FakeKernel, FakeWireGuard, FakeDatapath>;
 
 fn agent(dir: &std::path::Path, clean_up: bool, metrics: Metrics) -> FakeAgent {
     Agent::new(
         Arc::new(FileBackend::start(dir).unwrap()),
-        planner as fn(&Snapshot) -> PlanOutcome,
+        Box::new(support::agent::planner("me", true)),
         Reconciler::new(
             FakeKernel::default(),
             FakeWireGuard::default(),
             FakeDatapath::default(),
-            Settings {
-                devices: Devices {
-                    wireguard: "kilo0".into(),
-                    private: None,
-                    tunnel: None,
-                },
-                create_interface: true,
-                mtu: Some(1420),
-                private_key: key(999),
-                resolver: Box::new(system_resolver),
-            },
+            support::agent::settings("kilo0", None, true, key(999)),
         ),
         Local {
-            hostname: "me".into(),
-            public_key: key(1000),
-            endpoint: Some("10.0.0.1:51820".parse().unwrap()),
             internal_ip: None,
-            granularity: "full".into(),
+            ..support::agent::local("me", key(1000), "full")
         },
         LoopSettings {
             resync: None,
@@ -113,10 +54,7 @@ fn agent(dir: &std::path::Path, clean_up: bool, metrics: Metrics) -> FakeAgent {
 }
 
 fn metric(m: &Metrics, name: &str) -> u64 {
-    m.encode()
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0)
+    support::agent::metric(&m.encode(), name).unwrap_or(0)
 }
 
 async fn until(what: &str, mut f: impl FnMut() -> bool) {
@@ -181,16 +119,22 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
         a.reconciler.wireguard.device.as_ref().unwrap().peers.len(),
         21
     );
-    assert_eq!(
-        a.reconciler
-            .datapath
-            .applied
-            .as_ref()
-            .unwrap()
-            .mesh_destinations
-            .len(),
-        21
-    );
+    assert_eq!(a.reconciler.datapath.len(), 21);
+    // The datapath metrics read the maps at scrape time, labelled with the plan's owners.
+    let text = a.metrics.encode();
+    let entries = r#"kilo_datapath_entries{role="mesh_destination"}"#;
+    assert_eq!(support::agent::metric(&text, entries), Some(21), "{text}");
+    let mut maps = a.reconciler.datapath.maps();
+    let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
+    let slot = maps.tries[&Role::Mesh][&p1].counter as usize;
+    maps.counters[slot] = Counter {
+        packets: 5,
+        bytes: 420,
+    };
+    a.reconciler.datapath.set_maps(maps);
+    let text = a.metrics.encode();
+    let p1_packets = r#"kilo_datapath_entry_packets_total{role="mesh_destination",cidr="10.200.0.1/32",kind="peer",owner="p1"}"#;
+    assert_eq!(support::agent::metric(&text, p1_packets), Some(5), "{text}");
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(mine.contains(ANNOTATION_KEY), "{mine}");
     assert_eq!(a.stats.last_problems, Vec::<String>::new());
@@ -208,7 +152,7 @@ fn clean_up_true_removes_our_state_and_annotations() {
         k.links.contains_key("kilo0"),
         "--clean-up-interface=false keeps the link"
     );
-    assert!(a.reconciler.datapath.applied.is_none());
+    assert!(a.reconciler.datapath.is_empty());
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(!mine.contains("kilo.squat.ai/"), "{mine}");
 }

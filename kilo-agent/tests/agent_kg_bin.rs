@@ -89,6 +89,15 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
         "kg exited with {}:\n{log}",
         out.status
     );
+    // The default --log-format is JSON, one object per line, as Kilo logs.
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("log line is not JSON ({e}): {line}"));
+        assert!(
+            v["level"].is_string() && v["message"].is_string() && v["timestamp"].is_string(),
+            "{line}"
+        );
+    }
     assert!(log.contains("seccomp filter installed"), "{log}");
     assert!(log.contains("--iptables-forward-rules is ignored"), "{log}");
     assert!(!log.contains(private.trim()), "private key logged");

@@ -1,5 +1,5 @@
 //! The whole agent loop in a network namespace: file backend, a wireguard-go device, the kernel
-//! watcher, a stand-in planner (until the topology planner is merged), clean-up on shutdown.
+//! watcher, the stand-in planner of `support::agent`, clean-up on shutdown.
 //!
 //! Resync is disabled, so everything the test sees happen was triggered by an event.
 mod support;
@@ -12,19 +12,20 @@ use std::{
 };
 
 use kilo_agent::{
-    agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
+    agent::{ANNOTATION_KEY, Agent, LoopSettings},
     backend::file::FileBackend,
-    mesh::{Key, Snapshot},
-    plan::{Device, MAIN_TABLE, Plan, Route, WireGuardPeer, WireGuardPlan},
+    mesh::Key,
     reconcile::{
         FakeDatapath, Reconciler, Settings,
         netlink::{NetlinkKernel, watch},
-        state::Devices,
-        wireguard::{WgApi, WgControl, system_resolver, uapi_socket},
+        wireguard::{WgApi, WgControl, uapi_socket},
     },
     telemetry::Metrics,
 };
-use support::netns::{NetNs, veth};
+use support::{
+    agent::{local, peer_yaml, planner, settings},
+    netns::{NetNs, veth},
+};
 
 fn key() -> Key {
     Key(wireguard_control::Key::generate_private().0)
@@ -34,86 +35,9 @@ fn public(k: &Key) -> Key {
     Key(wireguard_control::Key(k.0).get_public().0)
 }
 
-/// A stand-in planner: every other node with a key and a pod CIDR, and every valid Peer, becomes
-/// a WireGuard peer with a route through the WireGuard interface. Invalid peers are reported.
-fn planner(me: &'static str) -> impl FnMut(&Snapshot) -> PlanOutcome {
-    move |s: &Snapshot| {
-        let mut out = PlanOutcome::default();
-        if !s.nodes.contains_key(me) {
-            out.errors.push(format!("node {me} not seen yet"));
-            return out;
-        }
-        let mut plan = Plan {
-            addresses: vec!["10.4.0.1/16".parse().unwrap()],
-            wireguard: WireGuardPlan {
-                listen_port: 51820,
-                peers: vec![],
-            },
-            ..Plan::default()
-        };
-        let add = |k: Key, cidr: ipnet::IpNet, plan: &mut Plan| {
-            plan.wireguard.peers.push(WireGuardPeer {
-                public_key: k,
-                preshared_key: None,
-                endpoint: None,
-                allowed_ips: vec![cidr],
-                persistent_keepalive: 0,
-            });
-            plan.routes.push(Route {
-                dst: cidr,
-                gateway: None,
-                src: None,
-                device: Device::WireGuard,
-                onlink: false,
-                table: MAIN_TABLE,
-            });
-        };
-        for (name, n) in s.nodes.iter().filter(|(n, _)| n.as_str() != me) {
-            let k = n
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(ANNOTATION_KEY))
-                .and_then(|k| k.parse::<Key>().ok());
-            let cidr = n
-                .spec
-                .as_ref()
-                .and_then(|s| s.pod_cidr.as_ref())
-                .and_then(|c| c.parse().ok());
-            match (k, cidr) {
-                (Some(k), Some(c)) => add(k, c, &mut plan),
-                _ => out.errors.push(format!("node {name}: no key or podCIDR")),
-            }
-        }
-        for (name, p) in &s.peers {
-            let k = p.spec.public_key.parse::<Key>();
-            let cidr = p.spec.allowed_ips.first().and_then(|c| c.parse().ok());
-            match (k, cidr) {
-                (Ok(k), Some(c)) => add(k, c, &mut plan),
-                _ => out
-                    .errors
-                    .push(format!("peer {name}: invalid publicKey or allowedIPs")),
-            }
-        }
-        plan.routes.sort();
-        out.ready_nodes = s.nodes.len();
-        out.ready_peers = s.peers.len();
-        out.leader = true;
-        out.wireguard_ip = Some("10.4.0.1/16".parse().unwrap());
-        out.plan = Some(plan);
-        out
-    }
-}
-
 fn node_yaml(name: &str, key: &Key, cidr: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  annotations:\n    {ANNOTATION_KEY}: \"{key}\"\nspec:\n  podCIDR: {cidr}\n"
-    )
-}
-
-fn peer_yaml(name: &str, key: &str, cidr: &str) -> String {
-    format!(
-        "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: {name}\nspec:\n  allowedIPs: [{cidr}]\n  publicKey: \"{key}\"\n"
     )
 }
 
@@ -136,9 +60,7 @@ fn eventually_or(what: &str, f: &mut dyn FnMut() -> bool, show: impl Fn() -> Str
 
 /// The value of one sample in the text exposition (0 when absent).
 fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0)
+    support::agent::metric(text, name).unwrap_or(0)
 }
 
 struct WgGo(Child, String);
@@ -192,7 +114,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
     let laptop = public(&key());
     std::fs::write(
         dir.path().join("laptop.yaml"),
-        peer_yaml("laptop", &laptop.to_string(), "10.5.0.1/32"),
+        peer_yaml("laptop", laptop, "10.5.0.1/32"),
     )
     .unwrap();
 
@@ -219,28 +141,15 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
                     WgControl::new(&agent_wg, WgApi::Userspace).unwrap(),
                     FakeDatapath::default(),
                     Settings {
-                        devices: Devices {
-                            wireguard: agent_wg.clone(),
-                            private: Some("eth0".into()),
-                            tunnel: None,
-                        },
-                        create_interface: false,
                         mtu: None,
-                        private_key: sk,
-                        resolver: Box::new(system_resolver),
+                        ..settings(&agent_wg, Some("eth0"), false, sk)
                     },
                 );
                 let mut agent = Agent::new(
                     backend,
-                    planner("me"),
+                    planner("me", true),
                     reconciler,
-                    Local {
-                        hostname: "me".into(),
-                        public_key: me_public,
-                        endpoint: Some("10.0.0.1:51820".parse().unwrap()),
-                        internal_ip: Some("10.0.0.1/24".parse().unwrap()),
-                        granularity: "location".into(),
-                    },
+                    local("me", me_public, "location"),
                     LoopSettings {
                         resync: None,
                         check_in: None,
@@ -285,7 +194,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
     let newcomer = public(&key());
     std::fs::write(
         dir.path().join("new.yaml"),
-        peer_yaml("new", &newcomer.to_string(), "10.6.0.0/24"),
+        peer_yaml("new", newcomer, "10.6.0.0/24"),
     )
     .unwrap();
     std::fs::write(

@@ -1,7 +1,8 @@
 //! Node tier: the reconcilers against the real kernel in a throwaway network namespace, with a
 //! real wireguard-go device driven over its UAPI socket (`--create-interface=false`).
 //!
-//! Until the planner lands, the plan is built by hand (a leader with one remote segment).
+//! The plan is built by hand (a leader with one remote segment), so each case says exactly what
+//! the kernel must hold.
 mod support;
 
 use std::{
@@ -17,8 +18,7 @@ use kilo_agent::{
     reconcile::{
         FakeDatapath, Reconciler, Report, Settings,
         netlink::{EventFilter, NetlinkKernel},
-        state::Devices,
-        wireguard::{WgApi, WgControl, WireGuard, system_resolver, uapi_socket},
+        wireguard::{WgApi, WgControl, WireGuard, uapi_socket},
     },
 };
 use support::netns::{NetNs, sh, veth};
@@ -143,15 +143,8 @@ fn reconciler(wg: &str, private_key: Key) -> Real {
         WgControl::new(wg, WgApi::Userspace).unwrap(),
         FakeDatapath::default(),
         Settings {
-            devices: Devices {
-                wireguard: wg.into(),
-                private: Some("eth0".into()),
-                tunnel: None,
-            },
-            create_interface: false,
             mtu: Some(1380),
-            private_key,
-            resolver: Box::new(system_resolver),
+            ..support::agent::settings(wg, Some("eth0"), false, private_key)
         },
     )
 }

@@ -2,8 +2,9 @@
 //! network namespace with a pod behind a bridge, wireguard-go, and the real `kg` and `kgctl`
 //! binaries on the file backend. Asserts what the demo shows: pods reach each other across
 //! locations through WireGuard (also from a non-leader), the internet host sees the node's
-//! address (masqueraded) while a pod in another location sees the pod's own, and nothing is left
-//! behind (namespaces, processes, pins).
+//! address (masqueraded) while a pod in another location sees the pod's own, n1's datapath
+//! counters saw that traffic (the masquerade decision, the pod CIDR's NAT-source entry), and
+//! nothing is left behind (namespaces, processes, pins).
 mod support;
 
 use std::{path::Path, process::Command};
@@ -39,6 +40,22 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
     ] {
         assert!(stdout.contains(want), "missing {want:?} in:\n{stdout}");
     }
+    // n1's metrics (the only ones the demo prints): the eBPF program marked pod1's packet to the
+    // internet host for masquerading, and counted it on n1's pod CIDR (its NAT source).
+    for series in [
+        "kilo_datapath_packets_total{decision=\"masquerade\"}",
+        "kilo_datapath_bytes_total{decision=\"masquerade\"}",
+        "kilo_datapath_entry_packets_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"}",
+        "kilo_datapath_entry_bytes_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"}",
+    ] {
+        let value = metric(&stdout, series);
+        assert!(value > 0, "{series} is {value} in:\n{stdout}");
+    }
+    assert_eq!(
+        metric(&stdout, "kilo_datapath_entries{role=\"nat_source\"}"),
+        1,
+        "{stdout}"
+    );
     // Two pings across locations, both complete.
     assert_eq!(stdout.matches("0% packet loss").count(), 2, "{stdout}");
     let left = support::netns::sh("ip netns list");
@@ -51,4 +68,10 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         String::from_utf8_lossy(&procs.stdout)
     );
     assert!(!Path::new(&format!("/sys/fs/bpf/{prefix}-n1")).exists());
+}
+
+/// The value of `series` (name and labels) in the demo's output; panics if absent.
+fn metric(exposition: &str, series: &str) -> u64 {
+    support::agent::metric(exposition, series)
+        .unwrap_or_else(|| panic!("no {series} in:\n{exposition}"))
 }

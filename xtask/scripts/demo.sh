@@ -135,7 +135,7 @@ sleep 0.5
 inns pod1 python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hi", ("10.42.3.2", 7000))'
 wait $LISTENER
 
-say "n1's metrics: Kilo's names, plus datapath decisions and writes"
+say "n1's metrics: Kilo's names, plus kernel writes and the datapath's counters (per decision, per map entry) and map occupancy"
 inns n1 python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:1107/metrics").read().decode())' \
   | grep -E '^kilo_(nodes|peers|leader|reconciles_total|writes_total|datapath)' || true
 say "processes kg started: none (seccomp refuses execve after start-up)"

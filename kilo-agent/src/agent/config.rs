@@ -38,6 +38,16 @@ impl LogLevel {
     }
 }
 
+/// `--log-format`: how log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line (`timestamp`, `level`, `message`, the event's fields, `target`),
+    /// as Kilo logs (go-kit's JSON logger), so existing log pipelines keep parsing it.
+    Json,
+    /// Human-readable lines (for a terminal).
+    Text,
+}
+
 /// `--mtu`: `auto` (the default-route interface's MTU minus WireGuard's 80 bytes) or a number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mtu {
@@ -196,6 +206,9 @@ pub struct Flags {
     /// all, debug, info, warn, error or none.
     #[arg(long, value_enum, default_value = "info")]
     pub log_level: LogLevel,
+    /// json (one object per line, like Kilo's logs) or text (for a terminal).
+    #[arg(long, value_enum, default_value = "json")]
+    pub log_format: LogFormat,
     /// Print the difference between the plan and the kernel, change nothing, exit.
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub dry_run: bool,
@@ -287,7 +300,11 @@ mod tests {
         assert_eq!(f.topology_label, "topology.kubernetes.io/region");
         assert_eq!(f.private_key, PathBuf::from("/var/lib/kilo/key"));
         assert!(f.seccomp && !f.dry_run);
+        assert_eq!(f.log_format, LogFormat::Json);
         assert!(f.warnings().is_empty());
+        let f = Flags::try_parse_from(["kg", "--log-format=text"]).unwrap();
+        assert_eq!(f.log_format, LogFormat::Text);
+        assert!(Flags::try_parse_from(["kg", "--log-format=logfmt"]).is_err());
     }
 
     #[test]

@@ -230,6 +230,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             names: devices.names().map(str::to_owned).collect(),
             ..EventFilter::default()
         };
+        metrics.set_datapath(reconciler.datapath.stats_source());
         Agent {
             backend,
             planner,
@@ -372,9 +373,16 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         for e in &update.errors {
             out.push_str(&format!("! {e}\n"));
         }
-        let plan = outcome
-            .plan
-            .ok_or_else(|| AgentError::NoPlan(outcome.errors.join("; ")))?;
+        let plan = outcome.plan.ok_or_else(|| {
+            AgentError::NoPlan(if outcome.errors.is_empty() {
+                format!(
+                    "node {} is not in the backend yet (a dry run does not publish it)",
+                    self.local.hostname
+                )
+            } else {
+                outcome.errors.join("; ")
+            })
+        })?;
         out.push_str(&self.reconciler.dry_run(&plan).await?.to_string());
         Ok(out)
     }

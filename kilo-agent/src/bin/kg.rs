@@ -1,6 +1,7 @@
 //! `kg`: the kilo-rs agent. Parses Kilo's flags, loads (or generates) the key, detects local
 //! addresses, starts the backend, the metrics server and the kernel watcher, forbids exec, then
-//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`).
+//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`). Logs go to stderr
+//! as JSON lines (`--log-format=json`, the default, as Kilo logs) or text.
 use std::{net::SocketAddr, process::ExitCode, sync::Arc};
 
 use anyhow::Context as _;
@@ -8,7 +9,7 @@ use clap::Parser as _;
 use kilo_agent::{
     agent::{
         Agent, Local, LoopSettings,
-        config::{BackendKind, Encapsulate, Flags, Mtu},
+        config::{BackendKind, Encapsulate, Flags, LogFormat, Mtu},
         detect, key,
         planner::planner,
         seccomp,
@@ -206,16 +207,29 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`.
+fn init_logging(flags: &Flags) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(flags.log_level.directive()));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match flags.log_format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
+}
+
 fn main() -> ExitCode {
     let flags = Flags::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new(flags.log_level.directive())
-            }),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&flags);
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");
         return ExitCode::from(2);

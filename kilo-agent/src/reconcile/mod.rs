@@ -18,8 +18,13 @@ pub mod state;
 pub mod wireguard;
 mod writes;
 
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, MutexGuard},
+};
 
+use ipnet::IpNet;
+pub use kilo_common::Counter;
 pub use writes::Writes;
 
 use self::{
@@ -27,8 +32,9 @@ use self::{
     wireguard::{Resolver, WgDiff, WireGuard},
 };
 use crate::{
+    datapath::{Counters, FakeMaps, NoResolver, Role, read_counters, sync_maps},
     mesh::Key,
-    plan::{DatapathPlan, Plan},
+    plan::{DatapathPlan, EntryKind, Plan},
 };
 
 /// The `rtm_protocol` / `FRA_PROTOCOL` value marking routes and rules as ours.
@@ -73,6 +79,84 @@ pub trait DatapathSync {
     }
     /// Removes map entries, programs, pins and the NAT rule.
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
+    /// scrape time, never writing). `None` when there is nothing to read.
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        None
+    }
+}
+
+/// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
+pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
+}
+
+/// Traffic counters and map occupancy, labelled for the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatapathStats {
+    /// Per decision (`kilo_common::Decision::name`), every decision present.
+    pub decisions: Vec<(&'static str, Counter)>,
+    /// Per map entry.
+    pub entries: Vec<EntryStats>,
+    /// Entries per role (`datapath::Role::label`), every role present.
+    pub occupancy: Vec<(&'static str, u64)>,
+}
+
+impl DatapathStats {
+    /// The datapath's counters, labelled with the owners `plan` gives the entries.
+    pub fn labelled(counters: &Counters, plan: &DatapathPlan) -> Self {
+        let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
+        let entries = counters
+            .labelled(plan)
+            .map(|(e, owner)| {
+                *occupancy.entry(e.role).or_default() += 1;
+                EntryStats {
+                    role: e.role.label(),
+                    cidr: e.net,
+                    kind: kind_label(e.kind),
+                    owner: owner.to_string(),
+                    counter: e.counter,
+                }
+            })
+            .collect();
+        DatapathStats {
+            decisions: counters
+                .decisions
+                .iter()
+                .map(|(d, c)| (d.name(), *c))
+                .collect(),
+            entries,
+            occupancy: occupancy.into_iter().map(|(r, n)| (r.label(), n)).collect(),
+        }
+    }
+}
+
+/// The metrics label of an entry kind.
+fn kind_label(kind: Option<EntryKind>) -> &'static str {
+    match kind {
+        Some(EntryKind::Node) => "node",
+        Some(EntryKind::WireGuardIp) => "wireguard_ip",
+        Some(EntryKind::Peer) => "peer",
+        Some(EntryKind::Service) => "service",
+        Some(EntryKind::LocalPods) => "local_pods",
+        Some(EntryKind::AllowedLocation) => "allowed_location",
+        None => "unknown",
+    }
+}
+
+/// One map entry's traffic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStats {
+    /// `datapath::Role::label`.
+    pub role: &'static str,
+    pub cidr: IpNet,
+    /// The plan's entry kind (`node`, `local_pods`, ...), `unknown` for a code the agent does
+    /// not know.
+    pub kind: &'static str,
+    /// The node, segment, peer or flag the plan gives the entry ("" for an entry it does not
+    /// know, e.g. left over from an adopted topology).
+    pub owner: String,
+    pub counter: Counter,
 }
 
 impl DatapathSync for Box<dyn DatapathSync> {
@@ -84,6 +168,9 @@ impl DatapathSync for Box<dyn DatapathSync> {
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         (**self).clean_up()
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        (**self).stats_source()
     }
 }
 
@@ -100,44 +187,80 @@ impl DatapathSync for NoDatapath {
     }
 }
 
-/// An in-memory datapath that counts entries inserted and deleted.
-#[derive(Debug, Default)]
-pub struct FakeDatapath {
-    pub applied: Option<DatapathPlan>,
+/// An in-memory datapath: the real map diff ([`sync_maps`]) over [`FakeMaps`], so it writes
+/// (and counts) what the kernel's maps would; its stats source reads those maps. Clones share
+/// the maps.
+#[derive(Debug, Clone, Default)]
+pub struct FakeDatapath(Arc<Mutex<FakeShared>>);
+
+#[derive(Debug)]
+struct FakeShared {
+    maps: FakeMaps,
+    /// The last plan synced (for the owner labels).
+    plan: DatapathPlan,
+}
+
+impl Default for FakeShared {
+    fn default() -> Self {
+        FakeShared {
+            maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
+            plan: DatapathPlan::default(),
+        }
+    }
+}
+
+impl FakeDatapath {
+    fn lock(&self) -> MutexGuard<'_, FakeShared> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy of the maps (to inspect, or to set counters through [`FakeDatapath::set_maps`]).
+    pub fn maps(&self) -> FakeMaps {
+        self.lock().maps.clone()
+    }
+
+    pub fn set_maps(&self, maps: FakeMaps) {
+        self.lock().maps = maps;
+    }
+
+    /// Entries in all three maps.
+    pub fn len(&self) -> usize {
+        self.lock().maps.tries.values().map(BTreeMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn boxed(e: crate::datapath::DatapathError) -> DatapathSyncError {
+    DatapathSyncError::Other(Box::new(e))
 }
 
 impl DatapathSync for FakeDatapath {
     fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
-        let old = self.applied.take().unwrap_or_default();
-        let mut w = Writes::default();
-        let pairs = [
-            (&old.mesh_destinations, &plan.mesh_destinations),
-            (&old.nat_sources, &plan.nat_sources),
-            (&old.masquerade_destinations, &plan.masquerade_destinations),
-        ];
-        for (o, n) in pairs {
-            w.add(
-                "map_insert",
-                n.iter().filter(|(k, v)| o.get(*k) != Some(*v)).count() as u64,
-            );
-            w.add(
-                "map_delete",
-                o.keys().filter(|k| !n.contains_key(*k)).count() as u64,
-            );
+        let mut shared = self.lock();
+        let writes = sync_maps(&mut shared.maps, plan, &NoResolver).map_err(boxed);
+        if shared.plan != *plan {
+            shared.plan = plan.clone();
         }
-        self.applied = Some(plan.clone());
-        Ok(w)
+        writes
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
-        let mut w = Writes::default();
-        if let Some(p) = self.applied.take() {
-            w.add(
-                "map_delete",
-                (p.mesh_destinations.len() + p.nat_sources.len() + p.masquerade_destinations.len())
-                    as u64,
-            );
-        }
-        Ok(w)
+        let mut shared = self.lock();
+        shared.plan = DatapathPlan::default();
+        sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(boxed)
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        Some(Arc::new(self.clone()))
+    }
+}
+
+impl DatapathStatsSource for FakeDatapath {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
+        let shared = self.lock();
+        let counters = read_counters(&shared.maps).map_err(boxed)?;
+        Ok(DatapathStats::labelled(&counters, &shared.plan))
     }
 }
 

@@ -6,22 +6,34 @@
 //! with nothing changing it stays flat), `kilo_invalid_objects` (objects the backend could not
 //! read). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
 //! reconcile succeeded, 503 before).
+//!
+//! Datapath metrics, read from the eBPF maps at scrape time (see [`Metrics::set_datapath`]):
+//! `kilo_datapath_packets_total{decision}` and `kilo_datapath_bytes_total{decision}` (every
+//! packet the program saw, by decision), `kilo_datapath_entry_packets_total{role,cidr,kind,owner}`
+//! and `kilo_datapath_entry_bytes_total{...}` (traffic that matched each map entry), and
+//! `kilo_datapath_entries{role}` (map occupancy).
 use std::{
     net::SocketAddr,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
 };
 
 use prometheus_client::{
-    encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _},
+    metrics::{
+        MetricType,
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+    },
     registry::Registry,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::reconcile::Writes;
+use crate::reconcile::{DatapathStats, DatapathStatsSource, Writes};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventLabel {
@@ -31,6 +43,104 @@ pub struct EventLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabel {
+    decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoleLabel {
+    role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EntryLabels {
+    role: &'static str,
+    cidr: String,
+    kind: &'static str,
+    owner: String,
+}
+
+type SourceSlot = Arc<Mutex<Option<Arc<dyn DatapathStatsSource>>>>;
+
+/// Encodes the datapath metrics from a [`DatapathStatsSource`] read at each scrape; nothing
+/// when there is no source or it cannot be read (logged).
+#[derive(Debug)]
+struct DatapathCollector(SourceSlot);
+
+impl DatapathCollector {
+    fn read(&self) -> Option<DatapathStats> {
+        let source = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+        source
+            .read()
+            .map_err(|e| tracing::debug!("reading datapath counters: {e}"))
+            .ok()
+    }
+}
+
+fn encode_counters<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl Iterator<Item = (L, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in series {
+        ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for DatapathCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(stats) = self.read() else {
+            return Ok(());
+        };
+        type Field = fn(&crate::reconcile::Counter) -> u64;
+        let fields: [(&str, &str, Field); 2] = [
+            ("packets", "Packets", |c| c.packets),
+            ("bytes", "Bytes", |c| c.bytes),
+        ];
+        for (unit, what, value) in fields {
+            encode_counters(
+                &mut encoder,
+                &format!("kilo_datapath_{unit}"),
+                &format!("{what} the eBPF program saw, by decision"),
+                stats
+                    .decisions
+                    .iter()
+                    .map(|(d, c)| (DecisionLabel { decision: d }, value(c))),
+            )?;
+        }
+        for (unit, what, value) in fields {
+            encode_counters(
+                &mut encoder,
+                &format!("kilo_datapath_entry_{unit}"),
+                &format!("{what} that matched a datapath map entry"),
+                stats.entries.iter().map(|e| {
+                    let labels = EntryLabels {
+                        role: e.role,
+                        cidr: e.cidr.to_string(),
+                        kind: e.kind,
+                        owner: e.owner.clone(),
+                    };
+                    (labels, value(&e.counter))
+                }),
+            )?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "kilo_datapath_entries",
+            "Entries in each datapath map",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (role, n) in &stats.occupancy {
+            ConstGauge::new(*n as i64).encode(family.encode_family(&RoleLabel { role })?)?;
+        }
+        Ok(())
+    }
 }
 
 /// The agent's metrics; cheap to clone (shared counters).
@@ -45,6 +155,7 @@ pub struct Metrics {
     pub writes: Family<KindLabel, Counter>,
     pub invalid_objects: Gauge,
     ready: Arc<AtomicBool>,
+    datapath: SourceSlot,
 }
 
 impl Default for Metrics {
@@ -66,6 +177,7 @@ impl Metrics {
             writes: Family::default(),
             invalid_objects: Gauge::default(),
             ready: Arc::new(AtomicBool::new(false)),
+            datapath: SourceSlot::default(),
         };
         r.register(
             "kilo_nodes",
@@ -98,10 +210,16 @@ impl Metrics {
             "Nodes and peers the backend could not read",
             m.invalid_objects.clone(),
         );
+        r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
         Metrics {
             registry: Arc::new(r),
             ..m
         }
+    }
+
+    /// Where the datapath metrics are read from at each scrape (`None`: no datapath metrics).
+    pub fn set_datapath(&self, source: Option<Arc<dyn DatapathStatsSource>>) {
+        *self.datapath.lock().unwrap_or_else(|e| e.into_inner()) = source;
     }
 
     pub fn error(&self, event: &str) {
@@ -253,6 +371,64 @@ mod tests {
         assert_eq!(m.respond("/ready").0, 200);
         assert_eq!(m.respond("/health").0, 200);
         assert_eq!(m.respond("/nope").0, 404);
+    }
+
+    #[derive(Debug)]
+    struct Source(Mutex<u64>);
+
+    impl DatapathStatsSource for Source {
+        fn read(&self) -> Result<DatapathStats, crate::reconcile::DatapathSyncError> {
+            // Each read sees more traffic, as the kernel's counters would.
+            let mut n = self.0.lock().unwrap();
+            *n += 1;
+            let c = crate::reconcile::Counter {
+                packets: *n,
+                bytes: *n * 100,
+            };
+            Ok(DatapathStats {
+                decisions: vec![("pass", Default::default()), ("masquerade", c)],
+                entries: vec![crate::reconcile::EntryStats {
+                    role: "nat_source",
+                    cidr: "10.42.1.0/24".parse().unwrap(),
+                    kind: "local_pods",
+                    owner: "n1".into(),
+                    counter: c,
+                }],
+                occupancy: vec![("mesh_destination", 4), ("nat_source", 1)],
+            })
+        }
+    }
+
+    #[test]
+    fn datapath_counters_are_read_at_each_scrape() {
+        let m = Metrics::new();
+        assert!(
+            !m.encode().contains("kilo_datapath"),
+            "no source, no series"
+        );
+        m.set_datapath(Some(Arc::new(Source(Mutex::new(0)))));
+        let first = m.encode();
+        for needle in [
+            "# TYPE kilo_datapath_packets counter",
+            "kilo_datapath_packets_total{decision=\"pass\"} 0",
+            "kilo_datapath_packets_total{decision=\"masquerade\"} 1",
+            "kilo_datapath_bytes_total{decision=\"masquerade\"} 100",
+            "kilo_datapath_entry_packets_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"} 1",
+            "kilo_datapath_entry_bytes_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"} 100",
+            "# TYPE kilo_datapath_entries gauge",
+            "kilo_datapath_entries{role=\"mesh_destination\"} 4",
+            "kilo_datapath_entries{role=\"nat_source\"} 1",
+        ] {
+            assert!(first.contains(needle), "{needle} missing from\n{first}");
+        }
+        assert!(first.trim_end().ends_with("# EOF"), "{first}");
+        let second = m.encode();
+        assert!(
+            second.contains("kilo_datapath_packets_total{decision=\"masquerade\"} 2"),
+            "{second}"
+        );
+        m.set_datapath(None);
+        assert!(!m.encode().contains("kilo_datapath"));
     }
 
     #[test]

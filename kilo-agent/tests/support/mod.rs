@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: root checks and throwaway network namespaces.
 #![allow(dead_code)]
 
+pub mod agent;
 pub mod bpffs;
 pub mod netns;
 pub mod packets;
