@@ -187,6 +187,20 @@ fn drop_at_ingress(ns: &str, dev: &str) -> String {
     )
 }
 
+/// Set by SIGINT/SIGTERM; the next run panics, so the guard's drop still deletes the lab.
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn stop_on_signals() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
 fn enter(ns: &str) {
     let path = format!("/run/netns/{ns}");
     let file = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
@@ -808,6 +822,10 @@ fn measure(
     packets: u64,
     gap_ns: u64,
 ) -> Sample {
+    assert!(
+        !STOP.load(std::sync::atomic::Ordering::Relaxed),
+        "interrupted: deleting the namespaces"
+    );
     flush_conntrack();
     thread::sleep(Duration::from_millis(30));
     if let Flows::One(dst) = flows {
@@ -834,7 +852,8 @@ fn measure(
         sent,
         prog_ns: p0
             .zip(p1)
-            .map(|((t0, n0), (t1, n1))| (t1 - t0) as f64 / (n1 - n0).max(1) as f64),
+            .filter(|((_, n0), (_, n1))| n1 > n0)
+            .map(|((t0, n0), (t1, n1))| (t1 - t0) as f64 / (n1 - n0) as f64),
     }
 }
 
@@ -964,6 +983,10 @@ fn main() {
     let packets = arg("--packets", 100_000);
     let flows = arg("--flows", 20_000) as u32;
     let rounds = arg("--rounds", 10) as usize;
+    // `--only 1` or `--only 2`: one part; `--no-prog-stats`: without BPF_ENABLE_STATS (whose
+    // clock reads add to every program run, so to the hook cost).
+    let only = arg("--only", 0);
+    let prog_stats = !std::env::args().any(|a| a == "--no-prog-stats");
     let modes: &[(&str, u32, u64)] =
         if thread::available_parallelism().map_or(1, |n| n.get()) > RPS_CPU {
             &MODES
@@ -971,12 +994,14 @@ fn main() {
             &MODES[..1]
         };
 
+    stop_on_signals();
     let lab = Lab::new();
     // The main thread lives in the router namespace from here on (datapath, nft, counters).
     enter(&lab.rtr);
     let clock = NetRxClock::new().expect("NET_RX clock (raw tracepoints)");
     // Programs' own run time and count while this fd is open (for every case alike).
-    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF_ENABLE_STATS");
+    let _stats = prog_stats
+        .then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF_ENABLE_STATS"));
     let mut router = Router::new(&lab.rtr);
     let out0 = ifindex("out0").unwrap();
     let resolver = move |d: Device| (d == Device::Private).then_some(out0);
@@ -990,328 +1015,334 @@ fn main() {
     let mut checks_failed = Vec::new();
 
     // Part 1: one established flow.
-    let mut p1: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
-    let mut prog: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
-    let mut loss: BTreeMap<(usize, usize), (u64, u64, u64)> = BTreeMap::new();
-    for round in 0..rounds {
-        for (m, (_, mask, gap)) in modes.iter().enumerate() {
-            lab.rps(*mask);
-            for (c, case) in CASES.iter().enumerate() {
-                router.set(case.prog, case.nf);
-                let before = router.dp.counters().unwrap();
-                let s = measure(&lab, &clock, &router, Flows::One(case.dst), packets, *gap);
-                let after = router.dp.counters().unwrap();
-                if let Some(d) = case.decision {
-                    let moved = after.decision(d).packets - before.decision(d).packets;
-                    if moved < s.rx {
-                        checks_failed.push(format!(
-                            "{}: only {moved} of {} packets took {d:?}",
-                            case.name, s.rx
-                        ));
-                    }
-                }
-                let ct = conntrack_count();
-                let want_ct = case.nf != Nf::Off && case.prog != Prog::OursFast;
-                if (ct > 0) != want_ct && case.prog != Prog::Sink {
-                    checks_failed.push(format!(
-                        "{}: {ct} conntrack entries (expected {})",
-                        case.name,
-                        if want_ct { "some" } else { "none" }
-                    ));
-                }
-                p1.entry((c, m)).or_default().push(s.ns);
-                if let Some(ns) = s.prog_ns {
-                    prog.entry((c, m)).or_default().push(ns);
-                }
-                let l = loss.entry((c, m)).or_default();
-                l.0 += s.rx;
-                l.1 += s.fwd;
-                l.2 += s.sent;
-            }
-        }
-        eprintln!("part 1: round {} of {rounds} done", round + 1);
-    }
-    let stat = |f: fn(&mut [f64]) -> f64| -> BTreeMap<(usize, usize), f64> {
-        p1.iter().map(|(k, v)| (*k, f(&mut v.clone()))).collect()
-    };
-    let med = stat(median);
-    let min = stat(minimum);
-
-    println!();
-    print!("{:<34}", "ns/packet");
-    for (name, _, _) in modes {
-        print!(" {:>35}", name);
-    }
-    println!();
-    print!("{:<34}", "");
-    for _ in modes {
-        print!(
-            " {:>8} {:>8} {:>8} {:>8}",
-            "median", "min", "router", "prog"
-        );
-    }
-    println!();
-    for (c, case) in CASES.iter().enumerate() {
-        print!("{:<34}", case.name);
-        for m in 0..modes.len() {
-            let v = med[&(c, m)];
-            let sink = med[&(0, m)];
-            let (rx, fwd, _) = loss[&(c, m)];
-            let note = if c != 0 && fwd + fwd / 100 < rx {
-                "*"
-            } else {
-                " "
-            };
-            let router = if c == 0 {
-                String::new()
-            } else {
-                format!("{:.1}", v - sink)
-            };
-            let own = prog
-                .get(&(c, m))
-                .map_or(String::new(), |v| format!("{:.1}", median(&mut v.clone())));
-            print!(" {v:>8.1} {:>8.1} {router:>7}{note} {own:>8}", min[&(c, m)]);
-        }
-        println!();
-    }
-    println!(
-        "(router = median - sink median: without the veth delivery and softirq entry every \
-         packet pays twice; * = forwarded less than 99% of what it received; prog = the \
-         attached program's own run time, BPF_ENABLE_STATS, median)"
-    );
-    for (m, (name, _, _)) in modes.iter().enumerate() {
-        let shares: Vec<f64> = (0..CASES.len())
-            .map(|c| {
-                let (rx, _, sent) = loss[&(c, m)];
-                100.0 * rx as f64 / sent.max(1) as f64
-            })
-            .collect();
-        let lo = shares.iter().cloned().fold(f64::INFINITY, f64::min);
-        let hi = shares.iter().cloned().fold(0.0, f64::max);
-        println!(
-            "{name}: the router received {lo:.0}-{hi:.0}% of the frames sent \
-             (below 100%: its backlog was full, i.e. its CPU saturated)"
-        );
-    }
-    println!();
-    let idx = |name: &str| CASES.iter().position(|c| c.name == name).unwrap();
-    let rows = [
-        (
-            "hook: empty - no program (forward)",
-            idx("forward, empty program"),
-            idx("forward, no program"),
-            None,
-        ),
-        (
-            "ours - empty (forward, mesh hit)",
-            idx("forward, ours (mesh hit)"),
-            idx("forward, empty program"),
-            Some(20.0),
-        ),
-        (
-            "ours - empty (mesh + conntrack)",
-            idx("mesh + conntrack, ours"),
-            idx("mesh + conntrack, empty program"),
-            Some(20.0),
-        ),
-        (
-            "ours - empty (masquerade, NAT)",
-            idx("masquerade, ours (mark + rule)"),
-            idx("NAT all, empty program"),
-            Some(20.0),
-        ),
-    ];
-    // The median over rounds of the per-round difference (runs of one round are minutes
-    // closer in time than the rounds are to each other).
-    let paired = |a: usize, b: usize, m: usize| {
-        let mut d: Vec<f64> = p1[&(a, m)]
-            .iter()
-            .zip(&p1[&(b, m)])
-            .map(|(x, y)| x - y)
-            .collect();
-        median(&mut d)
-    };
-    println!(
-        "differences: the median of the per-round differences (paired), and the difference \
-         of the minima"
-    );
-    print!("{:<40}", "ns/packet: paired, of minima");
-    for (name, _, _) in modes {
-        print!(" {:>28}", name);
-    }
-    println!();
-    for (label, a, b, target) in rows {
-        print!("{label:<40}");
-        for m in 0..modes.len() {
-            let d = paired(a, b, m);
-            let dm = min[&(a, m)] - min[&(b, m)];
-            let verdict = match target {
-                Some(t) if d <= t => "met",
-                Some(_) => "NOT met",
-                None => "",
-            };
-            print!(" {d:>+8.1} {dm:>+8.1} {verdict:<10}");
-        }
-        println!();
-    }
-    let prog_rows = [
-        (
-            "prog only: ours - empty (forward)",
-            idx("forward, ours (mesh hit)"),
-            idx("forward, empty program"),
-        ),
-        (
-            "prog only: ours - empty (mesh + ct)",
-            idx("mesh + conntrack, ours"),
-            idx("mesh + conntrack, empty program"),
-        ),
-        (
-            "prog only: ours - empty (masquerade)",
-            idx("masquerade, ours (mark + rule)"),
-            idx("NAT all, empty program"),
-        ),
-    ];
-    for (label, a, b) in prog_rows {
-        print!("{label:<40}");
-        for m in 0..modes.len() {
-            let mut d: Vec<f64> = prog[&(a, m)]
-                .iter()
-                .zip(&prog[&(b, m)])
-                .map(|(x, y)| x - y)
-                .collect();
-            let d = median(&mut d);
-            let mn = minimum(&mut prog[&(a, m)].clone()) - minimum(&mut prog[&(b, m)].clone());
-            print!(
-                " {d:>+8.1} {mn:>+8.1} {:<10}",
-                if d <= 20.0 { "met" } else { "NOT met" }
-            );
-        }
-        println!();
-    }
-    let fast = idx("mesh, ours fast path");
-    let nf = idx("mesh + conntrack, no program");
-    let plain = idx("forward, no program");
-    let ratios: [(&str, usize, usize, bool, bool); 3] = [
-        ("fast path / netfilter, no program", fast, nf, false, true),
-        ("  same, router only (minus sink)", fast, nf, true, false),
-        (
-            "fast path / plain forward (no ct)",
-            fast,
-            plain,
-            false,
-            false,
-        ),
-    ];
-    for (label, a, b, minus_sink, target) in ratios {
-        print!("{label:<40}");
-        for m in 0..modes.len() {
-            let r = |s: &BTreeMap<(usize, usize), f64>| {
-                let z = if minus_sink { s[&(0, m)] } else { 0.0 };
-                (s[&(a, m)] - z) / (s[&(b, m)] - z)
-            };
-            let (rm, rn) = (r(&med), r(&min));
-            let verdict = match (target, rm < 1.0) {
-                (false, _) => "",
-                (true, true) => "met",
-                (true, false) => "NOT met",
-            };
-            print!(" {rm:>8.3} {rn:>8.3} {verdict:<10}");
-        }
-        println!();
-    }
-
-    // Part 2: new connections (one packet each, unique destination ports), N entries.
-    println!();
-    println!(
-        "# new flows: {flows} new UDP flows per run (one packet each, unique ports), conntrack \
-         flushed before each run; flows/s = 1e9 / NET_RX ns per new-flow packet (one core)"
-    );
-    let ns_list = [10usize, 1_000, 10_000, 100_000];
-    let mut p2: BTreeMap<(usize, usize, bool), Vec<f64>> = BTreeMap::new();
-    let mut prog2: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
-    for (i, &n) in ns_list.iter().enumerate() {
-        let w = router.dp.sync(&plan(n), &resolver).expect("sync");
-        eprintln!("part 2: {n} entries ({} map writes)", w.total());
-        for _ in 0..rounds {
+    if only != 2 {
+        let mut p1: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
+        let mut prog: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
+        let mut loss: BTreeMap<(usize, usize), (u64, u64, u64)> = BTreeMap::new();
+        for round in 0..rounds {
             for (m, (_, mask, gap)) in modes.iter().enumerate() {
                 lab.rps(*mask);
-                for ours in [false, true] {
-                    if ours {
-                        router.set(Prog::Ours, Nf::Kilo);
-                    } else {
-                        router.set(Prog::None, Nf::NatAll);
-                    }
+                for (c, case) in CASES.iter().enumerate() {
+                    router.set(case.prog, case.nf);
                     let before = router.dp.counters().unwrap();
-                    let s = measure(&lab, &clock, &router, Flows::New(flows), 0, *gap);
-                    let ct = conntrack_count();
-                    if ct + ct / 100 < s.rx {
-                        checks_failed.push(format!(
-                            "new flows (N={n}, ours={ours}): {ct} conntrack entries for {} packets",
-                            s.rx
-                        ));
-                    }
-                    if ours {
-                        let after = router.dp.counters().unwrap();
-                        let d = Decision::Masquerade;
+                    let s = measure(&lab, &clock, &router, Flows::One(case.dst), packets, *gap);
+                    let after = router.dp.counters().unwrap();
+                    if let Some(d) = case.decision {
                         let moved = after.decision(d).packets - before.decision(d).packets;
                         if moved < s.rx {
                             checks_failed.push(format!(
-                                "new flows N={n}: only {moved} of {} masqueraded",
-                                s.rx
+                                "{}: only {moved} of {} packets took {d:?}",
+                                case.name, s.rx
                             ));
                         }
                     }
-                    p2.entry((i, m, ours)).or_default().push(s.ns);
+                    let ct = conntrack_count();
+                    let want_ct = case.nf != Nf::Off && case.prog != Prog::OursFast;
+                    if (ct > 0) != want_ct && case.prog != Prog::Sink {
+                        checks_failed.push(format!(
+                            "{}: {ct} conntrack entries (expected {})",
+                            case.name,
+                            if want_ct { "some" } else { "none" }
+                        ));
+                    }
+                    p1.entry((c, m)).or_default().push(s.ns);
                     if let Some(ns) = s.prog_ns {
-                        prog2.entry((i, m)).or_default().push(ns);
+                        prog.entry((c, m)).or_default().push(ns);
+                    }
+                    let l = loss.entry((c, m)).or_default();
+                    l.0 += s.rx;
+                    l.1 += s.fwd;
+                    l.2 += s.sent;
+                }
+            }
+            eprintln!("part 1: round {} of {rounds} done", round + 1);
+        }
+        let stat = |f: fn(&mut [f64]) -> f64| -> BTreeMap<(usize, usize), f64> {
+            p1.iter().map(|(k, v)| (*k, f(&mut v.clone()))).collect()
+        };
+        let med = stat(median);
+        let min = stat(minimum);
+
+        println!();
+        print!("{:<34}", "ns/packet");
+        for (name, _, _) in modes {
+            print!(" {:>35}", name);
+        }
+        println!();
+        print!("{:<34}", "");
+        for _ in modes {
+            print!(
+                " {:>8} {:>8} {:>8} {:>8}",
+                "median", "min", "router", "prog"
+            );
+        }
+        println!();
+        for (c, case) in CASES.iter().enumerate() {
+            print!("{:<34}", case.name);
+            for m in 0..modes.len() {
+                let v = med[&(c, m)];
+                let sink = med[&(0, m)];
+                let (rx, fwd, _) = loss[&(c, m)];
+                let note = if c != 0 && fwd + fwd / 100 < rx {
+                    "*"
+                } else {
+                    " "
+                };
+                let router = if c == 0 {
+                    String::new()
+                } else {
+                    format!("{:.1}", v - sink)
+                };
+                let own = prog
+                    .get(&(c, m))
+                    .map_or(String::new(), |v| format!("{:.1}", median(&mut v.clone())));
+                print!(" {v:>8.1} {:>8.1} {router:>7}{note} {own:>8}", min[&(c, m)]);
+            }
+            println!();
+        }
+        println!(
+            "(router = median - sink median: without the veth delivery and softirq entry every \
+         packet pays twice; * = forwarded less than 99% of what it received; prog = the \
+         attached program's own run time, BPF_ENABLE_STATS, median)"
+        );
+        for (m, (name, _, _)) in modes.iter().enumerate() {
+            let shares: Vec<f64> = (0..CASES.len())
+                .map(|c| {
+                    let (rx, _, sent) = loss[&(c, m)];
+                    100.0 * rx as f64 / sent.max(1) as f64
+                })
+                .collect();
+            let lo = shares.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = shares.iter().cloned().fold(0.0, f64::max);
+            println!(
+                "{name}: the router received {lo:.0}-{hi:.0}% of the frames sent \
+             (below 100%: its backlog was full, i.e. its CPU saturated)"
+            );
+        }
+        println!();
+        let idx = |name: &str| CASES.iter().position(|c| c.name == name).unwrap();
+        let rows = [
+            (
+                "hook: empty - no program (forward)",
+                idx("forward, empty program"),
+                idx("forward, no program"),
+                None,
+            ),
+            (
+                "ours - empty (forward, mesh hit)",
+                idx("forward, ours (mesh hit)"),
+                idx("forward, empty program"),
+                Some(20.0),
+            ),
+            (
+                "ours - empty (mesh + conntrack)",
+                idx("mesh + conntrack, ours"),
+                idx("mesh + conntrack, empty program"),
+                Some(20.0),
+            ),
+            (
+                "ours - empty (masquerade, NAT)",
+                idx("masquerade, ours (mark + rule)"),
+                idx("NAT all, empty program"),
+                Some(20.0),
+            ),
+        ];
+        // The median over rounds of the per-round difference (runs of one round are minutes
+        // closer in time than the rounds are to each other).
+        let paired = |a: usize, b: usize, m: usize| {
+            let mut d: Vec<f64> = p1[&(a, m)]
+                .iter()
+                .zip(&p1[&(b, m)])
+                .map(|(x, y)| x - y)
+                .collect();
+            median(&mut d)
+        };
+        println!(
+            "differences: the median of the per-round differences (paired), and the difference \
+         of the minima"
+        );
+        print!("{:<40}", "ns/packet: paired, of minima");
+        for (name, _, _) in modes {
+            print!(" {:>28}", name);
+        }
+        println!();
+        for (label, a, b, target) in rows {
+            print!("{label:<40}");
+            for m in 0..modes.len() {
+                let d = paired(a, b, m);
+                let dm = min[&(a, m)] - min[&(b, m)];
+                let verdict = match target {
+                    Some(t) if d <= t => "met",
+                    Some(_) => "NOT met",
+                    None => "",
+                };
+                print!(" {d:>+8.1} {dm:>+8.1} {verdict:<10}");
+            }
+            println!();
+        }
+        let prog_rows = [
+            (
+                "prog only: ours - empty (forward)",
+                idx("forward, ours (mesh hit)"),
+                idx("forward, empty program"),
+            ),
+            (
+                "prog only: ours - empty (mesh + ct)",
+                idx("mesh + conntrack, ours"),
+                idx("mesh + conntrack, empty program"),
+            ),
+            (
+                "prog only: ours - empty (masquerade)",
+                idx("masquerade, ours (mark + rule)"),
+                idx("NAT all, empty program"),
+            ),
+        ];
+        for (label, a, b) in prog_rows.into_iter().filter(|_| !prog.is_empty()) {
+            print!("{label:<40}");
+            for m in 0..modes.len() {
+                let mut d: Vec<f64> = prog[&(a, m)]
+                    .iter()
+                    .zip(&prog[&(b, m)])
+                    .map(|(x, y)| x - y)
+                    .collect();
+                let d = median(&mut d);
+                let mn = minimum(&mut prog[&(a, m)].clone()) - minimum(&mut prog[&(b, m)].clone());
+                print!(
+                    " {d:>+8.1} {mn:>+8.1} {:<10}",
+                    if d <= 20.0 { "met" } else { "NOT met" }
+                );
+            }
+            println!();
+        }
+        let fast = idx("mesh, ours fast path");
+        let nf = idx("mesh + conntrack, no program");
+        let plain = idx("forward, no program");
+        let ratios: [(&str, usize, usize, bool, bool); 3] = [
+            ("fast path / netfilter, no program", fast, nf, false, true),
+            ("  same, router only (minus sink)", fast, nf, true, false),
+            (
+                "fast path / plain forward (no ct)",
+                fast,
+                plain,
+                false,
+                false,
+            ),
+        ];
+        for (label, a, b, minus_sink, target) in ratios {
+            print!("{label:<40}");
+            for m in 0..modes.len() {
+                let r = |s: &BTreeMap<(usize, usize), f64>| {
+                    let z = if minus_sink { s[&(0, m)] } else { 0.0 };
+                    (s[&(a, m)] - z) / (s[&(b, m)] - z)
+                };
+                let (rm, rn) = (r(&med), r(&min));
+                let verdict = match (target, rm < 1.0) {
+                    (false, _) => "",
+                    (true, true) => "met",
+                    (true, false) => "NOT met",
+                };
+                print!(" {rm:>8.3} {rn:>8.3} {verdict:<10}");
+            }
+            println!();
+        }
+    }
+
+    // Part 2: new connections (one packet each, unique destination ports), N entries.
+    if only != 1 {
+        println!();
+        println!(
+            "# new flows: {flows} new UDP flows per run (one packet each, unique ports), conntrack \
+         flushed before each run; flows/s = 1e9 / NET_RX ns per new-flow packet (one core)"
+        );
+        let ns_list = [10usize, 1_000, 10_000, 100_000];
+        let mut p2: BTreeMap<(usize, usize, bool), Vec<f64>> = BTreeMap::new();
+        let mut prog2: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
+        for (i, &n) in ns_list.iter().enumerate() {
+            let w = router.dp.sync(&plan(n), &resolver).expect("sync");
+            eprintln!("part 2: {n} entries ({} map writes)", w.total());
+            for _ in 0..rounds {
+                for (m, (_, mask, gap)) in modes.iter().enumerate() {
+                    lab.rps(*mask);
+                    for ours in [false, true] {
+                        if ours {
+                            router.set(Prog::Ours, Nf::Kilo);
+                        } else {
+                            router.set(Prog::None, Nf::NatAll);
+                        }
+                        let before = router.dp.counters().unwrap();
+                        let s = measure(&lab, &clock, &router, Flows::New(flows), 0, *gap);
+                        let ct = conntrack_count();
+                        if ct + ct / 100 < s.rx {
+                            checks_failed.push(format!(
+                            "new flows (N={n}, ours={ours}): {ct} conntrack entries for {} packets",
+                            s.rx
+                        ));
+                        }
+                        if ours {
+                            let after = router.dp.counters().unwrap();
+                            let d = Decision::Masquerade;
+                            let moved = after.decision(d).packets - before.decision(d).packets;
+                            if moved < s.rx {
+                                checks_failed.push(format!(
+                                    "new flows N={n}: only {moved} of {} masqueraded",
+                                    s.rx
+                                ));
+                            }
+                        }
+                        p2.entry((i, m, ours)).or_default().push(s.ns);
+                        if let Some(ns) = s.prog_ns {
+                            prog2.entry((i, m)).or_default().push(ns);
+                        }
                     }
                 }
             }
         }
-    }
-    router.set(Prog::None, Nf::Off);
-    println!();
-    println!(
-        "{:<16} {:>7} {:>17} {:>17} {:>10} {:>10} {:>6} {:>7} {:>6}",
-        "ns/new flow",
-        "N",
-        "NAT-all med/min",
-        "ours med/min",
-        "NAT-all/s",
-        "ours/s",
-        "ratio",
-        "paired",
-        "prog"
-    );
-    for (m, (name, _, _)) in modes.iter().enumerate() {
-        for (i, &n) in ns_list.iter().enumerate() {
-            let nat = &p2[&(i, m, false)];
-            let our = &p2[&(i, m, true)];
-            let a = median(&mut nat.clone());
-            let b = median(&mut our.clone());
-            let a_min = minimum(&mut nat.clone());
-            let b_min = minimum(&mut our.clone());
-            // Flows per second, ours / NAT-all = NAT-all ns / ours ns; "paired": the median of
-            // the per-round ratios.
-            let ratio = a / b;
-            let mut per_round: Vec<f64> = nat.iter().zip(our).map(|(x, y)| x / y).collect();
-            let paired = median(&mut per_round);
-            let own = median(&mut prog2[&(i, m)].clone());
-            println!(
-                "{:<16} {n:>7} {a:>8.1} {a_min:>8.1} {b:>8.1} {b_min:>8.1} {:>10.0} {:>10.0} \
+        router.set(Prog::None, Nf::Off);
+        println!();
+        println!(
+            "{:<16} {:>7} {:>17} {:>17} {:>10} {:>10} {:>6} {:>7} {:>6}",
+            "ns/new flow",
+            "N",
+            "NAT-all med/min",
+            "ours med/min",
+            "NAT-all/s",
+            "ours/s",
+            "ratio",
+            "paired",
+            "prog"
+        );
+        for (m, (name, _, _)) in modes.iter().enumerate() {
+            for (i, &n) in ns_list.iter().enumerate() {
+                let nat = &p2[&(i, m, false)];
+                let our = &p2[&(i, m, true)];
+                let a = median(&mut nat.clone());
+                let b = median(&mut our.clone());
+                let a_min = minimum(&mut nat.clone());
+                let b_min = minimum(&mut our.clone());
+                // Flows per second, ours / NAT-all = NAT-all ns / ours ns; "paired": the median of
+                // the per-round ratios.
+                let ratio = a / b;
+                let mut per_round: Vec<f64> = nat.iter().zip(our).map(|(x, y)| x / y).collect();
+                let paired = median(&mut per_round);
+                let own = prog2
+                    .get(&(i, m))
+                    .map_or(f64::NAN, |v| median(&mut v.clone()));
+                println!(
+                    "{:<16} {n:>7} {a:>8.1} {a_min:>8.1} {b:>8.1} {b_min:>8.1} {:>10.0} {:>10.0} \
                  {ratio:>6.3} {paired:>7.3} {own:>6.1} {}",
-                if i == 0 { *name } else { "" },
-                1e9 / a,
-                1e9 / b,
-                if paired >= 0.95 { "met" } else { "NOT met" }
-            );
+                    if i == 0 { *name } else { "" },
+                    1e9 / a,
+                    1e9 / b,
+                    if paired >= 0.95 { "met" } else { "NOT met" }
+                );
+            }
         }
-    }
-    println!(
-        "(ratio = ours flows/s / NAT-all flows/s from the medians; paired = the median of the \
+        println!(
+            "(ratio = ours flows/s / NAT-all flows/s from the medians; paired = the median of the \
          per-round ratios, judged against >= 0.95; prog = our program's own run time per \
          packet, BPF_ENABLE_STATS)"
-    );
+        );
+    }
     println!();
     if checks_failed.is_empty() {
         println!("checks: every run took the expected decision and conntrack state");
