@@ -1101,9 +1101,9 @@ fn main() {
             println!();
         }
         println!(
-            "(router = median - sink median: without the veth delivery and softirq entry every \
-         packet pays twice; * = forwarded less than 99% of what it received; prog = the \
-         attached program's own run time, BPF_ENABLE_STATS, median)"
+            "(router = median - the sink's median, i.e. without the one veth delivery + softirq \
+         + drop that the receiver adds; * = forwarded less than 99% of what it received; \
+         prog = the attached program's own run time, BPF_ENABLE_STATS, median)"
         );
         for (m, (name, _, _)) in modes.iter().enumerate() {
             let shares: Vec<f64> = (0..CASES.len())
