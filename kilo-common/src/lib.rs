@@ -11,10 +11,13 @@
 //!   with the number of entries, unlike the kernel's LPM trie whose depth grows with it
 //!   (measured: 1.6x to 2x slower at 100,000 entries than at 10).
 //! - [`MAP_FILTER`]: a pre-filter that spares most probes that would miss. Array of
-//!   [`FILTER_BUCKETS`] `u64`, indexed by an IPv4 address's first 16 bits; 16 bits per role
-//!   (role `r` at bit `16 * r`), bit `l - 17` set when the role's table may hold an IPv4 entry of
-//!   prefix length `l` (17 to 32) inside that /16. A clear bit means no such entry: the program
-//!   skips that probe. Lengths up to 16 and IPv6 are always probed.
+//!   [`FILTER_BUCKETS`] `u64` words, 16 bits per role (role `r` at bit `16 * r`). IPv4: word
+//!   [`filter_bucket4`] (the address's /16), bit `l - 17` set when the role's table may hold an
+//!   entry of prefix length `l` (17 to 32) inside that /16. IPv6: word [`filter_bucket6`] (the
+//!   first 32 bits folded to 16, from [`FILTER_V6_BASE`]), bit `(l - 33) / 6` for lengths 33 to
+//!   128 (a class of six lengths). A clear bit means no such entry: the program skips those
+//!   probes. IPv4 lengths up to 16 and IPv6 lengths up to 32 are always probed. See
+//!   [`filter_class`].
 //! - [`MAP_CONFIG`]: array of one [`Config`].
 //! - [`MAP_DECISIONS`]: per-CPU array of [`Counter`], indexed by [`Decision`].
 //! - [`MAP_ENTRY_COUNTERS`]: per-CPU array of [`Counter`], indexed by [`EntryValue::counter`].
@@ -83,27 +86,53 @@ impl Lengths {
     };
 }
 
-/// Entries of [`MAP_FILTER`]: one per IPv4 /16.
-pub const FILTER_BUCKETS: u32 = 1 << 16;
-/// Prefix lengths longer than this are pre-filtered (see [`MAP_FILTER`]).
-pub const FILTER_MIN_LEN: u32 = 16;
+/// Entries of [`MAP_FILTER`]: one per IPv4 /16, then as many for IPv6.
+pub const FILTER_BUCKETS: u32 = 1 << 17;
+/// First IPv6 word of [`MAP_FILTER`].
+pub const FILTER_V6_BASE: u32 = 1 << 16;
 /// Bits of one role in a [`MAP_FILTER`] word.
 pub const FILTER_ROLE_BITS: u32 = 16;
 
-/// The [`MAP_FILTER`] bucket of an IPv4 address (network order bytes).
+/// The [`MAP_FILTER`] word of an IPv4 address (network order bytes): its /16.
 #[inline(always)]
-pub const fn filter_bucket(addr: [u8; 4]) -> u32 {
+pub const fn filter_bucket4(addr: [u8; 4]) -> u32 {
     ((addr[0] as u32) << 8) | addr[1] as u32
 }
 
-/// The [`MAP_FILTER`] bit of an IPv4 entry of `role` (0 mesh, 1 NAT sources, 2 masquerade
-/// destinations) and prefix length `len`, if that length is filtered.
+/// The [`MAP_FILTER`] word of an IPv6 address: its first 32 bits folded to 16.
 #[inline(always)]
-pub const fn filter_bit(role: u32, len: u32) -> Option<u64> {
-    if len <= FILTER_MIN_LEN || len > 32 || role > 2 {
+pub const fn filter_bucket6(addr: [u8; 4]) -> u32 {
+    FILTER_V6_BASE
+        + ((((addr[0] as u32) << 8) | addr[1] as u32) ^ (((addr[2] as u32) << 8) | addr[3] as u32))
+}
+
+/// The bit (within a role's 16) of prefix length `len`, if that length is pre-filtered:
+/// IPv4 17 to 32, IPv6 33 to 128 (six lengths a bit).
+#[inline(always)]
+pub const fn filter_class(v6: bool, len: u32) -> Option<u32> {
+    if v6 {
+        if len <= 32 || len > 128 {
+            None
+        } else {
+            Some((len - 33) / 6)
+        }
+    } else if len <= 16 || len > 32 {
         None
     } else {
-        Some(1u64 << (role * FILTER_ROLE_BITS + len - FILTER_MIN_LEN - 1))
+        Some(len - 17)
+    }
+}
+
+/// The [`MAP_FILTER`] bit of an entry of `role` (0 mesh, 1 NAT sources, 2 masquerade
+/// destinations) and prefix length `len`, if that length is filtered.
+#[inline(always)]
+pub const fn filter_bit(role: u32, v6: bool, len: u32) -> Option<u64> {
+    if role > 2 {
+        return None;
+    }
+    match filter_class(v6, len) {
+        Some(c) => Some(1u64 << (role * FILTER_ROLE_BITS + c)),
+        None => None,
     }
 }
 

@@ -3,8 +3,8 @@
 //!
 //! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
 //! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
-//! matches (one hash probe per prefix length present, longest first, skipping the IPv4 lengths
-//! over 16 that the /16 pre-filter rules out; see kilo-common)
+//! matches (one hash probe per prefix length present, longest first, skipping the lengths the
+//! pre-filter rules out; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
 //! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
@@ -27,7 +27,8 @@ use aya_ebpf::{
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES, Decision,
     ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
-    FILTER_BUCKETS, FILTER_MIN_LEN, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS, filter_bucket,
+    FILTER_BUCKETS, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS, filter_bucket4, filter_bucket6,
+    filter_class,
 };
 
 const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
@@ -137,14 +138,16 @@ fn v4(a: [u8; 4]) -> [u8; 16] {
     out
 }
 
-/// The pre-filter word of `addr` (see kilo-common's `MAP_FILTER`): every bit set for IPv6,
-/// which is not filtered.
+/// The pre-filter word of `addr` (see kilo-common's `MAP_FILTER`).
 #[inline(always)]
 fn filter_word(v6: bool, addr: &[u8; 16]) -> u64 {
-    if v6 {
-        return u64::MAX;
-    }
-    match KILO_FILTER.get(filter_bucket([addr[0], addr[1], 0, 0])) {
+    let first = [addr[0], addr[1], addr[2], addr[3]];
+    let bucket = if v6 {
+        filter_bucket6(first)
+    } else {
+        filter_bucket4(first)
+    };
+    match KILO_FILTER.get(bucket) {
         Some(w) => *w,
         None => u64::MAX,
     }
@@ -184,7 +187,9 @@ fn find(
         }
         let l = if v6 { lens.v6[i] } else { lens.v4[i] } as u32;
         let l = if l > width { width } else { l };
-        if !v6 && l > FILTER_MIN_LEN && (bits >> (l - FILTER_MIN_LEN - 1)) & 1 == 0 {
+        if let Some(c) = filter_class(v6, l)
+            && (bits >> c) & 1 == 0
+        {
             continue;
         }
         // Keep the first l bits of the 128-bit (hi, lo) address (IPv4 lives in hi's top 32).

@@ -26,9 +26,10 @@ use aya::{
 use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK, DEFAULT_MARK_MASK,
-    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, Lengths, MAP_CONFIG,
-    MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST, MAP_MESH,
-    MAP_NAT_SRC, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket,
+    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FILTER_V6_BASE,
+    Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST,
+    MAP_MESH, MAP_NAT_SRC, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
+    filter_bucket6,
 };
 
 use super::{
@@ -143,7 +144,7 @@ type Table = HashMap<MapData, EntryKey, EntryValue>;
 /// vanished length after its last entry is gone (an extra length only costs a probe; a missing
 /// one would lose matches). Index writes are counted as `map_index`.
 ///
-/// Likewise keeps a count of IPv4 entries per (/16 bucket, role, prefix length) for the
+/// Likewise keeps a count of entries per (filter word, role, prefix length) for the
 /// pre-filter ([`MAP_FILTER`]): a bucket's bit is set before its first entry goes in and
 /// cleared after its last one is gone (a stray bit only costs a probe). Filter writes are
 /// counted as `map_filter`.
@@ -229,7 +230,7 @@ impl KernelMaps {
             .range((bucket, 0, 0)..=(bucket, u32::MAX, u32::MAX))
         {
             if *n > 0
-                && let Some(bit) = filter_bit(*role, *len)
+                && let Some(bit) = filter_bit(*role, bucket >= FILTER_V6_BASE, *len)
             {
                 want |= bit;
             }
@@ -307,12 +308,17 @@ impl KernelMaps {
 
 /// The pre-filter count key of an entry, and its bit, if its length is filtered.
 fn filter_slot(role: Role, net: &IpNet) -> Option<((u32, u32, u32), u64)> {
-    let IpNet::V4(n) = net.trunc() else {
-        return None;
+    let net = net.trunc();
+    let len = u32::from(net.prefix_len());
+    let (bucket, v6) = match net {
+        IpNet::V4(n) => (filter_bucket4(n.addr().octets()), false),
+        IpNet::V6(n) => {
+            let o = n.addr().octets();
+            (filter_bucket6([o[0], o[1], o[2], o[3]]), true)
+        }
     };
-    let len = u32::from(n.prefix_len());
-    let bit = filter_bit(role.index(), len)?;
-    Some(((filter_bucket(n.addr().octets()), role.index(), len), bit))
+    let bit = filter_bit(role.index(), v6, len)?;
+    Some(((bucket, role.index(), len), bit))
 }
 
 fn errno(e: &MapError) -> Option<i32> {
