@@ -14,8 +14,8 @@
 //!   [`FILTER_BUCKETS`] `u64` words, 16 bits per role (role `r` at bit `16 * r`). IPv4: word
 //!   [`filter_bucket4`] (the address's /16), bit `l - 17` set when the role's table may hold an
 //!   entry of prefix length `l` (17 to 32) inside that /16. IPv6: word [`filter_bucket6`] (the
-//!   first 32 bits folded to 16, from [`FILTER_V6_BASE`]), bit `(l - 33) / 6` for lengths 33 to
-//!   128 (a class of six lengths). A clear bit means no such entry: the program skips those
+//!   first 32 bits folded to 16, from [`FILTER_V6_BASE`]), bit `(l - 33) / 8` for lengths 33 to
+//!   128 (a class of eight lengths). A clear bit means no such entry: the program skips those
 //!   probes. IPv4 lengths up to 16 and IPv6 lengths up to 32 are always probed. See
 //!   [`filter_class`].
 //! - [`MAP_CONFIG`]: array of one [`Config`].
@@ -107,14 +107,14 @@ pub const fn filter_bucket6(addr: [u8; 4]) -> u32 {
 }
 
 /// The bit (within a role's 16) of prefix length `len`, if that length is pre-filtered:
-/// IPv4 17 to 32, IPv6 33 to 128 (six lengths a bit).
+/// IPv4 17 to 32, IPv6 33 to 128 (eight lengths a bit: a shift, no division in the program).
 #[inline(always)]
 pub const fn filter_class(v6: bool, len: u32) -> Option<u32> {
     if v6 {
         if len <= 32 || len > 128 {
             None
         } else {
-            Some((len - 33) / 6)
+            Some((len - 33) >> 3)
         }
     } else if len <= 16 || len > 32 {
         None
