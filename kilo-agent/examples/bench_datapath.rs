@@ -105,13 +105,15 @@ fn main() {
     let mesh_hit = frame(&[], v4("10.244.1.5"), v4("10.0.3.7"));
     let mesh6 = frame(&[], v6("fd00::5"), v6("fd00:0:0:2::9"));
     let pass = frame(&[], v4("172.16.200.1"), v4("8.8.8.8"));
+    let pass6 = frame(&[], v6("fd99::1"), v6("2001:db8::1"));
     let mut arp = packets::eth(&[], packets::ETH_P_ARP);
     arp.extend_from_slice(&[0u8; 28]);
-    let cases: [(&str, &[u8]); 5] = [
+    let cases: [(&str, &[u8]); 6] = [
         ("masquerade (v4)", &masq),
         ("mesh hit (v4)", &mesh_hit),
         ("mesh hit (v6)", &mesh6),
         ("no match (v4)", &pass),
+        ("no match (v6)", &pass6),
         ("not IP (ARP)", &arp),
     ];
 

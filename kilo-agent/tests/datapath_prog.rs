@@ -561,6 +561,65 @@ fn prefix_lengths_follow_the_entries() {
 }
 
 #[test]
+fn long_prefixes_pass_the_prefilter() {
+    if !support::require_root("long_prefixes_pass_the_prefilter") {
+        return;
+    }
+    let l2 = Framing::L2;
+    let mut dp = open();
+    // A /24 and a /32 in one /16, a /20 in another: each is found; the rest of those /16s
+    // falls back to the /8.
+    let mut p = plan();
+    for net in [
+        "10.9.8.0/24",
+        "10.9.200.7/32",
+        "10.10.16.0/20",
+        "fd00:9:8::/56",
+    ] {
+        p.mesh_destinations
+            .insert(net.parse().unwrap(), entry(EntryKind::Peer, "p".into()));
+    }
+    let w = dp.sync(&p, &NoResolver).unwrap();
+    // One pre-filter write per (word, length) that appears.
+    assert_eq!((w.get("map_insert"), w.get("map_filter")), (4, 4), "{w}");
+    let rows = vec![
+        ("172.16.0.1", "10.9.8.1", mesh("10.9.8.0/24")),
+        ("172.16.0.1", "10.9.200.7", mesh("10.9.200.7/32")),
+        ("172.16.0.1", "10.9.200.8", mesh("10.0.0.0/8")),
+        ("172.16.0.1", "10.10.20.1", mesh("10.10.16.0/20")),
+        ("172.16.0.1", "10.10.32.1", mesh("10.0.0.0/8")),
+        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
+        ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
+        // IPv6 past 32 bits is pre-filtered too.
+        ("fd00:99::1", "fd00:9:8:ff::1", mesh("fd00:9:8::/56")),
+        ("fd00:99::1", "fd00:9:9::1", untouched(Decision::Pass)),
+        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+    ];
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
+    // Drop the /24: its bit goes, the /32 in the same /16 still matches.
+    let mut p2 = p.clone();
+    p2.mesh_destinations
+        .remove(&"10.9.8.0/24".parse::<IpNet>().unwrap());
+    let w = dp.sync(&p2, &NoResolver).unwrap();
+    assert_eq!((w.get("map_delete"), w.get("map_filter")), (1, 1), "{w}");
+    let rows = vec![
+        ("172.16.0.1", "10.9.8.1", mesh("10.0.0.0/8")),
+        ("172.16.0.1", "10.9.200.7", mesh("10.9.200.7/32")),
+    ];
+    check_each(&mut dp, l2, addressed(eth_ip, rows));
+    // Back to the first plan: the /24 bit comes back; then nothing more to write.
+    let w = dp.sync(&p, &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_filter")), (1, 1), "{w}");
+    assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
+    check(
+        &mut dp,
+        l2,
+        &eth_ip("172.16.0.1", "10.9.8.1"),
+        mesh("10.9.8.0/24"),
+    );
+}
+
+#[test]
 fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
     if !support::require_root("too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest") {
         return;

@@ -3,7 +3,8 @@
 //!
 //! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
 //! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
-//! matches (one hash probe per prefix length present, longest first; see kilo-common)
+//! matches (one hash probe per prefix length present, longest first, skipping the lengths the
+//! pre-filter rules out; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
 //! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
@@ -26,7 +27,8 @@ use aya_ebpf::{
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES, Decision,
     ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
-    Lengths, MAX_LENGTHS,
+    FILTER_BUCKETS, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS, filter_bucket4, filter_bucket6,
+    filter_class,
 };
 
 const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
@@ -41,6 +43,8 @@ static KILO_MASQ_DST: HashMap<EntryKey, EntryValue> =
     HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
 #[map]
 static KILO_LENGTHS: Array<Lengths> = Array::with_max_entries(3, 0);
+#[map]
+static KILO_FILTER: Array<u64> = Array::with_max_entries(FILTER_BUCKETS, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map]
@@ -134,16 +138,33 @@ fn v4(a: [u8; 4]) -> [u8; 16] {
     out
 }
 
+/// The pre-filter word of `addr` (see kilo-common's `MAP_FILTER`).
+#[inline(always)]
+fn filter_word(v6: bool, addr: &[u8; 16]) -> u64 {
+    let first = [addr[0], addr[1], addr[2], addr[3]];
+    let bucket = if v6 {
+        filter_bucket6(first)
+    } else {
+        filter_bucket4(first)
+    };
+    match KILO_FILTER.get(bucket) {
+        Some(w) => *w,
+        None => u64::MAX,
+    }
+}
+
 /// The longest-prefix match of `addr` in one role's table: probe each prefix length present,
-/// longest first.
+/// longest first, skipping IPv4 lengths the pre-filter word `filter` rules out.
 #[inline(always)]
 fn find(
     map: &'static HashMap<EntryKey, EntryValue>,
     role: u32,
     v6: bool,
     addr: &[u8; 16],
+    filter: u64,
 ) -> Option<&'static EntryValue> {
     let lens = KILO_LENGTHS.get(role)?;
+    let bits = (filter >> (role * FILTER_ROLE_BITS)) as u32;
     let hi = u64::from_be_bytes([
         addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
     ]);
@@ -166,6 +187,11 @@ fn find(
         }
         let l = if v6 { lens.v6[i] } else { lens.v4[i] } as u32;
         let l = if l > width { width } else { l };
+        if let Some(c) = filter_class(v6, l)
+            && (bits >> c) & 1 == 0
+        {
+            continue;
+        }
         // Keep the first l bits of the 128-bit (hi, lo) address (IPv4 lives in hi's top 32).
         let mh = if l >= 64 {
             u64::MAX
@@ -221,7 +247,8 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
         )
     };
 
-    if let Some(entry) = find(&KILO_MESH, 0, v6, &dst) {
+    let dst_filter = filter_word(v6, &dst);
+    if let Some(entry) = find(&KILO_MESH, 0, v6, &dst, dst_filter) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         if entry.flags & ENTRY_REDIRECT != 0
             && entry.flags & ENTRY_SERVICE == 0
@@ -234,11 +261,11 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
     }
 
     let mut masquerade = false;
-    if let Some(entry) = find(&KILO_NAT_SRC, 1, v6, &src) {
+    if let Some(entry) = find(&KILO_NAT_SRC, 1, v6, &src, filter_word(v6, &src)) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         masquerade = true;
     }
-    if let Some(entry) = find(&KILO_MASQ_DST, 2, v6, &dst) {
+    if let Some(entry) = find(&KILO_MASQ_DST, 2, v6, &dst, dst_filter) {
         count(&KILO_ENTRY_COUNTERS, entry.counter, len);
         masquerade = true;
     }

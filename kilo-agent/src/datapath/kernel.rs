@@ -26,9 +26,10 @@ use aya::{
 use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK, DEFAULT_MARK_MASK,
-    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, Lengths, MAP_CONFIG,
-    MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_LENGTHS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC,
-    MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP,
+    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FILTER_V6_BASE,
+    Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST,
+    MAP_MESH, MAP_NAT_SRC, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
+    filter_bucket6,
 };
 
 use super::{
@@ -142,6 +143,11 @@ type Table = HashMap<MapData, EntryKey, EntryValue>;
 /// index ([`MAP_LENGTHS`]) in a safe order: a new length after its first entry is in, a
 /// vanished length after its last entry is gone (an extra length only costs a probe; a missing
 /// one would lose matches). Index writes are counted as `map_index`.
+///
+/// Likewise keeps a count of entries per (filter word, role, prefix length) for the
+/// pre-filter ([`MAP_FILTER`]): a bucket's bit is set before its first entry goes in and
+/// cleared after its last one is gone (a stray bit only costs a probe). Filter writes are
+/// counted as `map_filter`.
 pub struct KernelMaps {
     mesh: Table,
     nat_src: Table,
@@ -149,6 +155,9 @@ pub struct KernelMaps {
     lengths: Array<MapData, Lengths>,
     counts: BTreeMap<(Role, u32, u32), usize>,
     index_writes: u64,
+    filter: Array<MapData, u64>,
+    filter_counts: BTreeMap<(u32, u32, u32), usize>,
+    filter_writes: u64,
     config: Array<MapData, Config>,
     decisions: PerCpuArray<MapData, Counter>,
     entry_counters: PerCpuArray<MapData, Counter>,
@@ -180,6 +189,9 @@ impl KernelMaps {
             lengths: take(ebpf, MAP_LENGTHS)?,
             counts: BTreeMap::new(),
             index_writes: 0,
+            filter: take(ebpf, MAP_FILTER)?,
+            filter_counts: BTreeMap::new(),
+            filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
             decisions: take(ebpf, MAP_DECISIONS)?,
             entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
@@ -194,11 +206,46 @@ impl KernelMaps {
                     .counts
                     .entry((role, k.family, k.prefix_len))
                     .or_default() += 1;
+                if let Some((slot, _)) = filter_slot(role, &net) {
+                    *maps.filter_counts.entry(slot).or_default() += 1;
+                }
             }
             maps.publish(role)?;
         }
+        let buckets: std::collections::BTreeSet<u32> =
+            maps.filter_counts.keys().map(|k| k.0).collect();
+        for bucket in buckets {
+            maps.publish_filter(bucket)?;
+        }
         maps.index_writes = 0;
+        maps.filter_writes = 0;
         Ok(maps)
+    }
+
+    /// Writes the pre-filter word of `bucket` if it differs from what the counts say.
+    fn publish_filter(&mut self, bucket: u32) -> Result<(), DatapathError> {
+        let mut want = 0u64;
+        for ((_, role, len), n) in self
+            .filter_counts
+            .range((bucket, 0, 0)..=(bucket, u32::MAX, u32::MAX))
+        {
+            if *n > 0
+                && let Some(bit) = filter_bit(*role, bucket >= FILTER_V6_BASE, *len)
+            {
+                want |= bit;
+            }
+        }
+        let have = self
+            .filter
+            .get(&bucket, 0)
+            .map_err(|e| DatapathError::map(MAP_FILTER, e))?;
+        if have != want {
+            self.filter
+                .set(bucket, &want, 0)
+                .map_err(|e| DatapathError::map(MAP_FILTER, e))?;
+            self.filter_writes += 1;
+        }
+        Ok(())
     }
 
     /// The lengths index of `role` as the counts say it should be.
@@ -257,6 +304,21 @@ impl KernelMaps {
     fn zeroes(&self) -> PerCpuValues<Counter> {
         PerCpuValues::try_from(vec![Counter::default(); self.nr_cpus]).expect("nr_cpus > 0")
     }
+}
+
+/// The pre-filter count key of an entry, and its bit, if its length is filtered.
+fn filter_slot(role: Role, net: &IpNet) -> Option<((u32, u32, u32), u64)> {
+    let net = net.trunc();
+    let len = u32::from(net.prefix_len());
+    let (bucket, v6) = match net {
+        IpNet::V4(n) => (filter_bucket4(n.addr().octets()), false),
+        IpNet::V6(n) => {
+            let o = n.addr().octets();
+            (filter_bucket6([o[0], o[1], o[2], o[3]]), true)
+        }
+    };
+    let bit = filter_bit(role.index(), v6, len)?;
+    Some(((bucket, role.index(), len), bit))
 }
 
 fn errno(e: &MapError) -> Option<i32> {
@@ -321,14 +383,41 @@ impl DatapathMaps for KernelMaps {
                 });
             }
         }
-        self.trie_mut(role)
+        // The pre-filter bit goes in before the entry (a missing bit would lose the match).
+        let filter = if exists {
+            None
+        } else {
+            filter_slot(role, &net)
+        };
+        if let Some((fslot, _)) = filter {
+            let n = self.filter_counts.entry(fslot).or_default();
+            *n += 1;
+            if *n == 1 {
+                self.publish_filter(fslot.0)?;
+            }
+        }
+        let inserted = self
+            .trie_mut(role)
             .insert(&key, value, 0)
             .map_err(|e| match errno(&e) {
                 Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
                     DatapathError::Full { name, capacity }
                 }
                 _ => DatapathError::map(name, e),
-            })?;
+            });
+        if let Err(e) = inserted {
+            // Not in: uncount it (its bit, if it was the first, stays until the bucket's next
+            // publish; a stray bit only costs a probe).
+            if let Some((fslot, _)) = filter
+                && let Some(n) = self.filter_counts.get_mut(&fslot)
+            {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.filter_counts.remove(&fslot);
+                }
+            }
+            return Err(e);
+        }
         if !exists {
             *self.counts.entry(slot).or_default() += 1;
         }
@@ -354,11 +443,24 @@ impl DatapathMaps for KernelMaps {
             self.counts.remove(&slot);
             self.publish(role)?;
         }
+        // The pre-filter bit goes after the entry's last one is gone.
+        if let Some((fslot, _)) = filter_slot(role, &net) {
+            let n = self.filter_counts.entry(fslot).or_default();
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.filter_counts.remove(&fslot);
+                self.publish_filter(fslot.0)?;
+            }
+        }
         Ok(())
     }
 
     fn take_index_writes(&mut self) -> u64 {
         std::mem::take(&mut self.index_writes)
+    }
+
+    fn take_filter_writes(&mut self) -> u64 {
+        std::mem::take(&mut self.filter_writes)
     }
 
     fn counter_slots(&self) -> u32 {
@@ -445,6 +547,7 @@ impl Datapath {
                 MAP_NAT_SRC,
                 MAP_MASQ_DST,
                 MAP_LENGTHS,
+                MAP_FILTER,
                 MAP_CONFIG,
                 MAP_DECISIONS,
                 MAP_ENTRY_COUNTERS,

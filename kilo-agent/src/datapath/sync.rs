@@ -57,6 +57,10 @@ pub trait DatapathMaps {
     fn take_index_writes(&mut self) -> u64 {
         0
     }
+    /// Writes made to the IPv4 pre-filter since the last call.
+    fn take_filter_writes(&mut self) -> u64 {
+        0
+    }
 }
 
 pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
@@ -128,6 +132,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
             }
             let inserted = maps.insert(role, net, &value);
             writes.add("map_index", maps.take_index_writes());
+            writes.add("map_filter", maps.take_filter_writes());
             inserted.map_err(wrap)?;
             writes.add(
                 if old.is_some() {
@@ -155,6 +160,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
         }
     }
     writes.add("map_index", maps.take_index_writes());
+    writes.add("map_filter", maps.take_filter_writes());
     Ok(writes)
 }
 
