@@ -48,6 +48,18 @@ link() { # link NS IFNAME PEER_NS PEER_IFNAME
   inns "$3" ip link set "$b" name "$4"; inns "$3" ip link set "$4" up
 }
 
+# udp_probe NS LABEL ADDR: pod1 sends one datagram to ADDR, a listener in NS prints its source address.
+udp_probe() {
+  inns "$1" python3 -c '
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 7000)); s.settimeout(10)
+data, addr = s.recvfrom(100); print(sys.argv[1], "saw the packet from", addr[0])' "$2" &
+  local listener=$!
+  sleep 0.5
+  inns pod1 python3 -c 'import socket, sys; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hi", (sys.argv[1], 7000))' "$3"
+  wait $listener
+}
+
 say "building the underlay, the nodes, their pods and the internet host"
 link inet eth0 under inet
 inns under ip link set inet master br0
@@ -117,23 +129,9 @@ inns pod1 busybox ping -c3 -W2 10.42.3.2
 say "pod2 (east, not a leader) -> pod3 (west): via its leader n1"
 inns pod2 busybox ping -c3 -W2 10.42.3.2
 say "pod1 -> the internet host: masqueraded (the eBPF program marks, one static nft rule masquerades)"
-inns inet python3 -c '
-import socket
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 7000)); s.settimeout(10)
-data, addr = s.recvfrom(100); print("internet host saw the packet from", addr[0])' &
-LISTENER=$!
-sleep 0.5
-inns pod1 python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hi", ("192.168.50.100", 7000))'
-wait $LISTENER
+udp_probe inet "internet host" 192.168.50.100
 say "pod1 -> pod3 again, as seen by pod3: the pod's own address (mesh traffic is never masqueraded)"
-inns pod3 python3 -c '
-import socket
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 7000)); s.settimeout(10)
-data, addr = s.recvfrom(100); print("pod3 saw the packet from", addr[0])' &
-LISTENER=$!
-sleep 0.5
-inns pod1 python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hi", ("10.42.3.2", 7000))'
-wait $LISTENER
+udp_probe pod3 pod3 10.42.3.2
 
 say "n1's metrics: Kilo's names, plus kernel writes and the datapath's counters (per decision, per map entry) and map occupancy"
 inns n1 python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:1107/metrics").read().decode())' \
