@@ -3,9 +3,10 @@
 //! (10,000 entries from empty; a 1-entry change into 10,000: time and map writes).
 //!
 //! `cargo run --release -p kilo-agent --example bench_datapath [-- --repeat N --rounds R]`
-#[path = "../tests/support/packets.rs"]
-#[allow(dead_code)]
-mod packets;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use support::{arg, packets};
 
 use std::{
     collections::BTreeMap,
@@ -64,15 +65,6 @@ fn plan(n: usize) -> DatapathPlan {
     }
 }
 
-fn arg(name: &str, default: u32) -> u32 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// The median over `rounds` of the kernel's average ns per run.
 fn ns(prog: &aya::programs::SchedClassifier, pkt: &[u8], repeat: u32, rounds: u32) -> f64 {
     let mut v: Vec<f64> = (0..rounds).map(|_| time(prog, pkt, repeat)).collect();
@@ -91,8 +83,8 @@ fn open(slots: u32) -> Datapath {
 }
 
 fn main() {
-    let repeat = arg("--repeat", 1_000_000);
-    let rounds = arg("--rounds", 7);
+    let repeat = arg::<u32>("--repeat", 1_000_000);
+    let rounds = arg::<u32>("--rounds", 7);
     println!(
         "# datapath benchmark (BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds)"
     );

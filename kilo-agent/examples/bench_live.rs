@@ -32,6 +32,9 @@
 //! interleaved round by round; medians, minima and medians of per-round (paired) differences
 //! are shown. The machine is shared with other work: whole-softirq differences below ~100 ns
 //! are within noise; the program run times are not.
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::{
     fs::File,
     io,
@@ -56,6 +59,8 @@ use kilo_agent::{
 };
 use std::collections::BTreeMap;
 
+use support::{arg, netns::sh};
+
 const SENDER_CPU: usize = 0;
 const RPS_CPU: usize = 1;
 const POD: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 2);
@@ -69,21 +74,6 @@ const DROP_TABLE: &str = "benchdrop";
 
 // ---------------------------------------------------------------------------------------------
 // Namespaces (a guard that deletes them on every path, panics included)
-
-fn sh(cmd: &str) -> String {
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run `{cmd}`: {e}"));
-    assert!(
-        out.status.success(),
-        "`{cmd}` failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// The three namespaces; dropping deletes them (and with them every link, program attachment,
 /// nft table and conntrack entry made inside).
@@ -870,15 +860,6 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 struct Case {
     name: &'static str,
     prog: Prog,
@@ -980,12 +961,12 @@ fn main() {
         println!("bench_live: needs root (network namespaces, BPF, nftables); skipped");
         return;
     }
-    let packets = arg("--packets", 100_000);
-    let flows = arg("--flows", 20_000) as u32;
-    let rounds = arg("--rounds", 10) as usize;
+    let packets = arg::<u64>("--packets", 100_000);
+    let flows = arg::<u64>("--flows", 20_000) as u32;
+    let rounds = arg::<u64>("--rounds", 10) as usize;
     // `--only 1` or `--only 2`: one part; `--no-prog-stats`: without BPF_ENABLE_STATS (whose
     // clock reads add to every program run, so to the hook cost).
-    let only = arg("--only", 0);
+    let only = arg::<u64>("--only", 0);
     let prog_stats = !std::env::args().any(|a| a == "--no-prog-stats");
     let modes: &[(&str, u32, u64)] =
         if thread::available_parallelism().map_or(1, |n| n.get()) > RPS_CPU {

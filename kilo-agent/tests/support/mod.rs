@@ -16,3 +16,13 @@ pub fn require_root(test: &str) -> bool {
     }
     root
 }
+
+/// `--name VALUE` from the command line (the benchmarks' flags), or `default`.
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
