@@ -175,14 +175,17 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
         let p = peers(&a);
         p.contains(&remote.to_string()) && p.contains(&laptop.to_string())
     });
-    let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
-    assert!(
-        mine.contains(&me_public.to_string()) && mine.contains("10.0.0.1:51820"),
-        "{mine}"
-    );
-    assert!(
-        mine.contains("kilo.squat.ai/wireguard-ip: 10.4.0.1/16"),
-        "{mine}"
+    // The node file is written first without a WireGuard IP (no plan yet), then again once the
+    // plan makes this node a leader: wait for the second write rather than race it.
+    let mine = || std::fs::read_to_string(dir.path().join("me.yaml")).unwrap_or_default();
+    eventually(
+        "our node file carries our key, endpoint and WireGuard IP",
+        || {
+            let m = mine();
+            m.contains(&me_public.to_string())
+                && m.contains("10.0.0.1:51820")
+                && m.contains("kilo.squat.ai/wireguard-ip: 10.4.0.1/16")
+        },
     );
     eventually("routes are in place", || {
         a.sh("ip route show proto 107").contains("10.5.0.1 dev")
