@@ -29,11 +29,7 @@ fn data(name: &str) -> String {
 /// The fixture's objects, with `last-seen: NOW` set to [`NOW`].
 fn fixture() -> mesh::Snapshot {
     let text = data("fixture.yaml").replace("\"NOW\"", &format!("\"{NOW}\""));
-    let mut snap = mesh::Snapshot::default();
-    for (i, doc) in text.split("\n---\n").skip(1).enumerate() {
-        let obj = objects::parse_object(doc.as_bytes(), &format!("doc{i}")).unwrap();
-        objects::insert(&mut snap, obj, "fixture").unwrap();
-    }
+    let snap = objects::parse_stream(&text, "fixture.yaml").unwrap();
     assert_eq!((snap.nodes.len(), snap.peers.len()), (4, 2));
     snap
 }

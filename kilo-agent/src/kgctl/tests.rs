@@ -6,16 +6,7 @@ const NOW: i64 = 1_700_000_000;
 fn snapshot() -> Snapshot {
     let text = include_str!("../../tests/data/kilo/fixture.yaml")
         .replace("\"NOW\"", &format!("\"{NOW}\""));
-    let mut snap = Snapshot::default();
-    for (i, doc) in text.split("\n---\n").skip(1).enumerate() {
-        objects::insert(
-            &mut snap,
-            objects::parse_object(doc.as_bytes(), &format!("{i}")).unwrap(),
-            "f",
-        )
-        .unwrap();
-    }
-    snap
+    objects::parse_stream(&text, "fixture.yaml").unwrap()
 }
 
 fn opts(g: Granularity) -> Options {

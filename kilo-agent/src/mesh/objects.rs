@@ -101,6 +101,20 @@ pub fn insert(snapshot: &mut Snapshot, obj: Object, path: &str) -> Result<(), Ob
     Ok(())
 }
 
+/// Parses a YAML stream of several objects separated by `---` lines (as `kubectl get -o yaml`
+/// lists or Kilo's test fixture write them); documents without a `kind` (comments only) are skipped.
+pub fn parse_stream(text: &str, origin: &str) -> Result<Snapshot, ObjectError> {
+    let mut snapshot = Snapshot::default();
+    for (i, doc) in text.split("\n---\n").enumerate() {
+        let path = format!("{origin}#{i}");
+        let kinded = doc.lines().any(|l| l.starts_with("kind:"));
+        if kinded {
+            insert(&mut snapshot, parse_object(doc.as_bytes(), &path)?, &path)?;
+        }
+    }
+    Ok(snapshot)
+}
+
 /// Loads every object file of `dir` (sorted by file name). Bad files are reported, not fatal.
 pub fn load_dir(dir: &Path) -> (Snapshot, Vec<ObjectError>) {
     let mut snapshot = Snapshot::default();
