@@ -15,6 +15,7 @@ use kilo_agent::{
 };
 use kilo_common::{ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_V4};
 use support::{
+    bpffs::BpfFs,
     netns::NetNs,
     packets::{self, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, eth, frame, ip, run, v4, v6},
 };
@@ -62,14 +63,33 @@ fn plan() -> DatapathPlan {
     }
 }
 
-fn open() -> Datapath {
+fn open_with(v4_chunks: u32) -> Datapath {
     let mut dp = Datapath::open(DatapathConfig {
         pin_dir: None,
+        v4_chunks,
         ..Default::default()
     })
     .expect("load the datapath");
     dp.sync(&plan(), &NoResolver).expect("sync");
     dp
+}
+
+/// IPv4 through the direct index.
+fn open() -> Datapath {
+    open_with(kilo_common::DEFAULT_V4_CHUNKS)
+}
+
+/// IPv4 through the hash tables (the direct index off): their prefix-length index and
+/// pre-filter.
+fn open_hashed() -> Datapath {
+    open_with(0)
+}
+
+/// Every way of looking IPv4 up, for the tests of decisions: the direct index, the direct
+/// index with pools of one chunk (the first /16 needing one takes it, the others fall back to
+/// the hash tables), the hash tables alone.
+fn every_mode() -> [Datapath; 3] {
+    [open(), open_with(1), open_hashed()]
 }
 
 fn delta(
@@ -225,41 +245,42 @@ fn ipv4_ethernet_decisions() {
     if !support::require_root("ipv4_ethernet_decisions") {
         return;
     }
-    let mut dp = open();
-    use Decision::*;
-    let rows = vec![
-        // NAT source to the internet: masqueraded.
-        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
-        // NAT source to a mesh destination: left alone; the longest prefix (/16, not /8)
-        // counts it.
-        ("10.244.1.5", "10.1.5.5", mesh("10.1.0.0/16")),
-        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
-        // Not a NAT source, not a masquerade destination: left alone.
-        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
-        // Allowed-location IPs are masqueraded from anywhere...
-        ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
-        // ...and both entries count a NAT source sending there.
-        ("10.244.1.5", "192.168.50.9", masq(&[NAT4, ALLOWED4])),
-        // ...unless they are also a mesh destination.
-        ("172.16.0.1", "10.1.2.3", mesh("10.1.0.0/16")),
-        // Other mark bits (kube-proxy's 0x4000) are kept, ours added...
-        (
-            "10.244.1.5",
-            "8.8.8.8",
-            masq(&[NAT4]).marks(0x4000, 0x4000 | MARK),
-        ),
-        // ...and left untouched when we do not masquerade.
-        (
-            "172.16.0.1",
-            "8.8.8.8",
-            untouched(Pass).marks(0x4000, 0x4000),
-        ),
-    ];
-    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
-    // The packet is never rewritten.
-    let pkt = eth_ip("10.244.1.5", "8.8.8.8");
-    let r = run(dp.program(Framing::L2), &pkt, 0, 0, 1);
-    assert_eq!(r.data, pkt);
+    for mut dp in every_mode() {
+        use Decision::*;
+        let rows = vec![
+            // NAT source to the internet: masqueraded.
+            ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
+            // NAT source to a mesh destination: left alone; the longest prefix (/16, not /8)
+            // counts it.
+            ("10.244.1.5", "10.1.5.5", mesh("10.1.0.0/16")),
+            ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
+            // Not a NAT source, not a masquerade destination: left alone.
+            ("172.16.0.1", "8.8.8.8", untouched(Pass)),
+            // Allowed-location IPs are masqueraded from anywhere...
+            ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
+            // ...and both entries count a NAT source sending there.
+            ("10.244.1.5", "192.168.50.9", masq(&[NAT4, ALLOWED4])),
+            // ...unless they are also a mesh destination.
+            ("172.16.0.1", "10.1.2.3", mesh("10.1.0.0/16")),
+            // Other mark bits (kube-proxy's 0x4000) are kept, ours added...
+            (
+                "10.244.1.5",
+                "8.8.8.8",
+                masq(&[NAT4]).marks(0x4000, 0x4000 | MARK),
+            ),
+            // ...and left untouched when we do not masquerade.
+            (
+                "172.16.0.1",
+                "8.8.8.8",
+                untouched(Pass).marks(0x4000, 0x4000),
+            ),
+        ];
+        check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
+        // The packet is never rewritten.
+        let pkt = eth_ip("10.244.1.5", "8.8.8.8");
+        let r = run(dp.program(Framing::L2), &pkt, 0, 0, 1);
+        assert_eq!(r.data, pkt);
+    }
 }
 
 #[test]
@@ -286,25 +307,26 @@ fn vlan_tags_are_skipped() {
     if !support::require_root("vlan_tags_are_skipped") {
         return;
     }
-    let mut dp = open();
-    let q = [(ETH_P_8021Q, 7)];
-    let qinq = [(ETH_P_8021AD, 100), (ETH_P_8021Q, 7)];
-    // A tag with nothing after it is truncated.
-    let mut cut = eth(&[], ETH_P_8021Q);
-    cut.extend_from_slice(&[0, 7]);
-    let cases = vec![
-        (frame(&q, v4("10.244.1.5"), v4("8.8.8.8")), masq(&[NAT4])),
-        (
-            frame(&qinq, v4("10.244.1.5"), v4("10.1.5.5")),
-            mesh("10.1.0.0/16"),
-        ),
-        (
-            frame(&qinq, v6("fd00:244:1::5"), v6("2001:db8::1")),
-            masq(&[NAT6]),
-        ),
-        (cut, untouched(Decision::Malformed)),
-    ];
-    check_each(&mut dp, Framing::L2, cases);
+    for mut dp in every_mode() {
+        let q = [(ETH_P_8021Q, 7)];
+        let qinq = [(ETH_P_8021AD, 100), (ETH_P_8021Q, 7)];
+        // A tag with nothing after it is truncated.
+        let mut cut = eth(&[], ETH_P_8021Q);
+        cut.extend_from_slice(&[0, 7]);
+        let cases = vec![
+            (frame(&q, v4("10.244.1.5"), v4("8.8.8.8")), masq(&[NAT4])),
+            (
+                frame(&qinq, v4("10.244.1.5"), v4("10.1.5.5")),
+                mesh("10.1.0.0/16"),
+            ),
+            (
+                frame(&qinq, v6("fd00:244:1::5"), v6("2001:db8::1")),
+                masq(&[NAT6]),
+            ),
+            (cut, untouched(Decision::Malformed)),
+        ];
+        check_each(&mut dp, Framing::L2, cases);
+    }
 }
 
 #[test]
@@ -367,34 +389,35 @@ fn raw_ip_framing_on_a_device_without_mac_header() {
     // BPF_PROG_TEST_RUN always hands a TC program the data from its first byte, like a TC hook
     // on a raw-IP device (WireGuard, TUN) does: the packets below start at the IP header.
     // (The kernel requires at least 14 bytes of input.)
-    let mut dp = open();
-    use Decision::*;
-    let m4 = raw_ip("10.244.1.5", "8.8.8.8");
-    let r = check(&mut dp, Framing::L3, &m4, masq(&[NAT4]));
-    assert_eq!(r.data, m4, "the packet is left as it was");
-    let full6 = raw_ip("fd00:244:1::5", "2001:db8::1");
-    let mut bad_ihl = m4.clone();
-    bad_ihl[0] = 0x43;
-    let rows = vec![
-        ("10.244.1.5", "10.1.9.9", mesh("10.1.0.0/16")),
-        ("172.16.0.1", "192.168.50.1", masq(&[ALLOWED4])),
-        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
-        ("fd00:244:1::5", "fd00:1:2::1", mesh("fd00:1:2::/64")),
-        ("172.16.0.1", "8.8.8.8", untouched(Pass)),
-    ];
-    let mut cases = addressed(raw_ip, rows);
-    cases.extend([
-        // Truncated raw IP: inside the IPv4 and the IPv6 header; a bad IHL.
-        (m4[..19].to_vec(), untouched(Malformed)),
-        (full6[..39].to_vec(), untouched(Malformed)),
-        (bad_ihl, untouched(Malformed)),
-        // Not IP (version nibble 1).
-        (vec![0x10; 28], untouched(NotIp)),
-    ]);
-    check_each(&mut dp, Framing::L3, cases);
-    // The Ethernet program on the same bytes would misparse: framing matters.
-    let r = run(dp.program(Framing::L2), &m4, 0, 0, 1);
-    assert_eq!(r.mark, 0);
+    for mut dp in every_mode() {
+        use Decision::*;
+        let m4 = raw_ip("10.244.1.5", "8.8.8.8");
+        let r = check(&mut dp, Framing::L3, &m4, masq(&[NAT4]));
+        assert_eq!(r.data, m4, "the packet is left as it was");
+        let full6 = raw_ip("fd00:244:1::5", "2001:db8::1");
+        let mut bad_ihl = m4.clone();
+        bad_ihl[0] = 0x43;
+        let rows = vec![
+            ("10.244.1.5", "10.1.9.9", mesh("10.1.0.0/16")),
+            ("172.16.0.1", "192.168.50.1", masq(&[ALLOWED4])),
+            ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+            ("fd00:244:1::5", "fd00:1:2::1", mesh("fd00:1:2::/64")),
+            ("172.16.0.1", "8.8.8.8", untouched(Pass)),
+        ];
+        let mut cases = addressed(raw_ip, rows);
+        cases.extend([
+            // Truncated raw IP: inside the IPv4 and the IPv6 header; a bad IHL.
+            (m4[..19].to_vec(), untouched(Malformed)),
+            (full6[..39].to_vec(), untouched(Malformed)),
+            (bad_ihl, untouched(Malformed)),
+            // Not IP (version nibble 1).
+            (vec![0x10; 28], untouched(NotIp)),
+        ]);
+        check_each(&mut dp, Framing::L3, cases);
+        // The Ethernet program on the same bytes would misparse: framing matters.
+        let r = run(dp.program(Framing::L2), &m4, 0, 0, 1);
+        assert_eq!(r.mark, 0);
+    }
 }
 
 /// The mesh entry for `net`, as the datapath holds it.
@@ -423,61 +446,62 @@ fn fast_path_redirects_mesh_but_never_services() {
     if !support::require_root("fast_path_redirects_mesh_but_never_services") {
         return;
     }
-    let mut dp = open();
-    let l2 = Framing::L2;
-    // Give an entry an egress (a raw write, as a resolver would), keeping its counter slot.
-    let give_egress = |dp: &mut Datapath, net: &str, flags| {
-        let net: IpNet = net.parse().unwrap();
-        let value = EntryValue {
-            counter: mesh_entry(dp, net).counter,
-            flags,
-            kind: 3,
-            ifindex: 1,
-            nh_family: FAMILY_V4,
-            nh_addr: [10, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    for mut dp in every_mode() {
+        let l2 = Framing::L2;
+        // Give an entry an egress (a raw write, as a resolver would), keeping its counter slot.
+        let give_egress = |dp: &mut Datapath, net: &str, flags| {
+            let net: IpNet = net.parse().unwrap();
+            let value = EntryValue {
+                counter: mesh_entry(dp, net).counter,
+                flags,
+                kind: 3,
+                ifindex: 1,
+                nh_family: FAMILY_V4,
+                nh_addr: [10, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            };
+            dp.maps().insert(Role::Mesh, net, &value).unwrap();
         };
-        dp.maps().insert(Role::Mesh, net, &value).unwrap();
-    };
-    // The /16 peer entry and the service.
-    give_egress(&mut dp, "10.1.0.0/16", ENTRY_REDIRECT | ENTRY_NEIGH);
-    give_egress(&mut dp, "10.96.0.0/12", ENTRY_REDIRECT | ENTRY_SERVICE);
-    let to_peer = eth_ip("10.244.1.5", "10.1.5.5");
-    // Off by default: left to the stack.
-    check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
-    assert!(!dp.set_fast_path(true).unwrap().is_empty());
-    assert!(dp.set_fast_path(true).unwrap().is_empty());
-    let r = check(&mut dp, l2, &to_peer, redirected("10.1.0.0/16"));
-    // Forwarded like a router: TTL 64 -> 63 with a valid header checksum, nothing else changed.
-    assert_eq!(r.data[14 + 8], 63);
-    assert_eq!(
-        packets::checksum(&r.data[14..34]),
-        0,
-        "IPv4 header checksum"
-    );
-    assert_eq!(r.data[..22], to_peer[..22]);
-    assert_eq!(r.data[26..], to_peer[26..]);
-    // Services are never redirected, even with an egress in their entry.
-    let to_service = eth_ip("10.244.1.5", "10.96.0.10");
-    check(&mut dp, l2, &to_service, mesh("10.96.0.0/12"));
-    // A packet whose TTL would expire goes to the stack (which sends the ICMP error).
-    let mut ttl1 = eth(&[], ETH_P_IP);
-    ttl1.extend(ip(v4("10.244.1.5"), v4("10.1.5.5"), 1, 10));
-    let r = check(&mut dp, l2, &ttl1, mesh("10.1.0.0/16"));
-    assert_eq!(r.data, ttl1);
-    let rows = vec![
-        // Entries without an egress are not redirected; masquerading is unaffected.
-        ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
-        ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
-    ];
-    check_each(&mut dp, l2, addressed(eth_ip, rows));
-    // IPv6 hop limit.
-    give_egress(&mut dp, "fd00:1:2::/64", ENTRY_REDIRECT);
-    let p6 = eth_ip("fd00:244:1::5", "fd00:1:2::9");
-    let r = check(&mut dp, l2, &p6, redirected("fd00:1:2::/64"));
-    assert_eq!(r.data[14 + 7], 63);
-    // Turning it off again.
-    dp.set_fast_path(false).unwrap();
-    check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
+        // The /16 peer entry and the service.
+        give_egress(&mut dp, "10.1.0.0/16", ENTRY_REDIRECT | ENTRY_NEIGH);
+        give_egress(&mut dp, "10.96.0.0/12", ENTRY_REDIRECT | ENTRY_SERVICE);
+        let to_peer = eth_ip("10.244.1.5", "10.1.5.5");
+        // Off by default: left to the stack.
+        check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
+        assert!(!dp.set_fast_path(true).unwrap().is_empty());
+        assert!(dp.set_fast_path(true).unwrap().is_empty());
+        let r = check(&mut dp, l2, &to_peer, redirected("10.1.0.0/16"));
+        // Forwarded like a router: TTL 64 -> 63 with a valid header checksum, nothing else changed.
+        assert_eq!(r.data[14 + 8], 63);
+        assert_eq!(
+            packets::checksum(&r.data[14..34]),
+            0,
+            "IPv4 header checksum"
+        );
+        assert_eq!(r.data[..22], to_peer[..22]);
+        assert_eq!(r.data[26..], to_peer[26..]);
+        // Services are never redirected, even with an egress in their entry.
+        let to_service = eth_ip("10.244.1.5", "10.96.0.10");
+        check(&mut dp, l2, &to_service, mesh("10.96.0.0/12"));
+        // A packet whose TTL would expire goes to the stack (which sends the ICMP error).
+        let mut ttl1 = eth(&[], ETH_P_IP);
+        ttl1.extend(ip(v4("10.244.1.5"), v4("10.1.5.5"), 1, 10));
+        let r = check(&mut dp, l2, &ttl1, mesh("10.1.0.0/16"));
+        assert_eq!(r.data, ttl1);
+        let rows = vec![
+            // Entries without an egress are not redirected; masquerading is unaffected.
+            ("10.244.1.5", "10.7.0.1", mesh("10.0.0.0/8")),
+            ("10.244.1.5", "8.8.8.8", masq(&[NAT4])),
+        ];
+        check_each(&mut dp, l2, addressed(eth_ip, rows));
+        // IPv6 hop limit.
+        give_egress(&mut dp, "fd00:1:2::/64", ENTRY_REDIRECT);
+        let p6 = eth_ip("fd00:244:1::5", "fd00:1:2::9");
+        let r = check(&mut dp, l2, &p6, redirected("fd00:1:2::/64"));
+        assert_eq!(r.data[14 + 7], 63);
+        // Turning it off again.
+        dp.set_fast_path(false).unwrap();
+        check(&mut dp, l2, &to_peer, mesh("10.1.0.0/16"));
+    }
 }
 
 #[test]
@@ -510,7 +534,7 @@ fn prefix_lengths_follow_the_entries() {
         return;
     }
     let l2 = Framing::L2;
-    let mut dp = open();
+    let mut dp = open_hashed();
     let to = |d: &str| frame(&[], v4("172.16.0.1"), v4(d));
     // /16 and /8 present: the /16 wins.
     check(&mut dp, l2, &to("10.1.5.5"), mesh("10.1.0.0/16"));
@@ -561,12 +585,80 @@ fn prefix_lengths_follow_the_entries() {
 }
 
 #[test]
+fn the_direct_index_writes_a_chunk_or_two_per_change() {
+    if !support::require_root("the_direct_index_writes_a_chunk_or_two_per_change") {
+        return;
+    }
+    let l2 = Framing::L2;
+    let mut dp = open();
+    let to = |d: &str| frame(&[], v4("172.16.0.1"), v4(d));
+    // A /32 inside 10.1.0.0/16 (which already has a chunk for 10.1.2.0/24): a new chunk for
+    // its /24, and its /16's chunk rewritten to point there.
+    let mut p = plan();
+    p.mesh_destinations.insert(
+        "10.1.7.7/32".parse().unwrap(),
+        entry(EntryKind::Peer, "p".into()),
+    );
+    let w = dp.sync(&p, &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_table")), (1, 2), "{w}");
+    check(&mut dp, l2, &to("10.1.7.7"), mesh("10.1.7.7/32"));
+    check(&mut dp, l2, &to("10.1.7.8"), mesh("10.1.0.0/16"));
+    assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
+    // A new /16 in the root: one write.
+    p.mesh_destinations.insert(
+        "10.2.0.0/16".parse().unwrap(),
+        entry(EntryKind::Peer, "q".into()),
+    );
+    let w = dp.sync(&p, &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_table")), (1, 1), "{w}");
+    check(&mut dp, l2, &to("10.2.200.1"), mesh("10.2.0.0/16"));
+    // Back: the /32's chunk is let go, its /16's chunk and the root rewritten.
+    let w = dp.sync(&plan(), &NoResolver).unwrap();
+    assert_eq!((w.get("map_delete"), w.get("map_table")), (2, 2), "{w}");
+    check(&mut dp, l2, &to("10.1.7.7"), mesh("10.1.0.0/16"));
+    check(&mut dp, l2, &to("10.2.200.1"), mesh("10.0.0.0/8"));
+}
+
+#[test]
+fn the_direct_index_is_rebuilt_when_the_tables_change_behind_its_back() {
+    if !support::require_root("the_direct_index_is_rebuilt_when_the_tables_change_behind_its_back")
+    {
+        return;
+    }
+    let fs = BpfFs::new();
+    let config = DatapathConfig {
+        pin_dir: Some(fs.pin_dir("kilo")),
+        ..Default::default()
+    };
+    let mut dp = Datapath::open(config.clone()).unwrap();
+    dp.sync(&plan(), &NoResolver).unwrap();
+    let pod_out = eth_ip("10.244.1.5", "8.8.8.8");
+    check(&mut dp, Framing::L2, &pod_out, masq(&[NAT4]));
+    {
+        // A second loader on the same pins deletes an entry (and its part of the index).
+        let mut other = Datapath::open(config).unwrap();
+        other
+            .maps()
+            .remove(Role::NatSource, "10.244.1.0/24".parse().unwrap())
+            .unwrap();
+    }
+    check(&mut dp, Framing::L2, &pod_out, untouched(Decision::Pass));
+    // The next sync sees tables that differ from its index, rebuilds it from the kernel and
+    // puts the entry back, into the index too (its /16 gets a chunk again, and the root
+    // points there).
+    let w = dp.sync(&plan(), &NoResolver).unwrap();
+    assert_eq!((w.get("map_insert"), w.get("map_table")), (1, 2), "{w}");
+    check(&mut dp, Framing::L2, &pod_out, masq(&[NAT4]));
+    assert!(dp.sync(&plan(), &NoResolver).unwrap().is_empty());
+}
+
+#[test]
 fn long_prefixes_pass_the_prefilter() {
     if !support::require_root("long_prefixes_pass_the_prefilter") {
         return;
     }
     let l2 = Framing::L2;
-    let mut dp = open();
+    let mut dp = open_hashed();
     // A /24 and a /32 in one /16, a /20 in another: each is found; the rest of those /16s
     // falls back to the /8.
     let mut p = plan();
@@ -624,7 +716,7 @@ fn too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest() {
     if !support::require_root("too_many_prefix_lengths_fail_naming_the_entry_and_keep_the_rest") {
         return;
     }
-    let mut dp = open();
+    let mut dp = open_hashed();
     let before = mesh_nets(&mut dp);
     // 33 IPv4 lengths (/0 ../32) on top of the /8 and /16 already there: one too many.
     let mut p = plan();

@@ -18,6 +18,13 @@
 //!   128 (a class of eight lengths). A clear bit means no such entry: the program skips those
 //!   probes. IPv4 lengths up to 16 and IPv6 lengths up to 32 are always probed. See
 //!   [`filter_class`].
+//! - [`MAP_V4_ROOT`], [`MAP_V4_L2`], [`MAP_V4_L3`]: the IPv4 direct index, which answers
+//!   IPv4 lookups of all three roles with at most three array reads and no hashing: arrays of
+//!   [`Chunk`]s of 256 slots, the root indexed by the first octet (its slots cover /16s), a
+//!   pointer slot leading to an L2 chunk (slots cover /24s) and from there to an L3 chunk (slots
+//!   are addresses). A leaf slot holds each role's longest match for its whole range (see
+//!   [`slot_field`]); [`FIELD_FALLBACK`] sends the program to the hash tables above for that
+//!   role (IPv6 always goes there). Built and kept by the agent (datapath/direct.rs).
 //! - [`MAP_CONFIG`]: array of one [`Config`].
 //! - [`MAP_DECISIONS`]: per-CPU array of [`Counter`], indexed by [`Decision`].
 //! - [`MAP_ENTRY_COUNTERS`]: per-CPU array of [`Counter`], indexed by [`EntryValue::counter`].
@@ -32,6 +39,9 @@ pub const MAP_LENGTHS: &str = "KILO_LENGTHS";
 pub const MAP_FILTER: &str = "KILO_FILTER";
 pub const MAP_DECISIONS: &str = "KILO_DECISIONS";
 pub const MAP_ENTRY_COUNTERS: &str = "KILO_ENTRY_COUNTERS";
+pub const MAP_V4_ROOT: &str = "KILO_V4_ROOT";
+pub const MAP_V4_L2: &str = "KILO_V4_L2";
+pub const MAP_V4_L3: &str = "KILO_V4_L3";
 
 /// Names of the programs in the object.
 /// The classifier for devices with an Ethernet header (veth, bridge, physical NICs).
@@ -190,6 +200,39 @@ pub struct EntryValue {
     pub nh_addr: [u8; 16],
 }
 
+/// One node of the IPv4 direct index: 256 slots, indexed by one octet of the address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub slots: [u64; 256],
+}
+
+impl Chunk {
+    pub const EMPTY: Chunk = Chunk { slots: [0; 256] };
+}
+
+/// Default number of chunks in each of the two lower levels of the IPv4 direct index
+/// (2 KiB each: 2 MiB per level). A /16 holding entries longer than /16 takes an L2 chunk; a
+/// /24 holding entries longer than /24 takes an L3 chunk.
+pub const DEFAULT_V4_CHUNKS: u32 = 1024;
+/// A slot with this bit set points to the chunk (of the next level) in its low 32 bits.
+pub const SLOT_POINTER: u64 = 1 << 63;
+/// Bits per role in a leaf slot (role `r` at bit `FIELD_BITS * r`).
+pub const FIELD_BITS: u32 = 21;
+/// A role field: 0 no match, `counter slot + 1` the match (its per-entry counter), or
+/// [`FIELD_FALLBACK`]: look this role up in its hash table.
+pub const FIELD_FALLBACK: u32 = (1 << FIELD_BITS) - 1;
+/// A leaf that sends every role to the hash tables (a region without a free chunk).
+pub const SLOT_FALLBACK: u64 = (FIELD_FALLBACK as u64)
+    | ((FIELD_FALLBACK as u64) << FIELD_BITS)
+    | ((FIELD_FALLBACK as u64) << (2 * FIELD_BITS));
+
+/// The field of `role` in a leaf slot.
+#[inline(always)]
+pub const fn slot_field(slot: u64, role: u32) -> u32 {
+    ((slot >> (role * FIELD_BITS)) as u32) & FIELD_FALLBACK
+}
+
 /// Per-CPU packet and byte counter.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -247,4 +290,5 @@ mod user {
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::EntryValue {}
     unsafe impl aya::Pod for super::Counter {}
+    unsafe impl aya::Pod for super::Chunk {}
 }

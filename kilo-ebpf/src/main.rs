@@ -3,8 +3,9 @@
 //!
 //! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
 //! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
-//! matches (one hash probe per prefix length present, longest first, skipping the lengths the
-//! pre-filter rules out; see kilo-common)
+//! matches (IPv4: a walk of the direct index, at most three array reads per address; IPv6 and
+//! IPv4 fallback regions: one hash probe per prefix length present, longest first, skipping the
+//! lengths the pre-filter rules out; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
 //! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
@@ -25,10 +26,10 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use kilo_common::{
-    CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES, Decision,
-    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
-    FILTER_BUCKETS, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS, filter_bucket4, filter_bucket6,
-    filter_class,
+    CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
+    DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue,
+    FAMILY_V4, FAMILY_V6, FIELD_FALLBACK, FILTER_BUCKETS, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS,
+    SLOT_FALLBACK, SLOT_POINTER, filter_bucket4, filter_bucket6, filter_class, slot_field,
 };
 
 const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
@@ -45,6 +46,12 @@ static KILO_MASQ_DST: HashMap<EntryKey, EntryValue> =
 static KILO_LENGTHS: Array<Lengths> = Array::with_max_entries(3, 0);
 #[map]
 static KILO_FILTER: Array<u64> = Array::with_max_entries(FILTER_BUCKETS, 0);
+#[map]
+static KILO_V4_ROOT: Array<Chunk> = Array::with_max_entries(256, 0);
+#[map]
+static KILO_V4_L2: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
+#[map]
+static KILO_V4_L3: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map]
@@ -64,7 +71,8 @@ const ETH_P_8021AD: u16 = 0x88a8;
 pub fn kilo_ingress(ctx: TcContext) -> i32 {
     let len = ctx.len() as u64;
     let (verdict, decision) = match l2(&ctx) {
-        Ok(Some((v6, off))) => ip(&ctx, v6, off, len),
+        Ok(Some((false, off))) => ip4(&ctx, off, len),
+        Ok(Some((true, off))) => ip6(&ctx, off, len),
         Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
         Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
     };
@@ -79,8 +87,8 @@ pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
     // The smallest IP header is 20 bytes (and `start + 1 > end` would compile to a `>=`
     // comparison the verifier does not turn into a packet range).
     let (verdict, decision) = match load::<[u8; 20]>(&ctx, 0).map(|h| h[0] >> 4) {
-        Some(4) => ip(&ctx, false, 0, len),
-        Some(6) => ip(&ctx, true, 0, len),
+        Some(4) => ip4(&ctx, 0, len),
+        Some(6) => ip6(&ctx, 0, len),
         Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
         None => (TC_ACT_OK as i32, Decision::Malformed),
     };
@@ -127,7 +135,7 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-/// An IPv4 address in the 16-byte key layout.
+/// An IPv4 address in the 16-byte key layout of the hash tables.
 #[inline(always)]
 fn v4(a: [u8; 4]) -> [u8; 16] {
     let mut out = [0u8; 16];
@@ -150,6 +158,35 @@ fn filter_word(v6: bool, addr: &[u8; 16]) -> u64 {
     match KILO_FILTER.get(bucket) {
         Some(w) => *w,
         None => u64::MAX,
+    }
+}
+
+/// The leaf slot of an IPv4 address in the direct index: the root chunk of its first octet,
+/// then (while the slot points on) the L2 and L3 chunks. A missing chunk reads as a fallback.
+#[inline(always)]
+fn leaf4(addr: [u8; 4]) -> u64 {
+    let Some(root) = KILO_V4_ROOT.get(addr[0] as u32) else {
+        return SLOT_FALLBACK;
+    };
+    let slot = root.slots[addr[1] as usize];
+    if slot & SLOT_POINTER == 0 {
+        return slot;
+    }
+    let Some(l2) = KILO_V4_L2.get(slot as u32) else {
+        return SLOT_FALLBACK;
+    };
+    let slot = l2.slots[addr[2] as usize];
+    if slot & SLOT_POINTER == 0 {
+        return slot;
+    }
+    let Some(l3) = KILO_V4_L3.get(slot as u32) else {
+        return SLOT_FALLBACK;
+    };
+    let slot = l3.slots[addr[3] as usize];
+    if slot & SLOT_POINTER == 0 {
+        slot
+    } else {
+        SLOT_FALLBACK
     }
 }
 
@@ -218,58 +255,122 @@ fn find(
     None
 }
 
-/// The decision for an IP packet whose header starts at `off`.
+/// The decision for an IPv4 packet whose header starts at `off`: each role's match from the
+/// direct index (a counter slot + 1, 0 for none), or from the hash tables where the index
+/// says FIELD_FALLBACK. With the fast path on, a mesh hit is looked up again in the hash table
+/// for its egress.
 #[inline(always)]
-fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
+fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
-    let (src, dst) = if v6 {
-        let Some(hdr) = load::<[u8; 40]>(ctx, off) else {
-            return (ok, Decision::Malformed);
-        };
-        if hdr[0] >> 4 != 6 {
-            return (ok, Decision::Malformed);
-        }
-        let mut s = [0u8; 16];
-        let mut d = [0u8; 16];
-        s.copy_from_slice(&hdr[8..24]);
-        d.copy_from_slice(&hdr[24..40]);
-        (s, d)
-    } else {
-        let Some(hdr) = load::<[u8; 20]>(ctx, off) else {
-            return (ok, Decision::Malformed);
-        };
-        if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
-            return (ok, Decision::Malformed);
-        }
-        (
-            v4([hdr[12], hdr[13], hdr[14], hdr[15]]),
-            v4([hdr[16], hdr[17], hdr[18], hdr[19]]),
-        )
+    let Some(hdr) = load::<[u8; 20]>(ctx, off) else {
+        return (ok, Decision::Malformed);
     };
-
-    let dst_filter = filter_word(v6, &dst);
-    if let Some(entry) = find(&KILO_MESH, 0, v6, &dst, dst_filter) {
-        count(&KILO_ENTRY_COUNTERS, entry.counter, len);
-        if entry.flags & ENTRY_REDIRECT != 0
-            && entry.flags & ENTRY_SERVICE == 0
-            && let Some(cfg) = KILO_CONFIG.get(0)
-            && cfg.flags & CONFIG_FAST_PATH != 0
-        {
-            return redirect(ctx, v6, off, entry);
+    if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
+        return (ok, Decision::Malformed);
+    }
+    let src = [hdr[12], hdr[13], hdr[14], hdr[15]];
+    let dst = [hdr[16], hdr[17], hdr[18], hdr[19]];
+    let dst_leaf = leaf4(dst);
+    match slot_field(dst_leaf, 0) {
+        0 => {}
+        field if field != FIELD_FALLBACK && !fast_path() => {
+            count(&KILO_ENTRY_COUNTERS, field - 1, len);
+            return (ok, Decision::Mesh);
         }
-        return (ok, Decision::Mesh);
+        _ => {
+            if let Some(r) = mesh_hashed(ctx, false, off, &v4(dst), len) {
+                return r;
+            }
+        }
     }
+    let nat = indexed(slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, &src, len);
+    let masq = indexed(slot_field(dst_leaf, 2), &KILO_MASQ_DST, 2, &dst, len);
+    masquerade(ctx, nat | masq)
+}
 
-    let mut masquerade = false;
-    if let Some(entry) = find(&KILO_NAT_SRC, 1, v6, &src, filter_word(v6, &src)) {
-        count(&KILO_ENTRY_COUNTERS, entry.counter, len);
-        masquerade = true;
+/// The decision for an IPv6 packet whose header starts at `off` (hash tables only).
+#[inline(always)]
+fn ip6(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
+    let ok = TC_ACT_OK as i32;
+    let Some(hdr) = load::<[u8; 40]>(ctx, off) else {
+        return (ok, Decision::Malformed);
+    };
+    if hdr[0] >> 4 != 6 {
+        return (ok, Decision::Malformed);
     }
-    if let Some(entry) = find(&KILO_MASQ_DST, 2, v6, &dst, dst_filter) {
-        count(&KILO_ENTRY_COUNTERS, entry.counter, len);
-        masquerade = true;
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    src.copy_from_slice(&hdr[8..24]);
+    dst.copy_from_slice(&hdr[24..40]);
+    if let Some(r) = mesh_hashed(ctx, true, off, &dst, len) {
+        return r;
     }
-    if !masquerade {
+    let nat = hashed(&KILO_NAT_SRC, 1, true, &src, len);
+    let masq = hashed(&KILO_MASQ_DST, 2, true, &dst, len);
+    masquerade(ctx, nat | masq)
+}
+
+/// A mesh destination from the hash table: left alone, or redirected by the fast path.
+#[inline(always)]
+fn mesh_hashed(
+    ctx: &TcContext,
+    v6: bool,
+    off: usize,
+    dst: &[u8; 16],
+    len: u64,
+) -> Option<(i32, Decision)> {
+    let entry = find(&KILO_MESH, 0, v6, dst, filter_word(v6, dst))?;
+    count(&KILO_ENTRY_COUNTERS, entry.counter, len);
+    if entry.flags & ENTRY_REDIRECT != 0 && entry.flags & ENTRY_SERVICE == 0 && fast_path() {
+        return Some(redirect(ctx, v6, off, entry));
+    }
+    Some((TC_ACT_OK as i32, Decision::Mesh))
+}
+
+/// Whether `addr` matches a NAT source or masquerade destination entry (counting it), from
+/// the direct index's `field` or, for FIELD_FALLBACK, the hash table.
+#[inline(always)]
+fn indexed(
+    field: u32,
+    map: &'static HashMap<EntryKey, EntryValue>,
+    role: u32,
+    addr: &[u8; 4],
+    len: u64,
+) -> bool {
+    match field {
+        0 => false,
+        FIELD_FALLBACK => hashed(map, role, false, &v4(*addr), len),
+        f => {
+            count(&KILO_ENTRY_COUNTERS, f - 1, len);
+            true
+        }
+    }
+}
+
+/// Whether `addr` matches an entry of a NAT source or masquerade destination hash table
+/// (counting it).
+#[inline(always)]
+fn hashed(
+    map: &'static HashMap<EntryKey, EntryValue>,
+    role: u32,
+    v6: bool,
+    addr: &[u8; 16],
+    len: u64,
+) -> bool {
+    match find(map, role, v6, addr, filter_word(v6, addr)) {
+        Some(entry) => {
+            count(&KILO_ENTRY_COUNTERS, entry.counter, len);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Sets the masquerade mark bits (keeping the others) if `yes`.
+#[inline(always)]
+fn masquerade(ctx: &TcContext, yes: bool) -> (i32, Decision) {
+    let ok = TC_ACT_OK as i32;
+    if !yes {
         return (ok, Decision::Pass);
     }
     let Some(cfg) = KILO_CONFIG.get(0) else {
@@ -279,6 +380,14 @@ fn ip(ctx: &TcContext, v6: bool, off: usize, len: u64) -> (i32, Decision) {
     let mark = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).mark };
     ctx.set_mark((mark & !cfg.mask) | (cfg.mark & cfg.mask));
     (ok, Decision::Masquerade)
+}
+
+#[inline(always)]
+fn fast_path() -> bool {
+    match KILO_CONFIG.get(0) {
+        Some(cfg) => cfg.flags & CONFIG_FAST_PATH != 0,
+        None => false,
+    }
 }
 
 /// The fast path: decrement the TTL / hop limit like a router and redirect to the entry's

@@ -25,15 +25,18 @@ use aya::{
 };
 use ipnet::IpNet;
 use kilo_common::{
-    CONFIG_FAST_PATH, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK, DEFAULT_MARK_MASK,
-    DEFAULT_MAX_ENTRIES, Decision, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FILTER_V6_BASE,
-    Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS, MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST,
-    MAP_MESH, MAP_NAT_SRC, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
+    CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
+    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, EntryKey, EntryValue,
+    FAMILY_V4, FAMILY_V6, FILTER_V6_BASE, Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS,
+    MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3,
+    MAP_V4_ROOT, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
     filter_bucket6,
 };
 
 use super::{
-    DatapathError, Role, keys,
+    DatapathError, Role,
+    direct::{self, DirectIndex, Level},
+    keys,
     nft::{self, MasqueradeRule},
     sync::{self, Counters, DatapathMaps, Resolver},
 };
@@ -87,8 +90,13 @@ pub struct DatapathConfig {
     pub fast_path: bool,
     /// Capacity of each table.
     pub max_entries: u32,
-    /// Per-entry counter slots.
+    /// Per-entry counter slots (entries without one are not counted, and IPv4 ones are looked
+    /// up in the hash tables instead of the direct index).
     pub counter_slots: u32,
+    /// Chunks in each lower level of the IPv4 direct index (2 KiB each); regions beyond them
+    /// are looked up in the hash tables. 0 turns the index off: every IPv4 lookup goes to the
+    /// hash tables.
+    pub v4_chunks: u32,
     /// The private nftables table (family inet) holding the masquerade rule.
     pub nft_table: String,
 }
@@ -103,6 +111,7 @@ impl Default for DatapathConfig {
             fast_path: false,
             max_entries: DEFAULT_MAX_ENTRIES,
             counter_slots: DEFAULT_COUNTER_SLOTS,
+            v4_chunks: DEFAULT_V4_CHUNKS,
             nft_table: "kilo".into(),
         }
     }
@@ -148,6 +157,10 @@ type Table = HashMap<MapData, EntryKey, EntryValue>;
 /// pre-filter ([`MAP_FILTER`]): a bucket's bit is set before its first entry goes in and
 /// cleared after its last one is gone (a stray bit only costs a probe). Filter writes are
 /// counted as `map_filter`.
+///
+/// And keeps the IPv4 direct index ([`DirectIndex`]) in step with the IPv4 entries, publishing
+/// it after every insert or remove, or once per batch between [`DatapathMaps::hold_index`] and
+/// [`DatapathMaps::commit_index`]. Chunk writes are counted as `map_table`.
 pub struct KernelMaps {
     mesh: Table,
     nat_src: Table,
@@ -161,12 +174,18 @@ pub struct KernelMaps {
     config: Array<MapData, Config>,
     decisions: PerCpuArray<MapData, Counter>,
     entry_counters: PerCpuArray<MapData, Counter>,
+    v4_root: Array<MapData, Chunk>,
+    v4_l2: Array<MapData, Chunk>,
+    v4_l3: Array<MapData, Chunk>,
+    direct: DirectIndex,
+    direct_enabled: bool,
+    held: bool,
     capacity: usize,
     nr_cpus: usize,
 }
 
 impl KernelMaps {
-    fn take(ebpf: &mut Ebpf, capacity: u32) -> Result<Self, DatapathError> {
+    fn take(ebpf: &mut Ebpf, capacity: u32, direct_enabled: bool) -> Result<Self, DatapathError> {
         fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
             ebpf: &mut Ebpf,
             name: &'static str,
@@ -195,6 +214,12 @@ impl KernelMaps {
             config: take(ebpf, MAP_CONFIG)?,
             decisions: take(ebpf, MAP_DECISIONS)?,
             entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
+            v4_root: take(ebpf, MAP_V4_ROOT)?,
+            v4_l2: take(ebpf, MAP_V4_L2)?,
+            v4_l3: take(ebpf, MAP_V4_L3)?,
+            direct: DirectIndex::new(0, 0),
+            direct_enabled,
+            held: false,
             capacity: capacity as usize,
             nr_cpus,
         };
@@ -217,9 +242,77 @@ impl KernelMaps {
         for bucket in buckets {
             maps.publish_filter(bucket)?;
         }
+        maps.reload_direct()?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
         Ok(maps)
+    }
+
+    /// Rebuilds the direct index from what the kernel holds (the chunks, and the IPv4 entries
+    /// of the hash tables) and writes what is missing or stale; returns the writes. A
+    /// consistent kernel is not written.
+    fn reload_direct(&mut self) -> Result<u64, DatapathError> {
+        let mut index = if self.direct_enabled {
+            DirectIndex::new(self.v4_l2.len(), self.v4_l3.len())
+        } else {
+            DirectIndex::disabled()
+        };
+        let root = (0..256)
+            .map(|i| self.v4_root.get(&i, 0))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| DatapathError::map(MAP_V4_ROOT, e))?;
+        let (l2, l3) = (&self.v4_l2, &self.v4_l3);
+        index.adopt(root, |level, i| match level {
+            Level::L3 => l3.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L3, e)),
+            _ => l2.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L2, e)),
+        })?;
+        for role in Role::ALL {
+            for (net, value) in self.entries(role)? {
+                if let IpNet::V4(n) = net {
+                    index.set(role.index() as usize, n, Some(direct::field(value.counter)));
+                }
+            }
+        }
+        self.direct = index;
+        self.publish_direct()
+    }
+
+    /// Writes the direct index's pending chunk writes, in order; returns how many.
+    fn publish_direct(&mut self) -> Result<u64, DatapathError> {
+        let writes = self.direct.plan();
+        for w in &writes {
+            let (map, name) = match w.level {
+                Level::Root => (&mut self.v4_root, MAP_V4_ROOT),
+                Level::L2 => (&mut self.v4_l2, MAP_V4_L2),
+                Level::L3 => (&mut self.v4_l3, MAP_V4_L3),
+            };
+            map.set(w.index, &*w.chunk, 0)
+                .map_err(|e| DatapathError::map(name, e))?;
+            self.direct.applied(w);
+        }
+        self.direct.done();
+        Ok(writes.len() as u64)
+    }
+
+    /// Tells the direct index about an IPv4 entry change and, unless a batch is held,
+    /// publishes it.
+    fn update_direct(
+        &mut self,
+        role: Role,
+        net: IpNet,
+        value: Option<&EntryValue>,
+    ) -> Result<(), DatapathError> {
+        if let IpNet::V4(n) = net {
+            self.direct.set(
+                role.index() as usize,
+                n.trunc(),
+                value.map(|v| direct::field(v.counter)),
+            );
+            if !self.held {
+                self.publish_direct()?;
+            }
+        }
+        Ok(())
     }
 
     /// Writes the pre-filter word of `bucket` if it differs from what the counts say.
@@ -424,7 +517,7 @@ impl DatapathMaps for KernelMaps {
         if new_length {
             self.publish(role)?;
         }
-        Ok(())
+        self.update_direct(role, net, Some(value))
     }
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
@@ -452,7 +545,38 @@ impl DatapathMaps for KernelMaps {
                 self.publish_filter(fslot.0)?;
             }
         }
-        Ok(())
+        self.update_direct(role, net, None)
+    }
+
+    fn hold_index(&mut self) {
+        self.held = true;
+    }
+
+    fn verify_index(
+        &mut self,
+        current: &[Vec<(IpNet, EntryValue)>; 3],
+    ) -> Result<u64, DatapathError> {
+        let same = Role::ALL.iter().all(|role| {
+            let v4 = current[role.index() as usize]
+                .iter()
+                .filter_map(|(net, v)| match net {
+                    IpNet::V4(n) => Some((*n, direct::field(v.counter))),
+                    IpNet::V6(_) => None,
+                });
+            self.direct.holds(role.index() as usize, v4)
+        });
+        if same {
+            return Ok(0);
+        }
+        tracing::info!(
+            "datapath: IPv4 entries changed behind the agent's back; rebuilding the direct index"
+        );
+        self.reload_direct()
+    }
+
+    fn commit_index(&mut self) -> Result<u64, DatapathError> {
+        self.held = false;
+        self.publish_direct()
     }
 
     fn take_index_writes(&mut self) -> u64 {
@@ -535,6 +659,8 @@ impl Datapath {
             loader.map_max_entries(role.map_name(), config.max_entries);
         }
         loader.map_max_entries(MAP_ENTRY_COUNTERS, config.counter_slots);
+        loader.map_max_entries(MAP_V4_L2, config.v4_chunks.max(1));
+        loader.map_max_entries(MAP_V4_L3, config.v4_chunks.max(1));
         if let Some(dir) = &config.pin_dir {
             let maps = dir.join("maps");
             ensure_bpffs(dir)?;
@@ -551,6 +677,9 @@ impl Datapath {
                 MAP_CONFIG,
                 MAP_DECISIONS,
                 MAP_ENTRY_COUNTERS,
+                MAP_V4_ROOT,
+                MAP_V4_L2,
+                MAP_V4_L3,
             ] {
                 loader.map_pin_path(name, Cow::Owned(maps.join(name)));
             }
@@ -561,7 +690,7 @@ impl Datapath {
                 .load()
                 .map_err(|e| DatapathError::program(name, e))?;
         }
-        let mut maps = KernelMaps::take(&mut ebpf, config.max_entries)?;
+        let mut maps = KernelMaps::take(&mut ebpf, config.max_entries, config.v4_chunks > 0)?;
         let mut writes = Writes::default();
         let want = config.map_config();
         if maps.config()? != want {

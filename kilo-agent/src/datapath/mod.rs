@@ -10,6 +10,7 @@
 //!
 //! Nothing here starts a process.
 mod agent;
+mod direct;
 mod kernel;
 mod keys;
 pub mod nft;

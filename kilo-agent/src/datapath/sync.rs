@@ -61,6 +61,22 @@ pub trait DatapathMaps {
     fn take_filter_writes(&mut self) -> u64 {
         0
     }
+    /// Defers derived structures (the IPv4 direct index) until [`DatapathMaps::commit_index`]:
+    /// a batch of changes is then published at once.
+    fn hold_index(&mut self) {}
+    /// Checks derived structures against the entries the tables hold (`current`, by
+    /// [`Role::index`]), repairing them if someone else changed the tables; returns the writes.
+    fn verify_index(
+        &mut self,
+        current: &[Vec<(IpNet, EntryValue)>; 3],
+    ) -> Result<u64, DatapathError> {
+        let _ = current;
+        Ok(0)
+    }
+    /// Publishes the deferred changes and stops deferring; returns the writes made.
+    fn commit_index(&mut self) -> Result<u64, DatapathError> {
+        Ok(0)
+    }
 }
 
 pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
@@ -72,16 +88,24 @@ pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, Dat
 }
 
 /// Makes the maps equal to `plan`, writing only the difference (see the module doc).
-/// Writes are counted as `map_insert`, `map_update`, `map_delete` and `counter_reset`.
+/// Writes are counted as `map_insert`, `map_update`, `map_delete`, `counter_reset`, and for
+/// derived structures `map_table` (IPv4 direct index chunks), `map_index` and `map_filter`.
 pub fn sync_maps<M: DatapathMaps + ?Sized>(
     maps: &mut M,
     plan: &DatapathPlan,
     resolver: &dyn Resolver,
 ) -> Result<Writes, DatapathError> {
+    let read = [
+        maps.entries(Role::Mesh)?,
+        maps.entries(Role::NatSource)?,
+        maps.entries(Role::MasqueradeDestination)?,
+    ];
+    let mut writes = Writes::default();
+    writes.add("map_table", maps.verify_index(&read)?);
     let mut current: BTreeMap<Role, BTreeMap<IpNet, EntryValue>> = BTreeMap::new();
     let mut used = BTreeSet::new();
-    for role in Role::ALL {
-        let entries: BTreeMap<_, _> = maps.entries(role)?.into_iter().collect();
+    for (role, read) in Role::ALL.into_iter().zip(read) {
+        let entries: BTreeMap<_, _> = read.into_iter().collect();
         used.extend(
             entries
                 .values()
@@ -93,7 +117,32 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
     let slots = maps.counter_slots();
     let mut free = (0..slots).filter(move |s| !used.contains(s));
 
-    let mut writes = Writes::default();
+    maps.hold_index();
+    let upserted = upsert(maps, plan, resolver, &current, &mut free, &mut writes);
+    // Publish what went in, even after a failure part-way.
+    let committed = maps.commit_index();
+    upserted?;
+    writes.add("map_table", committed?);
+    maps.hold_index();
+    let deleted = delete_stale(maps, plan, &current, &mut writes);
+    let committed = maps.commit_index();
+    deleted?;
+    writes.add("map_table", committed?);
+    writes.add("map_index", maps.take_index_writes());
+    writes.add("map_filter", maps.take_filter_writes());
+    Ok(writes)
+}
+
+/// Writes the new and changed entries of `plan`.
+fn upsert<M: DatapathMaps + ?Sized>(
+    maps: &mut M,
+    plan: &DatapathPlan,
+    resolver: &dyn Resolver,
+    current: &BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
+    free: &mut impl Iterator<Item = u32>,
+    writes: &mut Writes,
+) -> Result<(), DatapathError> {
+    let slots = maps.counter_slots();
     let mut warned_slots = false;
     for role in Role::ALL {
         let have = &current[&role];
@@ -144,6 +193,16 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
             );
         }
     }
+    Ok(())
+}
+
+/// Deletes the entries `plan` no longer has.
+fn delete_stale<M: DatapathMaps + ?Sized>(
+    maps: &mut M,
+    plan: &DatapathPlan,
+    current: &BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
+    writes: &mut Writes,
+) -> Result<(), DatapathError> {
     for role in Role::ALL {
         let want = plan_role(plan, role);
         let want: BTreeSet<IpNet> = want.keys().map(IpNet::trunc).collect();
@@ -159,9 +218,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
             }
         }
     }
-    writes.add("map_index", maps.take_index_writes());
-    writes.add("map_filter", maps.take_filter_writes());
-    Ok(writes)
+    Ok(())
 }
 
 /// Traffic counters: per decision and per map entry.
