@@ -794,3 +794,76 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
         before.decision(Decision::Mesh).packets + 1
     );
 }
+
+/// A `log::Log` that keeps the records.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String)>>>);
+
+impl Captured {
+    fn take(&self) -> Vec<(log::Level, String)> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+impl log::Log for Captured {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        let entry = (record.level(), record.args().to_string());
+        self.0.lock().unwrap().push(entry);
+    }
+    fn flush(&self) {}
+}
+
+#[test]
+fn program_logs_reach_userspace_only_at_the_level_asked() {
+    if !support::require_root("program_logs_reach_userspace_only_at_the_level_asked") {
+        return;
+    }
+    let mut bad_ihl = eth_ip("10.244.1.5", "8.8.8.8");
+    bad_ihl[14] = 0x44;
+    let to_mesh = eth_ip("172.16.0.1", "10.1.5.5");
+    let mut dp = open_hashed();
+    let captured = Captured::default();
+    let mut logger = dp.logger(captured.clone()).unwrap();
+    // Off by default: nothing logged.
+    run(dp.program(Framing::L2), &bad_ihl, 0, 0, 1);
+    logger.flush();
+    assert!(captured.take().is_empty());
+    // Debug, switched on at run time (one config write): the malformed packet is logged; an
+    // IPv4 lookup sent to the hash tables (the index is off here) is a trace record, not logged.
+    assert_eq!(dp.set_log_level(4).unwrap().get("map_config"), 1);
+    run(dp.program(Framing::L2), &bad_ihl, 0, 0, 1);
+    run(dp.program(Framing::L2), &to_mesh, 0, 0, 1);
+    logger.flush();
+    let got = captured.take();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].0, log::Level::Debug);
+    let size = format!("{} bytes", bad_ihl.len());
+    assert!(
+        got[0].1.contains("malformed") && got[0].1.contains(&size),
+        "{got:?}"
+    );
+    // Trace: the fallback lookup is logged with its address, forwarded as records arrive.
+    dp.set_log_level(5).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let forwarder = tokio::spawn(kilo_agent::datapath::logs::forward(logger));
+        run(dp.program(Framing::L2), &to_mesh, 0, 0, 1);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while captured.0.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        forwarder.abort();
+    });
+    let got = captured.take();
+    assert!(
+        got.iter()
+            .any(|(l, m)| *l == log::Level::Trace && m.contains("10.1.5.5")),
+        "{got:?}"
+    );
+}

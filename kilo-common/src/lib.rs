@@ -42,6 +42,8 @@ pub const MAP_ENTRY_COUNTERS: &str = "KILO_ENTRY_COUNTERS";
 pub const MAP_V4_ROOT: &str = "KILO_V4_ROOT";
 pub const MAP_V4_L2: &str = "KILO_V4_L2";
 pub const MAP_V4_L3: &str = "KILO_V4_L3";
+/// aya-log's ring buffer (pinned too, so an adopted program and a new one log to the same).
+pub const MAP_LOGS: &str = "AYA_LOGS";
 
 /// Names of the programs in the object.
 /// The classifier for devices with an Ethernet header (veth, bridge, physical NICs).
@@ -164,7 +166,10 @@ pub struct Config {
     /// Bits of the skb mark the program owns.
     pub mask: u32,
     pub flags: u32,
-    pub _reserved: u32,
+    /// The program's log level (aya-log: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace),
+    /// read at run time and only on the paths that log, none of which a well-formed packet of a
+    /// mesh without fallback regions takes.
+    pub log_level: u32,
 }
 
 impl Config {
@@ -172,7 +177,7 @@ impl Config {
         mark: DEFAULT_MARK,
         mask: DEFAULT_MARK_MASK,
         flags: 0,
-        _reserved: 0,
+        log_level: 0,
     };
 }
 

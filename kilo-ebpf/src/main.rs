@@ -13,7 +13,9 @@
 //! - otherwise leave alone.
 //!
 //! Nothing is ever dropped; truncated or malformed packets pass untouched. The only map writes
-//! are per-CPU counters. Map layouts live in `kilo-common`.
+//! are per-CPU counters (and aya-log records, when the config asks for them: only on the rare
+//! paths, malformed packets, the fast path declining, IPv4 lookups sent to the hash tables).
+//! Map layouts live in `kilo-common`.
 #![no_std]
 #![no_main]
 
@@ -25,6 +27,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
     programs::TcContext,
 };
+use aya_log_ebpf::{debug, trace};
 use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
     DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue,
@@ -76,7 +79,7 @@ pub fn kilo_ingress(ctx: TcContext) -> i32 {
         Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
         Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
     };
-    count(&KILO_DECISIONS, decision as u32, len);
+    finish(&ctx, decision, len);
     verdict
 }
 
@@ -92,8 +95,32 @@ pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
         Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
         None => (TC_ACT_OK as i32, Decision::Malformed),
     };
-    count(&KILO_DECISIONS, decision as u32, len);
+    finish(&ctx, decision, len);
     verdict
+}
+
+/// Counts the decision (and logs a malformed packet).
+#[inline(always)]
+fn finish(ctx: &TcContext, decision: Decision, len: u64) {
+    count(&KILO_DECISIONS, decision as u32, len);
+    if decision == Decision::Malformed && logs(LOG_DEBUG) {
+        debug!(
+            ctx,
+            "malformed or truncated packet of {} bytes: passed untouched", len
+        );
+    }
+}
+
+const LOG_DEBUG: u32 = 4;
+const LOG_TRACE: u32 = 5;
+
+/// Whether the config asks for logs at `level`.
+#[inline(always)]
+fn logs(level: u32) -> bool {
+    match KILO_CONFIG.get(0) {
+        Some(cfg) => cfg.log_level >= level,
+        None => false,
+    }
 }
 
 /// Returns at once (the benchmarks' baseline).
@@ -277,7 +304,14 @@ fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
             count(&KILO_ENTRY_COUNTERS, field - 1, len);
             return (ok, Decision::Mesh);
         }
-        _ => {
+        field => {
+            if field == FIELD_FALLBACK && logs(LOG_TRACE) {
+                trace!(
+                    ctx,
+                    "IPv4 lookup of {:i} sent to the hash tables",
+                    u32::from_be_bytes(dst)
+                );
+            }
             if let Some(r) = mesh_hashed(ctx, false, off, &v4(dst), len) {
                 return r;
             }
@@ -322,7 +356,15 @@ fn mesh_hashed(
     let entry = find(&KILO_MESH, 0, v6, dst, filter_word(v6, dst))?;
     count(&KILO_ENTRY_COUNTERS, entry.counter, len);
     if entry.flags & ENTRY_REDIRECT != 0 && entry.flags & ENTRY_SERVICE == 0 && fast_path() {
-        return Some(redirect(ctx, v6, off, entry));
+        let r = redirect(ctx, v6, off, entry);
+        if r.1 == Decision::Mesh && logs(LOG_DEBUG) {
+            debug!(
+                ctx,
+                "fast path declined (TTL expiring or redirect to ifindex {} failed): left to the stack",
+                entry.ifindex
+            );
+        }
+        return Some(r);
     }
     Some((TC_ACT_OK as i32, Decision::Mesh))
 }

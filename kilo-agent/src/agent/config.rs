@@ -36,6 +36,18 @@ impl LogLevel {
             LogLevel::None => "off",
         }
     }
+
+    /// The eBPF program's level for this one (aya-log: 0 off ... 5 trace).
+    pub fn program_level(self) -> u32 {
+        match self {
+            LogLevel::All => 5,
+            LogLevel::Debug => 4,
+            LogLevel::Info => 3,
+            LogLevel::Warn => 2,
+            LogLevel::Error => 1,
+            LogLevel::None => 0,
+        }
+    }
 }
 
 /// `--log-format`: how log lines are written to stderr.
@@ -232,6 +244,11 @@ pub struct Flags {
     /// netfilter. Off by default: it also bypasses NetworkPolicy enforced in netfilter's FORWARD.
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub fast_path: bool,
+    /// What the eBPF program itself logs (malformed packets and the fast path declining at
+    /// debug, IPv4 lookups sent to the hash tables at all), as this agent's log lines with target
+    /// `kilo_ebpf` (still subject to --log-level). The program pays for it only on those paths.
+    #[arg(long, value_enum, default_value_t = LogLevel::None)]
+    pub datapath_log_level: LogLevel,
     /// Run without the eBPF datapath (no masquerading decisions: only WireGuard, routes and rules).
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub datapath: bool,

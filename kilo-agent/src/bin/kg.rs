@@ -9,13 +9,13 @@ use clap::Parser as _;
 use kilo_agent::{
     agent::{
         Agent, Local, LoopSettings,
-        config::{BackendKind, Encapsulate, Flags, LogFormat, Mtu},
+        config::{BackendKind, Encapsulate, Flags, LogFormat, LogLevel, Mtu},
         detect, key,
         planner::planner,
         seccomp,
     },
     backend::{Backend, Liveness, file::FileBackend, kubernetes},
-    datapath::{AgentDatapath, Datapath, DatapathConfig},
+    datapath::{AgentDatapath, Datapath, DatapathConfig, logs},
     plan,
     reconcile::{
         DatapathSync, NoDatapath, Reconciler, Settings,
@@ -50,12 +50,19 @@ fn datapath(flags: &Flags, devices: Devices) -> anyhow::Result<Box<dyn DatapathS
     if !flags.datapath || (flags.dry_run && !flags.bpffs_dir.exists()) {
         return Ok(Box::new(NoDatapath));
     }
-    let loaded = Datapath::open(DatapathConfig {
+    let mut loaded = Datapath::open(DatapathConfig {
         pin_dir: Some(flags.bpffs_dir.clone()),
         fast_path: flags.fast_path,
+        log_level: flags.datapath_log_level.program_level(),
         ..DatapathConfig::default()
     })
     .context("loading the eBPF datapath")?;
+    if flags.datapath_log_level != LogLevel::None {
+        let logger = loaded
+            .logger(logs::TracingLog)
+            .context("reading the eBPF program's logs")?;
+        tokio::spawn(logs::forward(logger));
+    }
     Ok(Box::new(AgentDatapath::new(
         loaded,
         devices,
@@ -207,10 +214,15 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`.
+/// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`. The object loader's
+/// own debug chatter (hundreds of relocation lines per load) stays out below `all`.
 fn init_logging(flags: &Flags) {
+    let directive = match flags.log_level {
+        LogLevel::Debug => "debug,aya_obj=info,aya=info",
+        level => level.directive(),
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(flags.log_level.directive()));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(directive));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -28,7 +28,7 @@ use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
     DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, EntryKey, EntryValue,
     FAMILY_V4, FAMILY_V6, FILTER_V6_BASE, Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS,
-    MAP_FILTER, MAP_LENGTHS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3,
+    MAP_FILTER, MAP_LENGTHS, MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3,
     MAP_V4_ROOT, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
     filter_bucket6,
 };
@@ -99,6 +99,8 @@ pub struct DatapathConfig {
     pub v4_chunks: u32,
     /// The private nftables table (family inet) holding the masquerade rule.
     pub nft_table: String,
+    /// The program's log level (0 off, 1 error ... 5 trace; see [`super::logs`]).
+    pub log_level: u32,
 }
 
 impl Default for DatapathConfig {
@@ -113,6 +115,7 @@ impl Default for DatapathConfig {
             counter_slots: DEFAULT_COUNTER_SLOTS,
             v4_chunks: DEFAULT_V4_CHUNKS,
             nft_table: "kilo".into(),
+            log_level: 0,
         }
     }
 }
@@ -139,7 +142,7 @@ impl DatapathConfig {
             mark: self.mark,
             mask: self.mask,
             flags: if self.fast_path { CONFIG_FAST_PATH } else { 0 },
-            _reserved: 0,
+            log_level: self.log_level,
         }
     }
 }
@@ -680,6 +683,7 @@ impl Datapath {
                 MAP_V4_ROOT,
                 MAP_V4_L2,
                 MAP_V4_L3,
+                MAP_LOGS,
             ] {
                 loader.map_pin_path(name, Cow::Owned(maps.join(name)));
             }
@@ -762,9 +766,29 @@ impl Datapath {
         Ok(nft::ensure_masquerade(&self.masquerade_rule())?)
     }
 
+    /// Sets the program's log level (one config write, none if unchanged; see [`super::logs`]).
+    pub fn set_log_level(&mut self, level: u32) -> Result<Writes, DatapathError> {
+        self.config.log_level = level;
+        self.write_config()
+    }
+
+    /// The program's log records (once per load: the ring buffer is handed over). Pinned with
+    /// the maps, so it also carries the records of an adopted program.
+    pub fn logger<L: log::Log>(
+        &mut self,
+        to: L,
+    ) -> Result<super::logs::ProgramLogger<L>, DatapathError> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, to)
+            .map_err(|e| DatapathError::Config(format!("the program's log buffer: {e}")))
+    }
+
     /// Turns the fast path on or off (one config write, none if unchanged).
     pub fn set_fast_path(&mut self, on: bool) -> Result<Writes, DatapathError> {
         self.config.fast_path = on;
+        self.write_config()
+    }
+
+    fn write_config(&mut self) -> Result<Writes, DatapathError> {
         let want = self.config.map_config();
         let mut writes = Writes::default();
         if self.maps.config()? != want {

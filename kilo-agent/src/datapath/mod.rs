@@ -6,6 +6,7 @@
 //!   a bpffs directory and adopts them on start, so forwarding goes on while the agent is down.
 //! - [`sync_maps`] (sync.rs): the diff between a [`DatapathPlan`](crate::plan::DatapathPlan)
 //!   and the maps, behind the [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory).
+//! - [`logs`]: the program's aya-log records as `tracing` events.
 //! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
 //!
 //! Nothing here starts a process.
@@ -13,6 +14,7 @@ mod agent;
 mod direct;
 mod kernel;
 mod keys;
+pub mod logs;
 pub mod nft;
 mod sync;
 
