@@ -2,9 +2,10 @@
 //! `#[repr(C)]`, plain old data; the `user` feature adds `aya::Pod` for userspace.
 //!
 //! Maps (names are the ELF symbol names, also the pin file names):
-//! - [`MAP_MESH`], [`MAP_NAT_SRC`], [`MAP_MASQ_DST`]: longest-prefix-match tables built as one
-//!   hash map per role, key [`EntryKey`] (family, prefix length, address with host bits clear),
-//!   value [`EntryValue`], plus [`MAP_LENGTHS`], the prefix lengths present per role and family,
+//! - [`MAP_MESH`], [`MAP_NAT_SRC`], [`MAP_MASQ_DST`]: every entry (the agent's record of the
+//!   tables, and the lookup for IPv6 and for IPv4 regions the direct index below sends there):
+//!   longest-prefix-match tables built as one hash map per role, key [`EntryKey`] (family,
+//!   prefix length, address with host bits clear), value [`EntryValue`], plus [`MAP_LENGTHS`], the prefix lengths present per role and family,
 //!   longest first. The program probes those lengths in order: the first hit is the longest
 //!   match. A lookup costs one hash probe per distinct prefix length (a handful in a Kilo mesh:
 //!   /32 node and WireGuard IPs, the pod CIDR size, service and peer sizes) and does not grow
@@ -52,6 +53,8 @@ pub const PROG_L2: &str = "kilo_ingress";
 pub const PROG_L3: &str = "kilo_ingress_l3";
 /// A classifier that returns at once (benchmark baseline).
 pub const PROG_NOOP: &str = "kilo_noop";
+/// A classifier that reads one byte of the IP header and returns (benchmark baseline).
+pub const PROG_TOUCH: &str = "kilo_touch";
 
 /// Default capacity of each table. Entries are allocated as inserted (BPF_F_NO_PREALLOC); the
 /// bucket array costs 16 bytes per slot (1 MiB per table at this size).

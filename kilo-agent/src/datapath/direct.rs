@@ -237,24 +237,26 @@ impl DirectIndex {
     /// then root. Apply them in order, calling [`DirectIndex::applied`] after each; then
     /// [`DirectIndex::done`]. Empty when nothing changed.
     pub fn plan(&mut self) -> Vec<ChunkWrite> {
-        // Regions left on a fallback leaf get another chance (a chunk may have been freed).
-        let mut fallback = Vec::new();
-        for (a0, chunk) in self.root.iter().enumerate() {
-            for (a1, slot) in chunk.slots.iter().enumerate() {
-                let stuck = match target(*slot) {
-                    None => *slot == SLOT_FALLBACK,
-                    Some(c2) => self
-                        .l2
-                        .get(&c2)
-                        .is_some_and(|c| c.slots.contains(&SLOT_FALLBACK)),
-                };
-                if stuck {
-                    fallback.push(((a0 as u32) << 8) | a1 as u32);
+        let (mut free2, mut free3) = self.free();
+        // Regions left on a fallback leaf get another chance when chunks are free.
+        if self.enabled && (!free2.is_empty() || !free3.is_empty()) {
+            let mut stuck = Vec::new();
+            for (a0, chunk) in self.root.iter().enumerate() {
+                for (a1, slot) in chunk.slots.iter().enumerate() {
+                    let fallback = match target(*slot) {
+                        None => *slot == SLOT_FALLBACK,
+                        Some(c2) => self
+                            .l2
+                            .get(&c2)
+                            .is_some_and(|c| c.slots.contains(&SLOT_FALLBACK)),
+                    };
+                    if fallback {
+                        stuck.push(((a0 as u32) << 8) | a1 as u32);
+                    }
                 }
             }
+            self.dirty.extend(stuck);
         }
-        self.dirty.extend(fallback);
-        let (mut free2, mut free3) = self.free();
         let mut l3 = Vec::new();
         let mut l2 = Vec::new();
         let mut root: BTreeMap<u32, Chunk> = BTreeMap::new();
