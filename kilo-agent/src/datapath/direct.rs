@@ -529,56 +529,40 @@ mod tests {
 
     #[test]
     fn adoption_of_a_consistent_kernel_writes_nothing() {
+        let entries = [
+            (0, "10.0.1.0/24"),
+            (1, "10.0.1.3/32"),
+            (2, "192.168.0.0/16"),
+        ];
+        let fill = |index: &mut DirectIndex| {
+            for (r, n) in entries {
+                index.set(r, net(n), Some(r as u32 + 1));
+            }
+        };
         let mut index = DirectIndex::new(8, 8);
-        for (r, n) in [
-            (0, "10.0.1.0/24"),
-            (1, "10.0.1.3/32"),
-            (2, "192.168.0.0/16"),
-        ] {
-            index.set(r, net(n), Some(r as u32 + 1));
-        }
+        fill(&mut index);
         apply(&mut index);
-        let mut again = DirectIndex::new(8, 8);
-        again
-            .adopt(index.root.clone(), |level, i| {
-                let pool = if level == Level::L2 {
-                    &index.l2
-                } else {
-                    &index.l3
-                };
-                Ok::<_, ()>(*pool[&i])
-            })
-            .unwrap();
-        for (r, n) in [
-            (0, "10.0.1.0/24"),
-            (1, "10.0.1.3/32"),
-            (2, "192.168.0.0/16"),
-        ] {
-            again.set(r, net(n), Some(r as u32 + 1));
-        }
-        assert!(again.plan().is_empty());
+        // A new index over what `index` wrote, with `root` as the kernel's root chunks.
+        let adopted = |root: Vec<Chunk>| {
+            let mut again = DirectIndex::new(8, 8);
+            again
+                .adopt(root, |level, i| {
+                    let pool = if level == Level::L2 {
+                        &index.l2
+                    } else {
+                        &index.l3
+                    };
+                    Ok::<_, ()>(*pool[&i])
+                })
+                .unwrap();
+            fill(&mut again);
+            again
+        };
+        assert!(adopted(index.root.clone()).plan().is_empty());
         // A stale slot in the adopted root (no entry behind it) is cleared.
         let mut stale = index.root.clone();
         stale[172].slots[16] = 5;
-        let mut third = DirectIndex::new(8, 8);
-        third
-            .adopt(stale, |level, i| {
-                let pool = if level == Level::L2 {
-                    &index.l2
-                } else {
-                    &index.l3
-                };
-                Ok::<_, ()>(*pool[&i])
-            })
-            .unwrap();
-        for (r, n) in [
-            (0, "10.0.1.0/24"),
-            (1, "10.0.1.3/32"),
-            (2, "192.168.0.0/16"),
-        ] {
-            third.set(r, net(n), Some(r as u32 + 1));
-        }
-        let w = third.plan();
+        let w = adopted(stale).plan();
         assert_eq!(w.len(), 1);
         assert_eq!(
             (w[0].level, w[0].index, w[0].chunk.slots[16]),
