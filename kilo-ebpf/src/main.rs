@@ -306,8 +306,8 @@ fn find(
 
 /// The decision for an IPv4 packet whose header starts at `off`: each role's match from the
 /// direct index (a counter slot + 1, 0 for none), or from the hash tables where the index
-/// says FIELD_FALLBACK. With the fast path on, a mesh hit is looked up again in the hash table
-/// for its egress.
+/// says FIELD_FALLBACK (which it does, with the fast path on, for the mesh entries that may be
+/// redirected: their egress is in the hash table's value).
 #[inline(always)]
 fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
@@ -322,12 +322,8 @@ fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
     let dst_leaf = leaf4(dst);
     match slot_field(dst_leaf, 0) {
         0 => {}
-        field if field != FIELD_FALLBACK && !fast_path() => {
-            count(&KILO_ENTRY_COUNTERS, field - 1, len);
-            return (ok, Decision::Mesh);
-        }
-        field => {
-            if field == FIELD_FALLBACK && logs(LOG_TRACE) {
+        FIELD_FALLBACK => {
+            if logs(LOG_TRACE) {
                 trace!(
                     ctx,
                     "IPv4 lookup of {:i} sent to the hash tables",
@@ -337,6 +333,10 @@ fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
             if let Some(r) = mesh_hashed(ctx, false, off, &v4(dst), len) {
                 return r;
             }
+        }
+        field => {
+            count(&KILO_ENTRY_COUNTERS, field - 1, len);
+            return (ok, Decision::Mesh);
         }
     }
     let nat = indexed(slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, &src, len);

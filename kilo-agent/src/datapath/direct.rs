@@ -13,7 +13,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ipnet::Ipv4Net;
-use kilo_common::{Chunk, FIELD_BITS, FIELD_FALLBACK, NO_COUNTER, SLOT_FALLBACK, SLOT_POINTER};
+use kilo_common::{
+    Chunk, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FIELD_BITS, FIELD_FALLBACK, NO_COUNTER,
+    SLOT_FALLBACK, SLOT_POINTER,
+};
 
 /// A level of the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -34,13 +37,19 @@ pub struct ChunkWrite {
     pub chunk: Box<Chunk>,
 }
 
-/// The role field of an entry whose per-entry counter slot is `counter`: entries without a
-/// slot are looked up in the hash tables.
-pub fn field(counter: u32) -> u32 {
-    if counter == NO_COUNTER || counter >= FIELD_FALLBACK - 1 {
+/// The field of an entry of `role` (0 mesh, 1 NAT sources, 2 masquerade destinations): its
+/// per-entry counter slot + 1, or FIELD_FALLBACK (look it up in the hash table) for an entry
+/// without a slot and, with the fast path on, for a mesh entry it may redirect (its egress is in
+/// the hash table's value), so that no other hit needs the program to read its config.
+pub fn field(role: usize, value: &EntryValue, fast_path: bool) -> u32 {
+    let redirects = role == 0
+        && fast_path
+        && value.flags & ENTRY_REDIRECT != 0
+        && value.flags & ENTRY_SERVICE == 0;
+    if redirects || value.counter == NO_COUNTER || value.counter >= FIELD_FALLBACK - 1 {
         FIELD_FALLBACK
     } else {
-        counter + 1
+        value.counter + 1
     }
 }
 

@@ -182,6 +182,8 @@ pub struct KernelMaps {
     v4_l3: Array<MapData, Chunk>,
     direct: DirectIndex,
     direct_enabled: bool,
+    /// The config's fast-path flag, as the direct index was built for.
+    fast_path: bool,
     held: bool,
     capacity: usize,
     nr_cpus: usize,
@@ -222,6 +224,7 @@ impl KernelMaps {
             v4_l3: take(ebpf, MAP_V4_L3)?,
             direct: DirectIndex::new(0, 0),
             direct_enabled,
+            fast_path: false,
             held: false,
             capacity: capacity as usize,
             nr_cpus,
@@ -245,6 +248,7 @@ impl KernelMaps {
         for bucket in buckets {
             maps.publish_filter(bucket)?;
         }
+        maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
         maps.reload_direct()?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
@@ -272,7 +276,8 @@ impl KernelMaps {
         for role in Role::ALL {
             for (net, value) in self.entries(role)? {
                 if let IpNet::V4(n) = net {
-                    index.set(role.index() as usize, n, Some(direct::field(value.counter)));
+                    let r = role.index() as usize;
+                    index.set(r, n, Some(direct::field(r, &value, self.fast_path)));
                 }
             }
         }
@@ -306,11 +311,9 @@ impl KernelMaps {
         value: Option<&EntryValue>,
     ) -> Result<(), DatapathError> {
         if let IpNet::V4(n) = net {
-            self.direct.set(
-                role.index() as usize,
-                n.trunc(),
-                value.map(|v| direct::field(v.counter)),
-            );
+            let r = role.index() as usize;
+            let field = value.map(|v| direct::field(r, v, self.fast_path));
+            self.direct.set(r, n.trunc(), field);
             if !self.held {
                 self.publish_direct()?;
             }
@@ -563,7 +566,9 @@ impl DatapathMaps for KernelMaps {
             let v4 = current[role.index() as usize]
                 .iter()
                 .filter_map(|(net, v)| match net {
-                    IpNet::V4(n) => Some((*n, direct::field(v.counter))),
+                    IpNet::V4(n) => {
+                        Some((*n, direct::field(role.index() as usize, v, self.fast_path)))
+                    }
                     IpNet::V6(_) => None,
                 });
             self.direct.holds(role.index() as usize, v4)
@@ -628,7 +633,22 @@ impl DatapathMaps for KernelMaps {
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
         self.config
             .set(0, config, 0)
-            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))?;
+        // The fast path changes which mesh entries the index sends to the hash table.
+        let fast_path = config.flags & CONFIG_FAST_PATH != 0;
+        if fast_path != self.fast_path {
+            self.fast_path = fast_path;
+            for (net, value) in self.entries(Role::Mesh)? {
+                if let IpNet::V4(n) = net {
+                    self.direct
+                        .set(0, n, Some(direct::field(0, &value, fast_path)));
+                }
+            }
+            if !self.held {
+                self.publish_direct()?;
+            }
+        }
+        Ok(())
     }
 }
 
