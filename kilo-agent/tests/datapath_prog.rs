@@ -867,3 +867,54 @@ fn program_logs_reach_userspace_only_at_the_level_asked() {
         "{got:?}"
     );
 }
+
+#[test]
+fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
+    if !support::require_root("pins_of_another_layout_are_replaced_and_links_follow_the_maps") {
+        return;
+    }
+    let fs = BpfFs::new();
+    let dir = fs.pin_dir("kilo");
+    let ns = NetNs::new("dpmig");
+    ns.sh("ip link add veth0 type veth peer name veth1");
+    let config = DatapathConfig {
+        pin_dir: Some(dir.clone()),
+        attach: kilo_agent::datapath::AttachMode::Tcx,
+        ..Default::default()
+    };
+    ns.run(move || {
+        // A first generation, attached and pinned.
+        let mut first = Datapath::open(config.clone()).unwrap();
+        first.attach("veth0").unwrap();
+        first.sync(&plan(), &NoResolver).unwrap();
+        drop(first);
+        // An upgrade changed a map's layout: its pin is of another value size.
+        let pin = dir.join("maps").join(kilo_common::MAP_CONFIG);
+        std::fs::remove_file(&pin).unwrap();
+        support::netns::sh(&format!(
+            "bpftool map create {} type array key 4 value 8 entries 1 name KILO_CONFIG",
+            pin.display()
+        ));
+        let mut second = Datapath::open(config.clone()).expect("pins of another layout replaced");
+        // The pinned link still runs the first generation's program on the old maps: it moves
+        // to the program of the new ones, which the first sync fills.
+        let w = second.attach("veth0").unwrap();
+        assert_eq!(w.get("link_update"), 1, "{w}");
+        let w = second.sync(&plan(), &NoResolver).unwrap();
+        assert_eq!(w.get("map_insert"), 10, "{w}");
+        let r = run(
+            second.program(Framing::L2),
+            &eth_ip("10.244.1.5", "8.8.8.8"),
+            0,
+            0,
+            1,
+        );
+        assert_eq!(r.mark, MARK);
+        drop(second);
+        // A restart on the new pins adopts everything: nothing to write.
+        let mut third = Datapath::open(config).unwrap();
+        assert!(third.attach("veth0").unwrap().is_empty());
+        assert!(third.sync(&plan(), &NoResolver).unwrap().is_empty());
+        third.cleanup().unwrap();
+    });
+}

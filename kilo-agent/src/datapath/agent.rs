@@ -117,6 +117,13 @@ impl DatapathSync for AgentDatapath {
         let shared = self.shared.clone();
         let mut shared = shared.lock();
         let datapath = loaded(&mut shared)?;
+        writes += datapath.ensure_masquerade().map_err(failed)?;
+        writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
+        let devices = &self.devices;
+        let resolver = |device: Device| devices.name(device).and_then(|n| ifindex(n).ok());
+        let synced = datapath.sync(plan, &resolver).map_err(failed);
+        // Attached after the maps are filled (even partly, after a failure): a program bound to
+        // fresh maps (first start, or pins replaced by an upgrade) never decides on empty ones.
         for name in &self.interfaces {
             match ifindex(name) {
                 Ok(index) if self.attached.get(name) != Some(&index) => {
@@ -130,11 +137,6 @@ impl DatapathSync for AgentDatapath {
                 }
             }
         }
-        writes += datapath.ensure_masquerade().map_err(failed)?;
-        writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
-        let devices = &self.devices;
-        let resolver = |device: Device| devices.name(device).and_then(|n| ifindex(n).ok());
-        let synced = datapath.sync(plan, &resolver).map_err(failed);
         // Label what the maps now hold (all of the new plan's entries, or some on a failure).
         if shared.plan != *plan {
             shared.plan = plan.clone();

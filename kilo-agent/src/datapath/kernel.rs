@@ -708,7 +708,29 @@ impl Datapath {
                 loader.map_pin_path(name, Cow::Owned(maps.join(name)));
             }
         }
-        let mut ebpf = loader.load(OBJECT).map_err(Box::new)?;
+        let mut ebpf = match loader.load(OBJECT) {
+            Err(aya::EbpfError::MapError(MapError::IncompatiblePinnedMap {
+                name,
+                property,
+                expected,
+                actual,
+            })) if config.pin_dir.is_some() => {
+                // Pins of another layout (an upgrade that changed a map): start a fresh set.
+                // Programs still attached keep the old maps until `attach` moves them to ours.
+                let maps = config.pin_dir.as_ref().expect("checked").join("maps");
+                tracing::warn!(
+                    map = %name, property, expected, actual,
+                    "datapath: pinned maps have another layout; replacing them (entries are \
+                     written again, counters start from zero)"
+                );
+                for pin in list_dir(&maps)? {
+                    let path = maps.join(pin);
+                    fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+                }
+                loader.load(OBJECT).map_err(Box::new)?
+            }
+            loaded => loaded.map_err(Box::new)?,
+        };
         for name in [PROG_L2, PROG_L3, PROG_NOOP] {
             program_mut(&mut ebpf, name)?
                 .load()
@@ -857,7 +879,11 @@ impl Datapath {
                     match attached.iter().find(|p| p.id() == prog_id) {
                         Some(running) => {
                             let ours = prog.info().map_err(|e| link_err(Box::new(e)))?;
-                            if running.tag() != ours.tag() {
+                            // Another program, or the same one bound to other maps (pins
+                            // replaced): move the link to ours.
+                            if running.tag() != ours.tag()
+                                || pinned_maps(running) != pinned_maps(&ours)
+                            {
                                 let link = SchedClassifierLink::try_from(link)
                                     .map_err(|e| link_err(Box::new(e)))?;
                                 let id = prog
@@ -1031,6 +1057,17 @@ fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {
             source,
         }),
     }
+}
+
+/// The IDs of a program's named maps (those pinned; not the per-load `.rodata`/`.bss`).
+fn pinned_maps(prog: &aya::programs::ProgramInfo) -> Option<Vec<u32>> {
+    let ids = prog.map_ids().ok().flatten()?;
+    let named = ids.into_iter().filter(|id| {
+        aya::maps::MapInfo::from_id(*id)
+            .map(|m| !m.name_as_str().unwrap_or(".").starts_with('.'))
+            .unwrap_or(false)
+    });
+    Some(named.collect())
 }
 
 /// Detaches the pinned TCX link or the marked netlink filter of `ifname`.
