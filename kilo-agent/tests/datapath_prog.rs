@@ -918,3 +918,57 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         third.cleanup().unwrap();
     });
 }
+
+#[test]
+fn netlink_clean_up_removes_the_clsact_qdisc_it_added_unless_shared() {
+    if !support::require_root("netlink_clean_up_removes_the_clsact_qdisc_it_added_unless_shared") {
+        return;
+    }
+    use aya::programs::{
+        SchedClassifier,
+        tc::{NlOptions, TcAttach, TcAttachType, TcHandle},
+    };
+    let fs = BpfFs::new();
+    let ns = NetNs::new("dpqd");
+    ns.sh("ip link add veth0 type veth peer name veth1 && ip link add veth2 type veth peer name veth3");
+    let config = DatapathConfig {
+        pin_dir: Some(fs.pin_dir("kilo")),
+        attach: kilo_agent::datapath::AttachMode::Netlink,
+        ..Default::default()
+    };
+    let (writes, qdiscs) = ns.run(move || {
+        let mut dp = Datapath::open(config).unwrap();
+        dp.attach("veth0").unwrap();
+        dp.attach("veth2").unwrap();
+        // Someone else filters through veth2's clsact (at egress).
+        let mut other = aya::Ebpf::load(kilo_agent::datapath::OBJECT).unwrap();
+        let p: &mut SchedClassifier = other
+            .program_mut(kilo_common::PROG_NOOP)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        p.load().unwrap();
+        let options = NlOptions {
+            priority: 7,
+            handle: TcHandle::new(0, 1),
+            classid: None,
+        };
+        let egress = TcAttach::Netlink {
+            parent: TcAttachType::Egress.into(),
+            options,
+        };
+        let id = p
+            .attach(kilo_agent::datapath::ifindex("veth2").unwrap(), egress)
+            .unwrap();
+        let writes = dp.cleanup().unwrap();
+        let qdiscs =
+            ["veth0", "veth2"].map(|d| support::netns::sh(&format!("tc qdisc show dev {d}")));
+        p.detach(id).unwrap();
+        (writes, qdiscs)
+    });
+    assert_eq!(writes.get("qdisc_delete"), 1, "{writes}");
+    assert_eq!(writes.get("link_detach"), 2, "{writes}");
+    // Ours alone on veth0: gone with our filter; shared on veth2: kept.
+    assert!(!qdiscs[0].contains("clsact"), "{qdiscs:?}");
+    assert!(qdiscs[1].contains("clsact"), "{qdiscs:?}");
+}

@@ -38,6 +38,7 @@ use super::{
     direct::{self, DirectIndex, Level},
     keys,
     nft::{self, MasqueradeRule},
+    qdisc,
     sync::{self, Counters, DatapathMaps, Resolver},
 };
 use crate::{plan::DatapathPlan, reconcile::Writes};
@@ -49,6 +50,8 @@ const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 /// Priority and handle of the netlink (clsact) filter, fixed so a restart can replace it.
 const NL_PRIORITY: u16 = 1107;
 const NL_HANDLE: TcHandle = TcHandle::new(0, 1);
+/// Inside a device's `netlink/<ifname>` marker: the clsact qdisc was added by us.
+const QDISC_MARK: &str = "qdisc";
 
 /// How programs are attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -935,7 +938,7 @@ impl Datapath {
             }
             AttachMode::Netlink => {
                 // EEXIST when the qdisc is there already; any real problem fails the attach.
-                let _ = tc::qdisc_add_clsact(ifindex);
+                let created_qdisc = tc::qdisc_add_clsact(ifindex).is_ok();
                 let existing = SchedClassifierLink::attached(
                     ifindex,
                     TcAttachType::Ingress.into(),
@@ -972,8 +975,14 @@ impl Datapath {
                     .map_err(|e| DatapathError::program(prog_name, e))?;
                 match pin_dir {
                     Some(dir) => {
-                        // The filter outlives us by itself; remember it for clean-up.
+                        // The filter outlives us by itself; remember it (and whether the qdisc
+                        // is ours) for clean-up.
                         let marker = dir.join("netlink").join(ifname);
+                        let marker = if created_qdisc {
+                            marker.join(QDISC_MARK)
+                        } else {
+                            marker
+                        };
                         fs::create_dir_all(&marker).map_err(|source| DatapathError::Io {
                             path: marker,
                             source,
@@ -1101,6 +1110,30 @@ fn detach_pinned(dir: &Path, ifname: &str) -> Result<Writes, DatapathError> {
             if link.detach().is_ok() {
                 writes.add("link_detach", 1);
             }
+        }
+        // A clsact qdisc we added goes with our filter, unless someone else filters through it.
+        let owned = marker.join(QDISC_MARK);
+        if owned.exists() {
+            if let Ok(index) = ifindex(ifname) {
+                let gone = qdisc::filters(index).and_then(|n| match n {
+                    0 => qdisc::delete_clsact(index).map(|()| true),
+                    _ => Ok(false),
+                });
+                match gone {
+                    Ok(true) => writes.add("qdisc_delete", 1),
+                    Ok(false) => {}
+                    Err(e) => {
+                        return Err(DatapathError::Link {
+                            name: ifname.to_owned(),
+                            source: Box::new(e),
+                        });
+                    }
+                }
+            }
+            fs::remove_dir(&owned).map_err(|source| DatapathError::Io {
+                path: owned,
+                source,
+            })?;
         }
         fs::remove_dir(&marker).map_err(|source| DatapathError::Io {
             path: marker,

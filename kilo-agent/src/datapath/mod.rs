@@ -16,6 +16,7 @@ mod kernel;
 mod keys;
 pub mod logs;
 pub mod nft;
+mod qdisc;
 mod sync;
 
 use std::{io, path::PathBuf};
