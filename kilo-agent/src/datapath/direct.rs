@@ -9,7 +9,7 @@
 //! them, and a chunk is reused only once nothing in the mirror points to it. The two lower
 //! levels draw from fixed pools; a region that needs a chunk when its pool is empty gets a
 //! fallback leaf, which sends the program to the hash tables there (slower, still exact), and
-//! is retried at every plan. A disabled index ([`DirectIndex::disabled`]) is all fallback.
+//! is retried at the next plan that finds chunks free. A disabled index ([`DirectIndex::disabled`]) is all fallback.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ipnet::Ipv4Net;
@@ -65,6 +65,14 @@ fn mask(addr: u32, len: u8) -> u32 {
     addr & u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0)
 }
 
+/// What one plan draws from and writes: the free pool chunks (L2, L3; popped lowest first)
+/// and the planned pool chunk writes.
+struct Pools {
+    free: (Vec<u32>, Vec<u32>),
+    l2: Vec<ChunkWrite>,
+    l3: Vec<ChunkWrite>,
+}
+
 /// See the module doc.
 #[derive(Debug, Clone)]
 pub struct DirectIndex {
@@ -83,6 +91,8 @@ pub struct DirectIndex {
     l3_capacity: u32,
     /// /16s to recompute at the next plan.
     dirty: BTreeSet<u32>,
+    /// /16s (of an enabled index) holding a fallback leaf: retried when chunks are free.
+    stuck: BTreeSet<u32>,
     enabled: bool,
 }
 
@@ -100,6 +110,7 @@ impl DirectIndex {
             l2_capacity,
             l3_capacity,
             dirty: BTreeSet::new(),
+            stuck: BTreeSet::new(),
             enabled: true,
         }
     }
@@ -246,91 +257,97 @@ impl DirectIndex {
     /// then root. Apply them in order, calling [`DirectIndex::applied`] after each; then
     /// [`DirectIndex::done`]. Empty when nothing changed.
     pub fn plan(&mut self) -> Vec<ChunkWrite> {
-        let (mut free2, mut free3) = self.free();
-        // Regions left on a fallback leaf get another chance when chunks are free.
-        if self.enabled && (!free2.is_empty() || !free3.is_empty()) {
-            let mut stuck = Vec::new();
-            for (a0, chunk) in self.root.iter().enumerate() {
-                for (a1, slot) in chunk.slots.iter().enumerate() {
-                    let fallback = match target(*slot) {
-                        None => *slot == SLOT_FALLBACK,
-                        Some(c2) => self
-                            .l2
-                            .get(&c2)
-                            .is_some_and(|c| c.slots.contains(&SLOT_FALLBACK)),
-                    };
-                    if fallback {
-                        stuck.push(((a0 as u32) << 8) | a1 as u32);
-                    }
-                }
-            }
-            self.dirty.extend(stuck);
+        if self.dirty.is_empty() && self.stuck.is_empty() {
+            return Vec::new();
         }
-        let mut l3 = Vec::new();
-        let mut l2 = Vec::new();
+        let mut pools = Pools {
+            free: self.free(),
+            l2: Vec::new(),
+            l3: Vec::new(),
+        };
+        // Regions left on a fallback leaf get another chance when chunks are free.
+        if !pools.free.0.is_empty() || !pools.free.1.is_empty() {
+            self.dirty.extend(self.stuck.iter().copied());
+        }
         let mut root: BTreeMap<u32, Chunk> = BTreeMap::new();
+        let mut stuck = BTreeSet::new();
         for &h in &self.dirty {
             let (a0, a1) = (h >> 8, (h & 0xff) as usize);
             let old = self.root[a0 as usize].slots[a1];
-            let new = if !self.enabled {
-                SLOT_FALLBACK
-            } else if self.deep16.contains_key(&h) {
-                match target(old).or_else(|| free2.pop()) {
-                    None => SLOT_FALLBACK,
-                    Some(c2) => {
-                        let old2 = target(old).and_then(|_| self.l2.get(&c2));
-                        let mut chunk = Chunk::EMPTY;
-                        for (b, slot) in chunk.slots.iter_mut().enumerate() {
-                            let s24 = (h << 8) | b as u32;
-                            *slot = if self.deep24.contains_key(&s24) {
-                                let was = old2.and_then(|c| target(c.slots[b]));
-                                match was.or_else(|| free3.pop()) {
-                                    None => SLOT_FALLBACK,
-                                    Some(c3) => {
-                                        let mut leaves = Chunk::EMPTY;
-                                        for (d, s) in leaves.slots.iter_mut().enumerate() {
-                                            *s = self.leaf((s24 << 8) | d as u32, 32);
-                                        }
-                                        let known = was.and_then(|_| self.l3.get(&c3));
-                                        if known.is_none_or(|c| **c != leaves) {
-                                            l3.push(ChunkWrite {
-                                                level: Level::L3,
-                                                index: c3,
-                                                chunk: Box::new(leaves),
-                                            });
-                                        }
-                                        pointer(c3)
-                                    }
-                                }
-                            } else {
-                                self.leaf(s24 << 8, 24)
-                            };
-                        }
-                        if old2.is_none_or(|c| **c != chunk) {
-                            l2.push(ChunkWrite {
-                                level: Level::L2,
-                                index: c2,
-                                chunk: Box::new(chunk),
-                            });
-                        }
-                        pointer(c2)
-                    }
-                }
-            } else {
-                self.leaf(h << 16, 16)
-            };
+            let (new, fallback) = self.region16(h, old, &mut pools);
+            if fallback && self.enabled {
+                stuck.insert(h);
+            }
             if new != old {
                 root.entry(a0)
                     .or_insert_with(|| self.root[a0 as usize])
                     .slots[a1] = new;
             }
         }
+        for h in &self.dirty {
+            self.stuck.remove(h);
+        }
+        self.stuck.extend(stuck);
         let root = root.into_iter().map(|(index, chunk)| ChunkWrite {
             level: Level::Root,
             index,
             chunk: Box::new(chunk),
         });
-        l3.into_iter().chain(l2).chain(root).collect()
+        pools.l3.into_iter().chain(pools.l2).chain(root).collect()
+    }
+
+    /// The root slot of /16 `h` (currently `old`), planning the chunks below it; and whether
+    /// a fallback leaf is in it.
+    fn region16(&self, h: u32, old: u64, pools: &mut Pools) -> (u64, bool) {
+        if !self.enabled {
+            return (SLOT_FALLBACK, true);
+        }
+        if !self.deep16.contains_key(&h) {
+            return (self.leaf(h << 16, 16), false);
+        }
+        let Some(c2) = target(old).or_else(|| pools.free.0.pop()) else {
+            return (SLOT_FALLBACK, true);
+        };
+        let old2 = target(old).and_then(|_| self.l2.get(&c2));
+        let mut chunk = Chunk::EMPTY;
+        for (b, slot) in chunk.slots.iter_mut().enumerate() {
+            let s24 = (h << 8) | b as u32;
+            *slot = if self.deep24.contains_key(&s24) {
+                self.region24(s24, old2.and_then(|c| target(c.slots[b])), pools)
+            } else {
+                self.leaf(s24 << 8, 24)
+            };
+        }
+        let fallback = chunk.slots.contains(&SLOT_FALLBACK);
+        if old2.is_none_or(|c| **c != chunk) {
+            pools.l2.push(ChunkWrite {
+                level: Level::L2,
+                index: c2,
+                chunk: Box::new(chunk),
+            });
+        }
+        (pointer(c2), fallback)
+    }
+
+    /// The L2 slot of /24 `s24`, which holds longer prefixes (its L3 chunk was `was`), planning
+    /// its L3 chunk.
+    fn region24(&self, s24: u32, was: Option<u32>, pools: &mut Pools) -> u64 {
+        let Some(c3) = was.or_else(|| pools.free.1.pop()) else {
+            return SLOT_FALLBACK;
+        };
+        let mut leaves = Chunk::EMPTY;
+        for (d, s) in leaves.slots.iter_mut().enumerate() {
+            *s = self.leaf((s24 << 8) | d as u32, 32);
+        }
+        let known = was.and_then(|_| self.l3.get(&c3));
+        if known.is_none_or(|c| **c != leaves) {
+            pools.l3.push(ChunkWrite {
+                level: Level::L3,
+                index: c3,
+                chunk: Box::new(leaves),
+            });
+        }
+        pointer(c3)
     }
 
     /// Records a write the kernel accepted.

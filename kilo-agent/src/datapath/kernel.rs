@@ -232,15 +232,16 @@ impl KernelMaps {
             capacity: capacity as usize,
             nr_cpus,
         };
-        // Adopted tables: count what is there and make sure the index covers it.
-        for role in Role::ALL {
-            for (net, _) in maps.entries(role)? {
-                let k = keys::entry_key(&net);
+        // Adopted tables: count what is there and make sure the indexes cover it.
+        let adopted = maps.all_entries()?;
+        for (role, entries) in Role::ALL.into_iter().zip(&adopted) {
+            for (net, _) in entries {
+                let k = keys::entry_key(net);
                 *maps
                     .counts
                     .entry((role, k.family, k.prefix_len))
                     .or_default() += 1;
-                if let Some((slot, _)) = filter_slot(role, &net) {
+                if let Some((slot, _)) = filter_slot(role, net) {
                     *maps.filter_counts.entry(slot).or_default() += 1;
                 }
             }
@@ -252,16 +253,19 @@ impl KernelMaps {
             maps.publish_filter(bucket)?;
         }
         maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
-        maps.reload_direct()?;
+        maps.reload_direct(&adopted)?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
         Ok(maps)
     }
 
-    /// Rebuilds the direct index from what the kernel holds (the chunks, and the IPv4 entries
-    /// of the hash tables) and writes what is missing or stale; returns the writes. A
-    /// consistent kernel is not written.
-    fn reload_direct(&mut self) -> Result<u64, DatapathError> {
+    /// Rebuilds the direct index from what the kernel holds (the chunks, and `entries`, the
+    /// hash tables' entries by [`Role::index`]) and writes what is missing or stale; returns the
+    /// writes. A consistent kernel is not written.
+    fn reload_direct(
+        &mut self,
+        entries: &[Vec<(IpNet, EntryValue)>; 3],
+    ) -> Result<u64, DatapathError> {
         let mut index = if self.direct_enabled {
             DirectIndex::new(self.v4_l2.len(), self.v4_l3.len())
         } else {
@@ -276,11 +280,10 @@ impl KernelMaps {
             Level::L3 => l3.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L3, e)),
             _ => l2.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L2, e)),
         })?;
-        for role in Role::ALL {
-            for (net, value) in self.entries(role)? {
+        for (r, entries) in entries.iter().enumerate() {
+            for (net, value) in entries {
                 if let IpNet::V4(n) = net {
-                    let r = role.index() as usize;
-                    index.set(r, n, Some(direct::field(r, &value, self.fast_path)));
+                    index.set(r, *n, Some(direct::field(r, value, self.fast_path)));
                 }
             }
         }
@@ -582,7 +585,7 @@ impl DatapathMaps for KernelMaps {
         tracing::info!(
             "datapath: IPv4 entries changed behind the agent's back; rebuilding the direct index"
         );
-        self.reload_direct()
+        self.reload_direct(current)
     }
 
     fn commit_index(&mut self) -> Result<u64, DatapathError> {

@@ -41,6 +41,14 @@ impl Resolver for NoResolver {
 pub trait DatapathMaps {
     /// Every entry of one trie.
     fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError>;
+    /// Every entry of the three tables, by [`Role::index`].
+    fn all_entries(&self) -> Result<[Vec<(IpNet, EntryValue)>; 3], DatapathError> {
+        Ok([
+            self.entries(Role::Mesh)?,
+            self.entries(Role::NatSource)?,
+            self.entries(Role::MasqueradeDestination)?,
+        ])
+    }
     /// Inserts or overwrites (atomically) one entry.
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError>;
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError>;
@@ -95,11 +103,7 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
     plan: &DatapathPlan,
     resolver: &dyn Resolver,
 ) -> Result<Writes, DatapathError> {
-    let read = [
-        maps.entries(Role::Mesh)?,
-        maps.entries(Role::NatSource)?,
-        maps.entries(Role::MasqueradeDestination)?,
-    ];
+    let read = maps.all_entries()?;
     let mut writes = Writes::default();
     writes.add("map_table", maps.verify_index(&read)?);
     let mut current: BTreeMap<Role, BTreeMap<IpNet, EntryValue>> = BTreeMap::new();
