@@ -13,7 +13,7 @@
 //! nothing when it is already exactly this; otherwise it replaces the whole table in one atomic
 //! batch (add, delete, add: the usual idempotent reload). [`remove_masquerade`] deletes it.
 //! Everything happens in the calling thread's network namespace.
-use std::{io, os::fd::AsRawFd};
+use std::io;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 
@@ -328,27 +328,10 @@ struct Conn {
 
 impl Conn {
     fn open() -> Result<Self, NftError> {
-        let mut sock = Socket::new(NETLINK_NETFILTER)?;
-        sock.bind_auto()?;
-        // A reply never comes only on a kernel bug; do not hang the agent on it.
-        let tv = libc::timeval {
-            tv_sec: 5,
-            tv_usec: 0,
-        };
-        // SAFETY: a valid socket fd and a timeval of the right size.
-        let rc = unsafe {
-            libc::setsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                &tv as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::timeval>() as u32,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-        Ok(Conn { sock, seq: 0 })
+        Ok(Conn {
+            sock: super::netlink_socket(NETLINK_NETFILTER)?,
+            seq: 0,
+        })
     }
 
     fn next_seq(&mut self) -> u32 {

@@ -9,13 +9,11 @@ use netlink_packet_route::{
     RouteNetlinkMessage,
     tc::{TcHandle, TcMessage},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use netlink_sys::protocols::NETLINK_ROUTE;
 
 /// Sends one request and collects the answer (a dump's messages, or nothing for an ack).
 fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+    let socket = super::netlink_socket(NETLINK_ROUTE)?;
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     header.sequence_number = 1;
