@@ -156,30 +156,24 @@ fn main() {
     // sync: 10,000 entries from empty, then 1-entry changes into 10,000.
     println!();
     let mut dp = open(131_072);
+    // Syncs `plan` and prints the time and the writes.
+    let mut timed = |label: &str, plan: &DatapathPlan| {
+        let t = Instant::now();
+        let w = dp.sync(plan, &NoResolver).unwrap();
+        println!(
+            "{label:<27} {:>8.1} ms, {w}",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    };
     let p = plan(10_000);
-    let t = Instant::now();
-    let w = dp.sync(&p, &NoResolver).unwrap();
-    println!(
-        "sync 10,000 from empty:     {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
-    let t = Instant::now();
-    let w = dp.sync(&p, &NoResolver).unwrap();
-    println!(
-        "sync again, no change:      {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    timed("sync 10,000 from empty:", &p);
+    timed("sync again, no change:", &p);
     let mut added = p.clone();
     added.mesh_destinations.insert(
         "10.255.255.0/24".parse().unwrap(),
         entry(EntryKind::Peer, 0),
     );
-    let t = Instant::now();
-    let w = dp.sync(&added, &NoResolver).unwrap();
-    println!(
-        "1 entry added into 10,000:  {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    timed("1 entry added into 10,000:", &added);
     let mut replaced = added.clone();
     let first = *replaced.mesh_destinations.keys().next().unwrap();
     replaced.mesh_destinations.remove(&first);
@@ -187,18 +181,8 @@ fn main() {
         "10.255.254.0/24".parse().unwrap(),
         entry(EntryKind::Peer, 1),
     );
-    let t = Instant::now();
-    let w = dp.sync(&replaced, &NoResolver).unwrap();
-    println!(
-        "1 entry replaced in 10,001: {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    timed("1 entry replaced in 10,001:", &replaced);
     let mut changed = replaced.clone();
     changed.mesh_destinations.values_mut().next().unwrap().kind = EntryKind::Peer;
-    let t = Instant::now();
-    let w = dp.sync(&changed, &NoResolver).unwrap();
-    println!(
-        "1 entry changed in 10,001:  {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    timed("1 entry changed in 10,001:", &changed);
 }

@@ -333,47 +333,45 @@ impl NetRxClock {
         let (jne, jeq, mov_x, add_k, add_x, sub_x, call, exit) =
             (0x55, 0x15, 0xbf, 0x07, 0x0f, 0x1f, 0x85, 0x95);
         let (r0, r1, r2, r6, r7, r8, r10) = (0, 1, 2, 6, 7, 8, 10);
-        let mut entry = vec![
-            insn(ldx_dw, r6, r1, 0, 0),
-            insn(jne, r6, 0, 10, NET_RX_SOFTIRQ),
-            insn(call, 0, 0, 0, 5), // ktime_get_ns
-            insn(mov_x, r7, r0, 0, 0),
-            insn(st_w, r10, 0, -4, 0),
-            insn(mov_x, r2, r10, 0, 0),
-            insn(add_k, r2, 0, 0, -4),
-        ];
-        entry.extend(ld_map(r1));
+        // Not NET_RX: skip `skip` instructions to the exit; else r7 = ktime_get_ns().
+        let prologue = |skip: i16| {
+            vec![
+                insn(ldx_dw, r6, r1, 0, 0),
+                insn(jne, r6, 0, skip, NET_RX_SOFTIRQ),
+                insn(call, 0, 0, 0, 5), // ktime_get_ns
+                insn(mov_x, r7, r0, 0, 0),
+            ]
+        };
+        // r0 = this CPU's value of `slot` (or null).
+        let lookup = |slot: i32| {
+            let mut v = vec![
+                insn(st_w, r10, 0, -4, slot),
+                insn(mov_x, r2, r10, 0, 0),
+                insn(add_k, r2, 0, 0, -4),
+            ];
+            v.extend(ld_map(r1));
+            v.push(insn(call, 0, 0, 0, 1)); // map_lookup_elem
+            v
+        };
+        let mut entry = prologue(10);
+        entry.extend(lookup(0));
         entry.extend([
-            insn(call, 0, 0, 0, 1), // map_lookup_elem
             insn(jeq, r0, 0, 1, 0),
             insn(stx_dw, r0, r7, 0, 0),
             insn(0xb7, r0, 0, 0, 0),
             insn(exit, 0, 0, 0, 0),
         ]);
-        let mut exit_prog = vec![
-            insn(ldx_dw, r6, r1, 0, 0),
-            insn(jne, r6, 0, 26, NET_RX_SOFTIRQ),
-            insn(call, 0, 0, 0, 5),
-            insn(mov_x, r7, r0, 0, 0),
-            insn(st_w, r10, 0, -4, 0),
-            insn(mov_x, r2, r10, 0, 0),
-            insn(add_k, r2, 0, 0, -4),
-        ];
-        exit_prog.extend(ld_map(r1));
+        let mut exit_prog = prologue(26);
+        exit_prog.extend(lookup(0));
         exit_prog.extend([
-            insn(call, 0, 0, 0, 1),
             insn(jeq, r0, 0, 17, 0),
             insn(ldx_dw, r8, r0, 0, 0),
             insn(jeq, r8, 0, 15, 0),
             insn(sub_x, r7, r8, 0, 0),
             insn(st_dw, r0, 0, 0, 0),
-            insn(st_w, r10, 0, -4, 1),
-            insn(mov_x, r2, r10, 0, 0),
-            insn(add_k, r2, 0, 0, -4),
         ]);
-        exit_prog.extend(ld_map(r1));
+        exit_prog.extend(lookup(1));
         exit_prog.extend([
-            insn(call, 0, 0, 0, 1),
             insn(jeq, r0, 0, 6, 0),
             insn(ldx_dw, r1, r0, 0, 0),
             insn(add_x, r1, r7, 0, 0),
