@@ -124,6 +124,15 @@ impl DirectIndex {
         }
     }
 
+    /// A new index of the same kind (pool sizes, enabled or not), over empty maps.
+    pub fn fresh(&self) -> Self {
+        if self.enabled {
+            DirectIndex::new(self.l2_capacity, self.l3_capacity)
+        } else {
+            DirectIndex::disabled()
+        }
+    }
+
     /// Takes what the kernel holds (adoption): the 256 root chunks and a reader of pool chunks,
     /// called for every chunk a root or L2 slot points to. Every /16 with a non-zero root slot
     /// is rechecked at the next plan.

@@ -184,7 +184,6 @@ pub struct KernelMaps {
     v4_l2: Array<MapData, Chunk>,
     v4_l3: Array<MapData, Chunk>,
     direct: DirectIndex,
-    direct_enabled: bool,
     /// The config's fast-path flag, as the direct index was built for.
     fast_path: bool,
     held: bool,
@@ -209,6 +208,13 @@ impl KernelMaps {
                 source,
             })?
             .get() as usize;
+        let (v4_l2, v4_l3): (Array<MapData, Chunk>, Array<MapData, Chunk>) =
+            (take(ebpf, MAP_V4_L2)?, take(ebpf, MAP_V4_L3)?);
+        let direct = if direct_enabled {
+            DirectIndex::new(v4_l2.len(), v4_l3.len())
+        } else {
+            DirectIndex::disabled()
+        };
         let mut maps = KernelMaps {
             mesh: take(ebpf, MAP_MESH)?,
             nat_src: take(ebpf, MAP_NAT_SRC)?,
@@ -223,10 +229,9 @@ impl KernelMaps {
             decisions: take(ebpf, MAP_DECISIONS)?,
             entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
             v4_root: take(ebpf, MAP_V4_ROOT)?,
-            v4_l2: take(ebpf, MAP_V4_L2)?,
-            v4_l3: take(ebpf, MAP_V4_L3)?,
-            direct: DirectIndex::new(0, 0),
-            direct_enabled,
+            v4_l2,
+            v4_l3,
+            direct,
             fast_path: false,
             held: false,
             capacity: capacity as usize,
@@ -266,11 +271,7 @@ impl KernelMaps {
         &mut self,
         entries: &[Vec<(IpNet, EntryValue)>; 3],
     ) -> Result<u64, DatapathError> {
-        let mut index = if self.direct_enabled {
-            DirectIndex::new(self.v4_l2.len(), self.v4_l3.len())
-        } else {
-            DirectIndex::disabled()
-        };
+        let mut index = self.direct.fresh();
         let root = (0..256)
             .map(|i| self.v4_root.get(&i, 0))
             .collect::<Result<Vec<_>, _>>()
