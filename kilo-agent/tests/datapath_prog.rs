@@ -528,6 +528,85 @@ fn counters_sum_bytes_over_repeats() {
     assert_eq!(labelled.kind, Some(EntryKind::LocalPods));
 }
 
+/// The counters array holds a region per CPU: a packet is counted in the region of the CPU
+/// that ran the program (read here straight from the pinned map, by the layout kilo-common
+/// documents), and the agent's reading sums the regions.
+#[test]
+fn counters_land_in_the_region_of_the_cpu_that_ran() {
+    if !support::require_root("counters_land_in_the_region_of_the_cpu_that_ran") {
+        return;
+    }
+    use aya::maps::{Array, Map, MapData};
+    use kilo_common::{DECISION_SLOTS, MAP_COUNTERS, counter_stride};
+    let fs = BpfFs::new();
+    let dir = fs.pin_dir("kilo");
+    let slots = 100;
+    let mut dp = Datapath::open(DatapathConfig {
+        pin_dir: Some(dir.clone()),
+        counter_slots: slots,
+        ..Default::default()
+    })
+    .unwrap();
+    dp.sync(&plan(), &NoResolver).unwrap();
+    let net: IpNet = "10.244.1.0/24".parse().unwrap();
+    let slot = dp
+        .maps()
+        .entries(Role::NatSource)
+        .unwrap()
+        .into_iter()
+        .find(|(n, _)| *n == net)
+        .unwrap()
+        .1
+        .counter;
+    let pkt = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
+    let cpus = support::online_cpus();
+    let runs: Vec<(usize, u32)> = cpus
+        .iter()
+        .take(2)
+        .zip([3, 5])
+        .map(|(c, n)| (*c, n))
+        .collect();
+    for &(cpu, n) in &runs {
+        let pkt = pkt.clone();
+        dp = std::thread::spawn(move || {
+            support::pin_to_cpu(cpu);
+            run(dp.program(Framing::L2), &pkt, 0, 0, n);
+            dp
+        })
+        .join()
+        .unwrap();
+    }
+    let data = MapData::from_pin(dir.join("maps").join(MAP_COUNTERS)).unwrap();
+    let array: Array<_, Counter> = Array::try_from(Map::Array(data)).unwrap();
+    let stride = counter_stride(slots);
+    let packets = |i: u32| array.get(&i, 0).unwrap().packets;
+    for &(cpu, n) in &runs {
+        let base = cpu as u32 * stride;
+        assert_eq!(
+            packets(base + Decision::Masquerade as u32),
+            u64::from(n),
+            "CPU {cpu}"
+        );
+        assert_eq!(
+            packets(base + DECISION_SLOTS + slot),
+            u64::from(n),
+            "CPU {cpu}"
+        );
+        assert_eq!(packets(base + Decision::Pass as u32), 0, "CPU {cpu}");
+    }
+    let total: u32 = runs.iter().map(|r| r.1).sum();
+    let counters = dp.counters().unwrap();
+    assert_eq!(
+        counters.decision(Decision::Masquerade).packets,
+        u64::from(total)
+    );
+    assert_eq!(
+        counters.entry(Role::NatSource, &net).unwrap().packets,
+        u64::from(total)
+    );
+    dp.cleanup().unwrap();
+}
+
 #[test]
 fn prefix_lengths_follow_the_entries() {
     if !support::require_root("prefix_lengths_follow_the_entries") {
@@ -911,8 +990,15 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         );
         assert_eq!(r.mark, MARK);
         drop(second);
+        // An older version pinned a map this one no longer has: its pin goes.
+        let stale = dir.join("maps").join("KILO_DECISIONS");
+        support::netns::sh(&format!(
+            "bpftool map create {} type percpu_array key 4 value 16 entries 6 name KILO_DECISIONS",
+            stale.display()
+        ));
         // A restart on the new pins adopts everything: nothing to write.
         let mut third = Datapath::open(config).unwrap();
+        assert!(!stale.exists(), "the stale pin is removed");
         assert!(third.attach("veth0").unwrap().is_empty());
         assert!(third.sync(&plan(), &NoResolver).unwrap().is_empty());
         third.cleanup().unwrap();

@@ -27,8 +27,13 @@
 //!   [`slot_field`]); [`FIELD_FALLBACK`] sends the program to the hash tables above for that
 //!   role (IPv6 always goes there). Built and kept by the agent (datapath/direct.rs).
 //! - [`MAP_CONFIG`]: array of one [`Config`].
-//! - [`MAP_DECISIONS`]: per-CPU array of [`Counter`], indexed by [`Decision`].
-//! - [`MAP_ENTRY_COUNTERS`]: per-CPU array of [`Counter`], indexed by [`EntryValue::counter`].
+//! - [`MAP_COUNTERS`]: the per-CPU packet and byte counters, a plain (mmapable) array of
+//!   [`Counter`] laid out CPU by CPU: CPU `c`'s region starts at `c * stride`
+//!   ([`Config::counter_stride`]), holds the [`Decision`] counters in its first
+//!   [`DECISION_SLOTS`] and the per-entry counters ([`EntryValue::counter`]) after them. One
+//!   counter update touches one cache line (a per-CPU array map would first read the slot's
+//!   per-CPU pointer from another); the agent sums a slot over the CPUs through an mmap of
+//!   the array, with no system call per slot.
 #![no_std]
 
 /// Names of the maps in the object (and of their pins).
@@ -38,8 +43,7 @@ pub const MAP_MASQ_DST: &str = "KILO_MASQ_DST";
 pub const MAP_CONFIG: &str = "KILO_CONFIG";
 pub const MAP_LENGTHS: &str = "KILO_LENGTHS";
 pub const MAP_FILTER: &str = "KILO_FILTER";
-pub const MAP_DECISIONS: &str = "KILO_DECISIONS";
-pub const MAP_ENTRY_COUNTERS: &str = "KILO_ENTRY_COUNTERS";
+pub const MAP_COUNTERS: &str = "KILO_COUNTERS";
 pub const MAP_V4_ROOT: &str = "KILO_V4_ROOT";
 pub const MAP_V4_L2: &str = "KILO_V4_L2";
 pub const MAP_V4_L3: &str = "KILO_V4_L3";
@@ -61,6 +65,14 @@ pub const PROG_TOUCH: &str = "kilo_touch";
 pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 16;
 /// Default number of per-entry counter slots (per-CPU memory: 16 bytes x slots x CPUs).
 pub const DEFAULT_COUNTER_SLOTS: u32 = 1 << 14;
+/// Counters at the start of each CPU's region of [`MAP_COUNTERS`] that count decisions
+/// ([`Decision::COUNT`] rounded up to whole 64-byte lines, so entry counters start on one).
+pub const DECISION_SLOTS: u32 = 8;
+/// The [`Config::counter_stride`] for `slots` entry counters: [`DECISION_SLOTS`] + `slots`,
+/// rounded up to whole 64-byte lines.
+pub const fn counter_stride(slots: u32) -> u32 {
+    (DECISION_SLOTS + slots).div_ceil(4) * 4
+}
 /// [`EntryValue::counter`] of an entry that has no counter slot.
 pub const NO_COUNTER: u32 = u32::MAX;
 
@@ -173,6 +185,10 @@ pub struct Config {
     /// read at run time and only on the paths that log, none of which a well-formed packet of a
     /// mesh without fallback regions takes.
     pub log_level: u32,
+    /// Counters in one CPU's region of [`MAP_COUNTERS`] (see [`counter_stride`]). Here rather
+    /// than in a read-only global so that the one config line every packet reads also holds
+    /// what the masquerade path needs.
+    pub counter_stride: u32,
 }
 
 impl Config {
@@ -181,6 +197,7 @@ impl Config {
         mask: DEFAULT_MARK_MASK,
         flags: 0,
         log_level: 0,
+        counter_stride: counter_stride(DEFAULT_COUNTER_SLOTS),
     };
 }
 
@@ -195,7 +212,7 @@ pub const ENTRY_NEIGH: u32 = 4;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EntryValue {
-    /// Index into [`MAP_ENTRY_COUNTERS`], or [`NO_COUNTER`].
+    /// Entry counter slot (see [`MAP_COUNTERS`]), or [`NO_COUNTER`].
     pub counter: u32,
     pub flags: u32,
     /// An `EntryKind` code chosen by the agent (metrics label), not read by the program.
@@ -249,7 +266,8 @@ pub struct Counter {
     pub bytes: u64,
 }
 
-/// What the program did with a packet (index into [`MAP_DECISIONS`]).
+/// What the program did with a packet (its counter's index in a CPU's region of
+/// [`MAP_COUNTERS`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Decision {

@@ -13,7 +13,7 @@
 //! - otherwise leave alone.
 //!
 //! Nothing is ever dropped; truncated or malformed packets pass untouched. The only map writes
-//! are per-CPU counters (and aya-log records, when the config asks for them: only on the rare
+//! are this CPU's counters (and aya-log records, when the config asks for them: only on the rare
 //! paths, malformed packets, the fast path declining, IPv4 lookups sent to the hash tables).
 //! Map layouts live in `kilo-common`.
 #![no_std]
@@ -22,17 +22,19 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{__sk_buff, TC_ACT_OK, TC_ACT_REDIRECT, bpf_redir_neigh},
+    helpers::bpf_get_smp_processor_id,
     helpers::generated::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, map},
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap},
     programs::TcContext,
 };
 use aya_log_ebpf::{debug, trace};
 use kilo_common::{
-    CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
-    DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue,
-    FAMILY_V4, FAMILY_V6, FIELD_FALLBACK, FILTER_BUCKETS, FILTER_ROLE_BITS, Lengths, MAX_LENGTHS,
-    SLOT_FALLBACK, SLOT_POINTER, filter_bucket4, filter_bucket6, filter_class, slot_field,
+    CONFIG_FAST_PATH, Chunk, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS,
+    DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE,
+    EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FIELD_FALLBACK, FILTER_BUCKETS, FILTER_ROLE_BITS,
+    Lengths, MAX_LENGTHS, SLOT_FALLBACK, SLOT_POINTER, counter_stride, filter_bucket4,
+    filter_bucket6, filter_class, slot_field,
 };
 
 const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
@@ -57,11 +59,12 @@ static KILO_V4_L2: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
 static KILO_V4_L3: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+/// CPU by CPU: see kilo-common's `MAP_COUNTERS`. The loader sizes it for the possible CPUs.
 #[map]
-static KILO_DECISIONS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(Decision::COUNT, 0);
-#[map]
-static KILO_ENTRY_COUNTERS: PerCpuArray<Counter> =
-    PerCpuArray::with_max_entries(DEFAULT_COUNTER_SLOTS, 0);
+static KILO_COUNTERS: Array<Counter> = Array::with_max_entries(
+    counter_stride(DEFAULT_COUNTER_SLOTS),
+    aya_ebpf::bindings::BPF_F_MMAPABLE,
+);
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -74,64 +77,115 @@ const ETH_P_8021AD: u16 = 0x88a8;
 /// ethertype already; other frames are walked (VLAN tags, other protocols).
 #[classifier]
 pub fn kilo_ingress(ctx: TcContext) -> i32 {
-    let len = ctx.len() as u64;
+    let Some(run) = Run::new(&ctx) else {
+        return TC_ACT_OK as i32;
+    };
     // SAFETY: the context of a TC program is a __sk_buff.
     let protocol = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).protocol };
     let (verdict, decision) = if protocol == u32::from(ETH_P_IP.to_be()) {
-        ip4(&ctx, ETH_HLEN, len)
+        ip4(&run, ETH_HLEN)
     } else if protocol == u32::from(ETH_P_IPV6.to_be()) {
-        ip6(&ctx, ETH_HLEN, len)
+        ip6(&run, ETH_HLEN)
     } else {
         match l2(&ctx) {
-            Ok(Some((false, off))) => ip4(&ctx, off, len),
-            Ok(Some((true, off))) => ip6(&ctx, off, len),
+            Ok(Some((false, off))) => ip4(&run, off),
+            Ok(Some((true, off))) => ip6(&run, off),
             Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
             Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
         }
     };
-    finish(&ctx, decision, len);
+    run.finish(decision);
     verdict
 }
 
 /// For raw-IP devices (WireGuard, TUN): the packet starts at the IP header.
 #[classifier]
 pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
-    let len = ctx.len() as u64;
+    let Some(run) = Run::new(&ctx) else {
+        return TC_ACT_OK as i32;
+    };
     // The smallest IP header is 20 bytes (and `start + 1 > end` would compile to a `>=`
     // comparison the verifier does not turn into a packet range).
     let (verdict, decision) = match load::<[u8; 20]>(&ctx, 0).map(|h| h[0] >> 4) {
-        Some(4) => ip4(&ctx, 0, len),
-        Some(6) => ip6(&ctx, 0, len),
+        Some(4) => ip4(&run, 0),
+        Some(6) => ip6(&run, 0),
         Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
         None => (TC_ACT_OK as i32, Decision::Malformed),
     };
-    finish(&ctx, decision, len);
+    run.finish(decision);
     verdict
 }
 
-/// Counts the decision (and logs a malformed packet).
-#[inline(always)]
-fn finish(ctx: &TcContext, decision: Decision, len: u64) {
-    count(&KILO_DECISIONS, decision as u32, len);
-    if decision == Decision::Malformed && logs(LOG_DEBUG) {
-        debug!(
+/// One run of the program: the packet, the config (one cache line, read once), and where this
+/// CPU's counters start.
+struct Run<'a> {
+    ctx: &'a TcContext,
+    cfg: &'static Config,
+    /// This CPU's region of KILO_COUNTERS.
+    base: u32,
+    len: u64,
+}
+
+impl<'a> Run<'a> {
+    /// None only without a config (a map that cannot be missing: the program then passes
+    /// everything untouched and uncounted).
+    #[inline(always)]
+    fn new(ctx: &'a TcContext) -> Option<Self> {
+        let cfg = KILO_CONFIG.get(0)?;
+        // SAFETY: a helper without arguments.
+        let cpu = unsafe { bpf_get_smp_processor_id() };
+        Some(Run {
             ctx,
-            "malformed or truncated packet of {} bytes: passed untouched", len
-        );
+            cfg,
+            base: cpu * cfg.counter_stride,
+            len: ctx.len() as u64,
+        })
+    }
+
+    /// Counts a packet in this CPU's counter `index` (a decision, or DECISION_SLOTS + an
+    /// entry's slot).
+    #[inline(always)]
+    fn count(&self, index: u32) {
+        if let Some(c) = KILO_COUNTERS.get_ptr_mut(self.base + index) {
+            // SAFETY: this CPU's region: no other CPU writes it, and a program runs to
+            // completion on its CPU (the agent only reads, or zeroes a slot it is recycling).
+            unsafe {
+                (*c).packets += 1;
+                (*c).bytes += self.len;
+            }
+        }
+    }
+
+    /// Counts a packet in this CPU's counter of entry slot `slot` (none for NO_COUNTER or a
+    /// slot past the region).
+    #[inline(always)]
+    fn count_entry(&self, slot: u32) {
+        if slot < self.cfg.counter_stride.wrapping_sub(DECISION_SLOTS) {
+            self.count(DECISION_SLOTS + slot);
+        }
+    }
+
+    /// Counts the decision (and logs a malformed packet).
+    #[inline(always)]
+    fn finish(&self, decision: Decision) {
+        self.count(decision as u32);
+        if decision == Decision::Malformed && self.logs(LOG_DEBUG) {
+            debug!(
+                self.ctx,
+                "malformed or truncated packet of {} bytes: passed untouched", self.len
+            );
+        }
+    }
+
+    /// Whether the config asks for logs at `level`.
+    #[inline(always)]
+    fn logs(&self, level: u32) -> bool {
+        self.cfg.log_level >= level
     }
 }
 
 const LOG_DEBUG: u32 = 4;
 const LOG_TRACE: u32 = 5;
-
-/// Whether the config asks for logs at `level`.
-#[inline(always)]
-fn logs(level: u32) -> bool {
-    match KILO_CONFIG.get(0) {
-        Some(cfg) => cfg.log_level >= level,
-        None => false,
-    }
-}
 
 /// Returns at once (the benchmarks' baseline).
 #[classifier]
@@ -186,7 +240,8 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
 
 /// An IPv4 address in the 16-byte key layout of the hash tables.
 #[inline(always)]
-fn v4(a: [u8; 4]) -> [u8; 16] {
+fn v4(addr: u32) -> [u8; 16] {
+    let a = addr.to_be_bytes();
     let mut out = [0u8; 16];
     out[0] = a[0];
     out[1] = a[1];
@@ -213,7 +268,8 @@ fn filter_word(v6: bool, addr: &[u8; 16]) -> u64 {
 /// The leaf slot of an IPv4 address in the direct index: the root chunk of its first octet,
 /// then (while the slot points on) the L2 and L3 chunks. A missing chunk reads as a fallback.
 #[inline(always)]
-fn leaf4(addr: [u8; 4]) -> u64 {
+fn leaf4(addr: u32) -> u64 {
+    let addr = addr.to_be_bytes();
     let Some(root) = KILO_V4_ROOT.get(addr[0] as u32) else {
         return SLOT_FALLBACK;
     };
@@ -309,46 +365,47 @@ fn find(
 /// says FIELD_FALLBACK (which it does, with the fast path on, for the mesh entries that may be
 /// redirected: their egress is in the hash table's value).
 #[inline(always)]
-fn ip4(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
+fn ip4(run: &Run, off: usize) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
-    let Some(hdr) = load::<[u8; 20]>(ctx, off) else {
+    let Some(hdr) = load::<[u8; 20]>(run.ctx, off) else {
         return (ok, Decision::Malformed);
     };
     if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
         return (ok, Decision::Malformed);
     }
-    let src = [hdr[12], hdr[13], hdr[14], hdr[15]];
-    let dst = [hdr[16], hdr[17], hdr[18], hdr[19]];
+    // One register for the address, not a byte each (and the source read only past the mesh
+    // hit, which then keeps fewer values alive across the inlined lookups).
+    let dst = u32::from_be_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
     let dst_leaf = leaf4(dst);
     match slot_field(dst_leaf, 0) {
         0 => {}
         FIELD_FALLBACK => {
-            if logs(LOG_TRACE) {
-                trace!(
-                    ctx,
-                    "IPv4 lookup of {:i} sent to the hash tables",
-                    u32::from_be_bytes(dst)
-                );
+            if run.logs(LOG_TRACE) {
+                trace!(run.ctx, "IPv4 lookup of {:i} sent to the hash tables", dst);
             }
-            if let Some(r) = mesh_hashed(ctx, false, off, &v4(dst), len) {
+            if let Some(r) = mesh_hashed(run, false, off, &v4(dst)) {
                 return r;
             }
         }
         field => {
-            count(&KILO_ENTRY_COUNTERS, field - 1, len);
+            run.count_entry(field - 1);
             return (ok, Decision::Mesh);
         }
     }
-    let nat = indexed(slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, &src, len);
-    let masq = indexed(slot_field(dst_leaf, 2), &KILO_MASQ_DST, 2, &dst, len);
-    masquerade(ctx, nat | masq)
+    let Some(src) = load::<[u8; 4]>(run.ctx, off + 12) else {
+        return (ok, Decision::Malformed);
+    };
+    let src = u32::from_be_bytes(src);
+    let nat = indexed(run, slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, src);
+    let masq = indexed(run, slot_field(dst_leaf, 2), &KILO_MASQ_DST, 2, dst);
+    masquerade(run, nat | masq)
 }
 
 /// The decision for an IPv6 packet whose header starts at `off` (hash tables only).
 #[inline(always)]
-fn ip6(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
+fn ip6(run: &Run, off: usize) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
-    let Some(hdr) = load::<[u8; 40]>(ctx, off) else {
+    let Some(hdr) = load::<[u8; 40]>(run.ctx, off) else {
         return (ok, Decision::Malformed);
     };
     if hdr[0] >> 4 != 6 {
@@ -358,30 +415,27 @@ fn ip6(ctx: &TcContext, off: usize, len: u64) -> (i32, Decision) {
     let mut dst = [0u8; 16];
     src.copy_from_slice(&hdr[8..24]);
     dst.copy_from_slice(&hdr[24..40]);
-    if let Some(r) = mesh_hashed(ctx, true, off, &dst, len) {
+    if let Some(r) = mesh_hashed(run, true, off, &dst) {
         return r;
     }
-    let nat = hashed(&KILO_NAT_SRC, 1, true, &src, len);
-    let masq = hashed(&KILO_MASQ_DST, 2, true, &dst, len);
-    masquerade(ctx, nat | masq)
+    let nat = hashed(run, &KILO_NAT_SRC, 1, true, &src);
+    let masq = hashed(run, &KILO_MASQ_DST, 2, true, &dst);
+    masquerade(run, nat | masq)
 }
 
 /// A mesh destination from the hash table: left alone, or redirected by the fast path.
 #[inline(always)]
-fn mesh_hashed(
-    ctx: &TcContext,
-    v6: bool,
-    off: usize,
-    dst: &[u8; 16],
-    len: u64,
-) -> Option<(i32, Decision)> {
+fn mesh_hashed(run: &Run, v6: bool, off: usize, dst: &[u8; 16]) -> Option<(i32, Decision)> {
     let entry = find(&KILO_MESH, 0, v6, dst, filter_word(v6, dst))?;
-    count(&KILO_ENTRY_COUNTERS, entry.counter, len);
-    if entry.flags & ENTRY_REDIRECT != 0 && entry.flags & ENTRY_SERVICE == 0 && fast_path() {
-        let r = redirect(ctx, v6, off, entry);
-        if r.1 == Decision::Mesh && logs(LOG_DEBUG) {
+    run.count_entry(entry.counter);
+    if entry.flags & ENTRY_REDIRECT != 0
+        && entry.flags & ENTRY_SERVICE == 0
+        && run.cfg.flags & CONFIG_FAST_PATH != 0
+    {
+        let r = redirect(run.ctx, v6, off, entry);
+        if r.1 == Decision::Mesh && run.logs(LOG_DEBUG) {
             debug!(
-                ctx,
+                run.ctx,
                 "fast path declined (TTL expiring or redirect to ifindex {} failed): left to the stack",
                 entry.ifindex
             );
@@ -395,17 +449,17 @@ fn mesh_hashed(
 /// the direct index's `field` or, for FIELD_FALLBACK, the hash table.
 #[inline(always)]
 fn indexed(
+    run: &Run,
     field: u32,
     map: &'static HashMap<EntryKey, EntryValue>,
     role: u32,
-    addr: &[u8; 4],
-    len: u64,
+    addr: u32,
 ) -> bool {
     match field {
         0 => false,
-        FIELD_FALLBACK => hashed(map, role, false, &v4(*addr), len),
+        FIELD_FALLBACK => hashed(run, map, role, false, &v4(addr)),
         f => {
-            count(&KILO_ENTRY_COUNTERS, f - 1, len);
+            run.count_entry(f - 1);
             true
         }
     }
@@ -415,15 +469,15 @@ fn indexed(
 /// (counting it).
 #[inline(always)]
 fn hashed(
+    run: &Run,
     map: &'static HashMap<EntryKey, EntryValue>,
     role: u32,
     v6: bool,
     addr: &[u8; 16],
-    len: u64,
 ) -> bool {
     match find(map, role, v6, addr, filter_word(v6, addr)) {
         Some(entry) => {
-            count(&KILO_ENTRY_COUNTERS, entry.counter, len);
+            run.count_entry(entry.counter);
             true
         }
         None => false,
@@ -432,26 +486,16 @@ fn hashed(
 
 /// Sets the masquerade mark bits (keeping the others) if `yes`.
 #[inline(always)]
-fn masquerade(ctx: &TcContext, yes: bool) -> (i32, Decision) {
+fn masquerade(run: &Run, yes: bool) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
     if !yes {
         return (ok, Decision::Pass);
     }
-    let Some(cfg) = KILO_CONFIG.get(0) else {
-        return (ok, Decision::Pass);
-    };
     // SAFETY: the context of a TC program is a __sk_buff.
-    let mark = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).mark };
-    ctx.set_mark((mark & !cfg.mask) | (cfg.mark & cfg.mask));
+    let mark = unsafe { (*(run.ctx.as_ptr() as *const __sk_buff)).mark };
+    run.ctx
+        .set_mark((mark & !run.cfg.mask) | (run.cfg.mark & run.cfg.mask));
     (ok, Decision::Masquerade)
-}
-
-#[inline(always)]
-fn fast_path() -> bool {
-    match KILO_CONFIG.get(0) {
-        Some(cfg) => cfg.flags & CONFIG_FAST_PATH != 0,
-        None => false,
-    }
 }
 
 /// The fast path: decrement the TTL / hop limit like a router and redirect to the entry's
@@ -510,17 +554,6 @@ fn redirect(ctx: &TcContext, v6: bool, off: usize, entry: &EntryValue) -> (i32, 
         (TC_ACT_REDIRECT as i32, Decision::Redirect)
     } else {
         (ok, Decision::Mesh)
-    }
-}
-
-#[inline(always)]
-fn count(map: &PerCpuArray<Counter>, index: u32, len: u64) {
-    if let Some(c) = map.get_ptr_mut(index) {
-        // SAFETY: a per-CPU slot, only this CPU writes it while the program runs.
-        unsafe {
-            (*c).packets += 1;
-            (*c).bytes += len;
-        }
     }
 }
 

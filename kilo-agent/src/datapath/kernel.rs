@@ -15,7 +15,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues},
+    maps::{Array, HashMap, MapData, MapError},
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -26,15 +26,15 @@ use aya::{
 use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
-    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, EntryKey, EntryValue,
-    FAMILY_V4, FAMILY_V6, FILTER_V6_BASE, Lengths, MAP_CONFIG, MAP_DECISIONS, MAP_ENTRY_COUNTERS,
-    MAP_FILTER, MAP_LENGTHS, MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3,
-    MAP_V4_ROOT, MAX_LENGTHS, PROG_L2, PROG_L3, PROG_NOOP, filter_bit, filter_bucket4,
-    filter_bucket6,
+    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, EntryKey, EntryValue, FAMILY_V4,
+    FAMILY_V6, FILTER_V6_BASE, Lengths, MAP_CONFIG, MAP_COUNTERS, MAP_FILTER, MAP_LENGTHS,
+    MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3, MAP_V4_ROOT, MAX_LENGTHS,
+    PROG_L2, PROG_L3, PROG_NOOP, counter_stride, filter_bit, filter_bucket4, filter_bucket6,
 };
 
 use super::{
     DatapathError, Role,
+    counters::CounterArray,
     direct::{self, DirectIndex, Level},
     keys,
     nft::{self, MasqueradeRule},
@@ -139,6 +139,25 @@ impl DatapathConfig {
         Ok(())
     }
 
+    /// The possible CPUs (a counters region each), checked to fit one array with their regions.
+    fn possible_cpus(&self) -> Result<u32, DatapathError> {
+        let cpus = aya::util::nr_cpus()
+            .map_err(|(path, source)| DatapathError::Io {
+                path: path.into(),
+                source,
+            })?
+            .get() as u32;
+        counter_stride(self.counter_slots)
+            .checked_mul(cpus)
+            .map(|_| cpus)
+            .ok_or_else(|| {
+                DatapathError::Config(format!(
+                    "{} counter slots on {cpus} CPUs do not fit one array",
+                    self.counter_slots
+                ))
+            })
+    }
+
     /// The value of the program's config map.
     pub fn map_config(&self) -> Config {
         Config {
@@ -146,6 +165,7 @@ impl DatapathConfig {
             mask: self.mask,
             flags: if self.fast_path { CONFIG_FAST_PATH } else { 0 },
             log_level: self.log_level,
+            counter_stride: counter_stride(self.counter_slots),
         }
     }
 }
@@ -178,8 +198,7 @@ pub struct KernelMaps {
     filter_counts: BTreeMap<(u32, u32, u32), usize>,
     filter_writes: u64,
     config: Array<MapData, Config>,
-    decisions: PerCpuArray<MapData, Counter>,
-    entry_counters: PerCpuArray<MapData, Counter>,
+    counters: CounterArray,
     v4_root: Array<MapData, Chunk>,
     v4_l2: Array<MapData, Chunk>,
     v4_l3: Array<MapData, Chunk>,
@@ -188,11 +207,10 @@ pub struct KernelMaps {
     fast_path: bool,
     held: bool,
     capacity: usize,
-    nr_cpus: usize,
 }
 
 impl KernelMaps {
-    fn take(ebpf: &mut Ebpf, capacity: u32, direct_enabled: bool) -> Result<Self, DatapathError> {
+    fn take(ebpf: &mut Ebpf, config: &DatapathConfig) -> Result<Self, DatapathError> {
         fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
             ebpf: &mut Ebpf,
             name: &'static str,
@@ -202,15 +220,9 @@ impl KernelMaps {
                 .ok_or_else(|| DatapathError::Config(format!("object has no map {name}")))?;
             T::try_from(map).map_err(|e| DatapathError::map(name, e))
         }
-        let nr_cpus = aya::util::nr_cpus()
-            .map_err(|(path, source)| DatapathError::Io {
-                path: path.into(),
-                source,
-            })?
-            .get() as usize;
         let (v4_l2, v4_l3): (Array<MapData, Chunk>, Array<MapData, Chunk>) =
             (take(ebpf, MAP_V4_L2)?, take(ebpf, MAP_V4_L3)?);
-        let direct = if direct_enabled {
+        let direct = if config.v4_chunks > 0 {
             DirectIndex::new(v4_l2.len(), v4_l3.len())
         } else {
             DirectIndex::disabled()
@@ -226,16 +238,24 @@ impl KernelMaps {
             filter_counts: BTreeMap::new(),
             filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
-            decisions: take(ebpf, MAP_DECISIONS)?,
-            entry_counters: take(ebpf, MAP_ENTRY_COUNTERS)?,
+            counters: CounterArray::new(
+                match ebpf.take_map(MAP_COUNTERS) {
+                    Some(aya::maps::Map::Array(data)) => data,
+                    _ => {
+                        return Err(DatapathError::Config(format!(
+                            "object has no array {MAP_COUNTERS}"
+                        )));
+                    }
+                },
+                counter_stride(config.counter_slots),
+            )?,
             v4_root: take(ebpf, MAP_V4_ROOT)?,
             v4_l2,
             v4_l3,
             direct,
             fast_path: false,
             held: false,
-            capacity: capacity as usize,
-            nr_cpus,
+            capacity: config.max_entries as usize,
         };
         // Adopted tables: count what is there and make sure the indexes cover it.
         let adopted = maps.all_entries()?;
@@ -405,11 +425,6 @@ impl KernelMaps {
             Role::MasqueradeDestination => &mut self.masq_dst,
         }
     }
-
-    /// Sets one per-CPU counter slot on every CPU (tests, benchmarks).
-    fn zeroes(&self) -> PerCpuValues<Counter> {
-        PerCpuValues::try_from(vec![Counter::default(); self.nr_cpus]).expect("nr_cpus > 0")
-    }
 }
 
 /// The pre-filter count key of an entry, and its bit, if its length is filtered.
@@ -432,13 +447,6 @@ fn errno(e: &MapError) -> Option<i32> {
         MapError::SyscallError(s) => s.io_error.raw_os_error(),
         _ => None,
     }
-}
-
-fn sum(values: &PerCpuValues<Counter>) -> Counter {
-    values.iter().fold(Counter::default(), |a, c| Counter {
-        packets: a.packets + c.packets,
-        bytes: a.bytes + c.bytes,
-    })
 }
 
 impl DatapathMaps for KernelMaps {
@@ -603,32 +611,19 @@ impl DatapathMaps for KernelMaps {
     }
 
     fn counter_slots(&self) -> u32 {
-        self.entry_counters.len()
+        self.counters.entry_slots()
     }
 
     fn entry_counter(&self, slot: u32) -> Result<Counter, DatapathError> {
-        self.entry_counters
-            .get(&slot, 0)
-            .map(|v| sum(&v))
-            .map_err(|e| DatapathError::map(MAP_ENTRY_COUNTERS, e))
+        self.counters.entry(slot)
     }
 
     fn reset_entry_counter(&mut self, slot: u32) -> Result<(), DatapathError> {
-        let zero = self.zeroes();
-        self.entry_counters
-            .set(slot, zero, 0)
-            .map_err(|e| DatapathError::map(MAP_ENTRY_COUNTERS, e))
+        self.counters.reset_entry(slot)
     }
 
     fn decision_counters(&self) -> Result<Vec<Counter>, DatapathError> {
-        (0..Decision::COUNT)
-            .map(|i| {
-                self.decisions
-                    .get(&i, 0)
-                    .map(|v| sum(&v))
-                    .map_err(|e| DatapathError::map(MAP_DECISIONS, e))
-            })
-            .collect()
+        Ok(self.counters.decisions())
     }
 
     fn config(&self) -> Result<Config, DatapathError> {
@@ -688,7 +683,10 @@ impl Datapath {
         for role in Role::ALL {
             loader.map_max_entries(role.map_name(), config.max_entries);
         }
-        loader.map_max_entries(MAP_ENTRY_COUNTERS, config.counter_slots);
+        loader.map_max_entries(
+            MAP_COUNTERS,
+            counter_stride(config.counter_slots) * config.possible_cpus()?,
+        );
         loader.map_max_entries(MAP_V4_L2, config.v4_chunks.max(1));
         loader.map_max_entries(MAP_V4_L3, config.v4_chunks.max(1));
         if let Some(dir) = &config.pin_dir {
@@ -698,20 +696,7 @@ impl Datapath {
                 path: maps.clone(),
                 source,
             })?;
-            for name in [
-                MAP_MESH,
-                MAP_NAT_SRC,
-                MAP_MASQ_DST,
-                MAP_LENGTHS,
-                MAP_FILTER,
-                MAP_CONFIG,
-                MAP_DECISIONS,
-                MAP_ENTRY_COUNTERS,
-                MAP_V4_ROOT,
-                MAP_V4_L2,
-                MAP_V4_L3,
-                MAP_LOGS,
-            ] {
+            for name in PINNED_MAPS {
                 loader.map_pin_path(name, Cow::Owned(maps.join(name)));
             }
         }
@@ -738,12 +723,15 @@ impl Datapath {
             }
             loaded => loaded.map_err(Box::new)?,
         };
+        if let Some(dir) = &config.pin_dir {
+            remove_stale_pins(&dir.join("maps"))?;
+        }
         for name in [PROG_L2, PROG_L3, PROG_NOOP] {
             program_mut(&mut ebpf, name)?
                 .load()
                 .map_err(|e| DatapathError::program(name, e))?;
         }
-        let mut maps = KernelMaps::take(&mut ebpf, config.max_entries, config.v4_chunks > 0)?;
+        let mut maps = KernelMaps::take(&mut ebpf, &config)?;
         let mut writes = Writes::default();
         let want = config.map_config();
         if maps.config()? != want {
@@ -1056,6 +1044,34 @@ fn program_mut<'a>(
         .program_mut(name)
         .ok_or_else(|| DatapathError::Config(format!("object has no program {name}")))?;
     prog.try_into().map_err(|e| DatapathError::program(name, e))
+}
+
+/// The maps pinned under `maps/`.
+const PINNED_MAPS: [&str; 11] = [
+    MAP_MESH,
+    MAP_NAT_SRC,
+    MAP_MASQ_DST,
+    MAP_LENGTHS,
+    MAP_FILTER,
+    MAP_CONFIG,
+    MAP_COUNTERS,
+    MAP_V4_ROOT,
+    MAP_V4_L2,
+    MAP_V4_L3,
+    MAP_LOGS,
+];
+
+/// Removes pins of maps this object no longer has (an upgrade renamed or dropped them; a
+/// program still attached keeps its maps until `attach` moves its link to ours).
+fn remove_stale_pins(maps: &Path) -> Result<(), DatapathError> {
+    for pin in list_dir(maps)? {
+        if !PINNED_MAPS.contains(&pin.as_str()) {
+            tracing::info!(pin = %pin, "datapath: removing the pin of a map this version no longer has");
+            let path = maps.join(pin);
+            fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+        }
+    }
+    Ok(())
 }
 
 fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {

@@ -11,6 +11,7 @@
 //!
 //! Nothing here starts a process.
 mod agent;
+mod counters;
 mod direct;
 mod kernel;
 mod keys;
