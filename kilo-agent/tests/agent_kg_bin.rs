@@ -47,6 +47,10 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             "--log-level=debug",
             // The program's own log records are forwarded (starting fails if they cannot be).
             "--datapath-log-level=debug",
+            // Map sizes other than the defaults.
+            "--datapath-counter-slots=64",
+            "--datapath-v4-chunks=8",
+            "--datapath-max-entries=4096",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -106,6 +110,14 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
         );
     }
     assert!(log.contains("seccomp filter installed"), "{log}");
+    assert!(log.contains("datapath: maps ready"), "{log}");
+    for size in [
+        "table_capacity\":4096",
+        "counter_slots\":64",
+        "v4_chunks\":8",
+    ] {
+        assert!(log.contains(size), "{size} in {log}");
+    }
     assert!(log.contains("--iptables-forward-rules is ignored"), "{log}");
     assert!(!log.contains(private.trim()), "private key logged");
     let text = std::fs::read_to_string(&mine).unwrap();

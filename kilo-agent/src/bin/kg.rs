@@ -54,6 +54,9 @@ fn datapath(flags: &Flags, devices: Devices) -> anyhow::Result<Box<dyn DatapathS
         pin_dir: Some(flags.bpffs_dir.clone()),
         fast_path: flags.fast_path,
         log_level: flags.datapath_log_level.program_level(),
+        max_entries: flags.datapath_max_entries,
+        counter_slots: flags.datapath_counter_slots,
+        v4_chunks: flags.datapath_v4_chunks,
         ..DatapathConfig::default()
     })
     .context("loading the eBPF datapath")?;

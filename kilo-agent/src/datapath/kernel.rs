@@ -732,6 +732,12 @@ impl Datapath {
                 .map_err(|e| DatapathError::program(name, e))?;
         }
         let mut maps = KernelMaps::take(&mut ebpf, &config)?;
+        tracing::info!(
+            table_capacity = config.max_entries,
+            counter_slots = maps.counter_slots(),
+            v4_chunks = config.v4_chunks,
+            "datapath: maps ready"
+        );
         let mut writes = Writes::default();
         let want = config.map_config();
         if maps.config()? != want {
