@@ -6,7 +6,7 @@ use std::{
     ptr,
 };
 
-use aya::maps::MapData;
+use aya::maps::{Map, MapData};
 use kilo_common::{Counter, DECISION_SLOTS, Decision, MAP_COUNTERS};
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -23,9 +23,12 @@ pub struct CounterArray {
 }
 
 impl CounterArray {
-    /// Maps `map`, whose regions are `stride` counters long.
-    pub fn new(map: MapData, stride: u32) -> Result<Self, DatapathError> {
+    /// Maps the object's counters array (`map`), whose regions are `stride` counters long.
+    pub fn new(map: Option<Map>, stride: u32) -> Result<Self, DatapathError> {
         let error = |reason: String| DatapathError::Config(format!("{MAP_COUNTERS}: {reason}"));
+        let Some(Map::Array(map)) = map else {
+            return Err(error("not an array in the object".into()));
+        };
         let entries = map
             .info()
             .map_err(|e| DatapathError::map(MAP_COUNTERS, e))?

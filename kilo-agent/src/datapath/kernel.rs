@@ -139,8 +139,8 @@ impl DatapathConfig {
         Ok(())
     }
 
-    /// The possible CPUs (a counters region each), checked to fit one array with their regions.
-    fn possible_cpus(&self) -> Result<u32, DatapathError> {
+    /// Counters in the counters array: a region for each possible CPU.
+    fn counters_len(&self) -> Result<u32, DatapathError> {
         let cpus = aya::util::nr_cpus()
             .map_err(|(path, source)| DatapathError::Io {
                 path: path.into(),
@@ -149,7 +149,6 @@ impl DatapathConfig {
             .get() as u32;
         counter_stride(self.counter_slots)
             .checked_mul(cpus)
-            .map(|_| cpus)
             .ok_or_else(|| {
                 DatapathError::Config(format!(
                     "{} counter slots on {cpus} CPUs do not fit one array",
@@ -239,14 +238,7 @@ impl KernelMaps {
             filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
             counters: CounterArray::new(
-                match ebpf.take_map(MAP_COUNTERS) {
-                    Some(aya::maps::Map::Array(data)) => data,
-                    _ => {
-                        return Err(DatapathError::Config(format!(
-                            "object has no array {MAP_COUNTERS}"
-                        )));
-                    }
-                },
+                ebpf.take_map(MAP_COUNTERS),
                 counter_stride(config.counter_slots),
             )?,
             v4_root: take(ebpf, MAP_V4_ROOT)?,
@@ -683,10 +675,7 @@ impl Datapath {
         for role in Role::ALL {
             loader.map_max_entries(role.map_name(), config.max_entries);
         }
-        loader.map_max_entries(
-            MAP_COUNTERS,
-            counter_stride(config.counter_slots) * config.possible_cpus()?,
-        );
+        loader.map_max_entries(MAP_COUNTERS, config.counters_len()?);
         loader.map_max_entries(MAP_V4_L2, config.v4_chunks.max(1));
         loader.map_max_entries(MAP_V4_L3, config.v4_chunks.max(1));
         if let Some(dir) = &config.pin_dir {

@@ -121,20 +121,30 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
     let slots = maps.counter_slots();
     let mut free = (0..slots).filter(move |s| !used.contains(s));
 
-    maps.hold_index();
-    let upserted = upsert(maps, plan, resolver, &current, &mut free, &mut writes);
-    // Publish what went in, even after a failure part-way.
-    let committed = maps.commit_index();
-    upserted?;
-    writes.add("map_table", committed?);
-    maps.hold_index();
-    let deleted = delete_stale(maps, plan, &current, &mut writes);
-    let committed = maps.commit_index();
-    deleted?;
-    writes.add("map_table", committed?);
+    batched(maps, &mut writes, |maps, writes| {
+        upsert(maps, plan, resolver, &current, &mut free, writes)
+    })?;
+    batched(maps, &mut writes, |maps, writes| {
+        delete_stale(maps, plan, &current, writes)
+    })?;
     writes.add("map_index", maps.take_index_writes());
     writes.add("map_filter", maps.take_filter_writes());
     Ok(writes)
+}
+
+/// Runs `step` with the derived structures held, then publishes what it changed, even after a
+/// failure part-way (what went in must be findable).
+fn batched<M: DatapathMaps + ?Sized>(
+    maps: &mut M,
+    writes: &mut Writes,
+    step: impl FnOnce(&mut M, &mut Writes) -> Result<(), DatapathError>,
+) -> Result<(), DatapathError> {
+    maps.hold_index();
+    let done = step(maps, writes);
+    let committed = maps.commit_index();
+    done?;
+    writes.add("map_table", committed?);
+    Ok(())
 }
 
 /// Writes the new and changed entries of `plan`.
