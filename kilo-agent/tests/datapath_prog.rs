@@ -85,11 +85,35 @@ fn open_hashed() -> Datapath {
     open_with(0)
 }
 
-/// Every way of looking IPv4 up, for the tests of decisions: the direct index, the direct
-/// index with pools of one chunk (the first /16 needing one takes it, the others fall back to
-/// the hash tables), the hash tables alone.
-fn every_mode() -> [Datapath; 3] {
-    [open(), open_with(1), open_hashed()]
+/// `plan()` with more IPv4 NAT sources than the config's list holds (none of them matching the
+/// tests' addresses), so that NAT sources are looked up in the direct index.
+fn plan_many_nat() -> DatapathPlan {
+    let mut p = plan();
+    for net in ["10.250.0.0/24", "10.251.0.0/24", "10.252.0.0/16"] {
+        p.nat_sources.insert(
+            net.parse().unwrap(),
+            entry(EntryKind::LocalPods, net.into()),
+        );
+    }
+    assert!(p.nat_sources.len() > kilo_common::NAT4_LIST + 1);
+    p
+}
+
+/// Every way of looking IPv4 up, for the tests of decisions: the direct index (NAT sources
+/// from the config's list), the same with NAT sources from the index, the direct index with
+/// pools of one chunk (the first /16 needing one takes it, the others fall back to the hash
+/// tables), the hash tables alone (NAT sources too).
+fn every_mode() -> [Datapath; 4] {
+    let many_nat = |mut dp: Datapath| {
+        dp.sync(&plan_many_nat(), &NoResolver).expect("sync");
+        dp
+    };
+    [
+        open(),
+        many_nat(open()),
+        open_with(1),
+        many_nat(open_hashed()),
+    ]
 }
 
 fn delta(
@@ -696,6 +720,47 @@ fn the_direct_index_writes_a_chunk_or_two_per_change() {
     assert_eq!((w.get("map_delete"), w.get("map_table")), (2, 2), "{w}");
     check(&mut dp, l2, &to("10.1.7.7"), mesh("10.1.0.0/16"));
     check(&mut dp, l2, &to("10.2.200.1"), mesh("10.0.0.0/8"));
+}
+
+#[test]
+fn nat_sources_move_between_the_config_list_and_the_index_without_a_miss() {
+    if !support::require_root(
+        "nat_sources_move_between_the_config_list_and_the_index_without_a_miss",
+    ) {
+        return;
+    }
+    let l2 = Framing::L2;
+    let mut dp = open();
+    let from = |s: &str| frame(&[], v4(s), v4("8.8.8.8"));
+    let nat = |net: &'static str| masq(&[(Role::NatSource, net)]);
+    // Nested NAT sources: the longest counts, in the list (three: it is full) and in the index
+    // (four), and back.
+    let mut p = plan();
+    for net in ["10.244.0.0/16", "10.244.1.7/32"] {
+        p.nat_sources.insert(
+            net.parse().unwrap(),
+            entry(EntryKind::LocalPods, net.into()),
+        );
+    }
+    let mut four = p.clone();
+    four.nat_sources.insert(
+        "10.245.0.0/16".parse().unwrap(),
+        entry(EntryKind::LocalPods, "n".into()),
+    );
+    for plan in [&p, &four, &p, &plan()] {
+        let w = dp.sync(plan, &NoResolver).unwrap();
+        // The list is one config write, whatever changed in it.
+        assert_eq!(w.get("map_config"), 1, "{w}");
+        if plan.nat_sources.len() > 2 {
+            check(&mut dp, l2, &from("10.244.1.7"), nat("10.244.1.7/32"));
+            check(&mut dp, l2, &from("10.244.2.1"), nat("10.244.0.0/16"));
+        } else {
+            check(&mut dp, l2, &from("10.244.2.1"), untouched(Decision::Pass));
+        }
+        check(&mut dp, l2, &from("10.244.1.9"), nat("10.244.1.0/24"));
+        check(&mut dp, l2, &from("172.16.0.1"), untouched(Decision::Pass));
+        assert!(dp.sync(plan, &NoResolver).unwrap().is_empty());
+    }
 }
 
 #[test]

@@ -176,28 +176,60 @@ pub const CONFIG_FAST_PATH: u32 = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Bits set (under `mask`) on packets to masquerade.
-    pub mark: u32,
-    /// Bits of the skb mark the program owns.
-    pub mask: u32,
+    // The rarely read fields first: an array map's value starts 8 bytes short of a cache line
+    // boundary on this kernel (6.18: `struct bpf_array` is 312 bytes), so what every packet
+    // and the masquerade path read, from `mark` on, fills the next line and no more.
+    /// [`CONFIG_FAST_PATH`].
     pub flags: u32,
     /// The program's log level (aya-log: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace),
     /// read at run time and only on the paths that log, none of which a well-formed packet of a
     /// mesh without fallback regions takes.
     pub log_level: u32,
+    /// Bits set (under `mask`) on packets to masquerade.
+    pub mark: u32,
+    /// Bits of the skb mark the program owns.
+    pub mask: u32,
     /// Counters in one CPU's region of [`MAP_COUNTERS`] (see [`counter_stride`]). Here rather
     /// than in a read-only global so that the one config line every packet reads also holds
     /// what the masquerade path needs.
     pub counter_stride: u32,
+    /// How many of `nat4` hold the IPv4 NAT sources, or [`NAT4_INDEXED`]: more than fit, look
+    /// them up in the direct index. A node has one or two (its pod CIDR, its WireGuard IP), and
+    /// checking them here, in the line the masquerade path reads anyway, spares that path the
+    /// source's walk of the index: two more cache lines, on pages of their own.
+    pub nat4_len: u32,
+    /// The IPv4 NAT sources, longest prefix first (so the first match is the longest).
+    pub nat4: [Nat4; NAT4_LIST],
+}
+
+/// Most IPv4 NAT sources [`Config::nat4`] holds.
+pub const NAT4_LIST: usize = 3;
+/// [`Config::nat4_len`] when the IPv4 NAT sources are looked up in the direct index.
+pub const NAT4_INDEXED: u32 = u32::MAX;
+
+/// An IPv4 NAT source in [`Config::nat4`]: addresses `a` with `a & mask == net` (both as
+/// `u32::from_be_bytes` of the address), counted in entry slot `counter`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nat4 {
+    pub net: u32,
+    pub mask: u32,
+    pub counter: u32,
 }
 
 impl Config {
     pub const DEFAULT: Config = Config {
-        mark: DEFAULT_MARK,
-        mask: DEFAULT_MARK_MASK,
         flags: 0,
         log_level: 0,
+        mark: DEFAULT_MARK,
+        mask: DEFAULT_MARK_MASK,
         counter_stride: counter_stride(DEFAULT_COUNTER_SLOTS),
+        nat4_len: 0,
+        nat4: [Nat4 {
+            net: 0,
+            mask: 0,
+            counter: 0,
+        }; NAT4_LIST],
     };
 }
 

@@ -8,8 +8,9 @@
 //! lengths the pre-filter rules out; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
-//! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
-//!   mark bits (the one static nftables rule masquerades marked packets);
+//! - otherwise, source in `KILO_NAT_SRC` (for IPv4, while there are few, the copy of them in
+//!   the config line) or destination in `KILO_MASQ_DST`: set the masquerade mark bits (the one
+//!   static nftables rule masquerades marked packets);
 //! - otherwise leave alone.
 //!
 //! Nothing is ever dropped; truncated or malformed packets pass untouched. The only map writes
@@ -33,8 +34,8 @@ use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS,
     DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE,
     EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FIELD_FALLBACK, FILTER_BUCKETS, FILTER_ROLE_BITS,
-    Lengths, MAX_LENGTHS, SLOT_FALLBACK, SLOT_POINTER, counter_stride, filter_bucket4,
-    filter_bucket6, filter_class, slot_field,
+    Lengths, MAX_LENGTHS, NAT4_INDEXED, SLOT_FALLBACK, SLOT_POINTER, counter_stride,
+    filter_bucket4, filter_bucket6, filter_class, slot_field,
 };
 
 const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
@@ -396,9 +397,28 @@ fn ip4(run: &Run, off: usize) -> (i32, Decision) {
         return (ok, Decision::Malformed);
     };
     let src = u32::from_be_bytes(src);
-    let nat = indexed(run, slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, src);
+    let nat = if run.cfg.nat4_len == NAT4_INDEXED {
+        indexed(run, slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, src)
+    } else {
+        nat4_listed(run, src)
+    };
     let masq = indexed(run, slot_field(dst_leaf, 2), &KILO_MASQ_DST, 2, dst);
     masquerade(run, nat | masq)
+}
+
+/// Whether `src` is one of the config's IPv4 NAT sources (counting the first, longest, match).
+#[inline(always)]
+fn nat4_listed(run: &Run, src: u32) -> bool {
+    for (i, n) in run.cfg.nat4.iter().enumerate() {
+        if i as u32 >= run.cfg.nat4_len {
+            break;
+        }
+        if src & n.mask == n.net {
+            run.count_entry(n.counter);
+            return true;
+        }
+    }
+    false
 }
 
 /// The decision for an IPv6 packet whose header starts at `off` (hash tables only).

@@ -23,7 +23,7 @@ use aya::{
     },
     util::KernelVersion,
 };
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
     DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, EntryKey, EntryValue, FAMILY_V4,
@@ -165,6 +165,7 @@ impl DatapathConfig {
             flags: if self.fast_path { CONFIG_FAST_PATH } else { 0 },
             log_level: self.log_level,
             counter_stride: counter_stride(self.counter_slots),
+            ..Config::DEFAULT
         }
     }
 }
@@ -186,6 +187,10 @@ type Table = HashMap<MapData, EntryKey, EntryValue>;
 /// And keeps the IPv4 direct index ([`DirectIndex`]) in step with the IPv4 entries, publishing
 /// it after every insert or remove, or once per batch between [`DatapathMaps::hold_index`] and
 /// [`DatapathMaps::commit_index`]. Chunk writes are counted as `map_table`.
+///
+/// And keeps the config's copy of the IPv4 NAT sources ([`Config::nat4`]) in step with that
+/// table, at the same moments as the direct index; its writes are counted as `map_config`.
+/// [`DatapathMaps::config`] and [`DatapathMaps::set_config`] deal in the settings only.
 pub struct KernelMaps {
     mesh: Table,
     nat_src: Table,
@@ -197,6 +202,9 @@ pub struct KernelMaps {
     filter_counts: BTreeMap<(u32, u32, u32), usize>,
     filter_writes: u64,
     config: Array<MapData, Config>,
+    /// The IPv4 NAT sources and their counter slots.
+    nat4: BTreeMap<Ipv4Net, u32>,
+    config_writes: u64,
     counters: CounterArray,
     v4_root: Array<MapData, Chunk>,
     v4_l2: Array<MapData, Chunk>,
@@ -237,6 +245,8 @@ impl KernelMaps {
             filter_counts: BTreeMap::new(),
             filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
+            nat4: BTreeMap::new(),
+            config_writes: 0,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
                 counter_stride(config.counter_slots),
@@ -271,8 +281,10 @@ impl KernelMaps {
         }
         maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
         maps.reload_direct(&adopted)?;
+        maps.reload_nat4(&adopted[Role::NatSource.index() as usize])?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
+        maps.config_writes = 0;
         Ok(maps)
     }
 
@@ -304,6 +316,41 @@ impl KernelMaps {
         self.publish_direct()
     }
 
+    /// Remembers `entries` (the NAT source table's) as the IPv4 NAT sources and publishes them.
+    fn reload_nat4(&mut self, entries: &[(IpNet, EntryValue)]) -> Result<(), DatapathError> {
+        self.nat4 = entries
+            .iter()
+            .filter_map(|(net, v)| match net {
+                IpNet::V4(n) => Some((*n, v.counter)),
+                IpNet::V6(_) => None,
+            })
+            .collect();
+        self.publish_nat4()
+    }
+
+    /// Writes the config's NAT source list if it differs from `nat4` (one write).
+    fn publish_nat4(&mut self) -> Result<(), DatapathError> {
+        let have = self.raw_config()?;
+        let want = keys::with_nat4(have, self.nat4.iter().map(|(n, c)| (n, *c)));
+        if want != have {
+            self.write_raw_config(&want)?;
+            self.config_writes += 1;
+        }
+        Ok(())
+    }
+
+    fn raw_config(&self) -> Result<Config, DatapathError> {
+        self.config
+            .get(&0, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+    }
+
+    fn write_raw_config(&mut self, config: &Config) -> Result<(), DatapathError> {
+        self.config
+            .set(0, config, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+    }
+
     /// Writes the direct index's pending chunk writes, in order; returns how many.
     fn publish_direct(&mut self) -> Result<u64, DatapathError> {
         let writes = self.direct.plan();
@@ -333,8 +380,15 @@ impl KernelMaps {
             let r = role.index() as usize;
             let field = value.map(|v| direct::field(r, v, self.fast_path));
             self.direct.set(r, n.trunc(), field);
+            if role == Role::NatSource {
+                match value {
+                    Some(v) => self.nat4.insert(n.trunc(), v.counter),
+                    None => self.nat4.remove(&n.trunc()),
+                };
+            }
             if !self.held {
                 self.publish_direct()?;
+                self.publish_nat4()?;
             }
         }
         Ok(())
@@ -580,6 +634,7 @@ impl DatapathMaps for KernelMaps {
                 });
             self.direct.holds(role.index() as usize, v4)
         });
+        self.reload_nat4(&current[Role::NatSource.index() as usize])?;
         if same {
             return Ok(0);
         }
@@ -591,7 +646,9 @@ impl DatapathMaps for KernelMaps {
 
     fn commit_index(&mut self) -> Result<u64, DatapathError> {
         self.held = false;
-        self.publish_direct()
+        let writes = self.publish_direct()?;
+        self.publish_nat4()?;
+        Ok(writes)
     }
 
     fn take_index_writes(&mut self) -> u64 {
@@ -600,6 +657,10 @@ impl DatapathMaps for KernelMaps {
 
     fn take_filter_writes(&mut self) -> u64 {
         std::mem::take(&mut self.filter_writes)
+    }
+
+    fn take_config_writes(&mut self) -> u64 {
+        std::mem::take(&mut self.config_writes)
     }
 
     fn counter_slots(&self) -> u32 {
@@ -619,15 +680,16 @@ impl DatapathMaps for KernelMaps {
     }
 
     fn config(&self) -> Result<Config, DatapathError> {
-        self.config
-            .get(&0, 0)
-            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+        Ok(Config {
+            nat4_len: Config::DEFAULT.nat4_len,
+            nat4: Config::DEFAULT.nat4,
+            ..self.raw_config()?
+        })
     }
 
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
-        self.config
-            .set(0, config, 0)
-            .map_err(|e| DatapathError::map(MAP_CONFIG, e))?;
+        let value = keys::with_nat4(*config, self.nat4.iter().map(|(n, c)| (n, *c)));
+        self.write_raw_config(&value)?;
         // The fast path changes which mesh entries the index sends to the hash table.
         let fast_path = config.flags & CONFIG_FAST_PATH != 0;
         if fast_path != self.fast_path {

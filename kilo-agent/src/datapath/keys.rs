@@ -3,7 +3,8 @@ use std::net::IpAddr;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_common::{
-    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
+    Config, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
+    NAT4_INDEXED, NAT4_LIST, Nat4,
 };
 
 use super::sync::Resolver;
@@ -114,6 +115,33 @@ pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver)
     value
 }
 
+/// `config` with its IPv4 NAT source list ([`Config::nat4`]) made from `nat_sources` (each
+/// IPv4 NAT source and its counter slot): longest prefix first, or [`NAT4_INDEXED`] when there
+/// are more than fit.
+pub fn with_nat4<'a>(
+    config: Config,
+    nat_sources: impl IntoIterator<Item = (&'a Ipv4Net, u32)>,
+) -> Config {
+    let mut list: Vec<(&Ipv4Net, u32)> = nat_sources.into_iter().collect();
+    list.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
+    let mut out = Config {
+        nat4_len: NAT4_INDEXED,
+        nat4: [Nat4::default(); NAT4_LIST],
+        ..config
+    };
+    if list.len() <= NAT4_LIST {
+        out.nat4_len = list.len() as u32;
+        for (slot, (net, counter)) in out.nat4.iter_mut().zip(list) {
+            *slot = Nat4 {
+                net: u32::from(net.trunc().addr()),
+                mask: u32::from(net.netmask()),
+                counter,
+            };
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +219,41 @@ mod tests {
         e.kind = EntryKind::Service;
         e.next_hop = None;
         assert_eq!(entry_value(&e, 5, &resolver).flags, ENTRY_SERVICE);
+    }
+
+    #[test]
+    fn nat4_list_is_longest_first_until_it_overflows() {
+        let nets: Vec<Ipv4Net> = [
+            "10.244.0.0/16",
+            "10.4.0.1/32",
+            "10.244.1.0/24",
+            "10.9.0.0/8",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        let base = Config {
+            mark: 0x1000,
+            ..Config::DEFAULT
+        };
+        let c = with_nat4(base, nets[..3].iter().zip([1, 2, 3]));
+        assert_eq!(c.mark, 0x1000, "the settings are kept");
+        assert_eq!(c.nat4_len, 3);
+        let got: Vec<(u32, u32, u32)> = c.nat4.iter().map(|n| (n.net, n.mask, n.counter)).collect();
+        assert_eq!(
+            got,
+            [
+                (0x0a04_0001, 0xffff_ffff, 2),
+                (0x0af4_0100, 0xffff_ff00, 3),
+                (0x0af4_0000, 0xffff_0000, 1),
+            ]
+        );
+        // Host bits are cleared.
+        assert_eq!(with_nat4(base, [(&nets[3], 9)]).nat4[0].net, 0x0a00_0000);
+        let empty = with_nat4(base, []);
+        assert_eq!(empty.nat4_len, 0);
+        let over = with_nat4(base, nets.iter().zip(0..));
+        assert_eq!(over.nat4_len, NAT4_INDEXED);
+        assert_eq!(over.nat4, [Nat4::default(); NAT4_LIST]);
     }
 }

@@ -69,6 +69,10 @@ pub trait DatapathMaps {
     fn take_filter_writes(&mut self) -> u64 {
         0
     }
+    /// Writes made to the config's copy of the IPv4 NAT sources since the last call.
+    fn take_config_writes(&mut self) -> u64 {
+        0
+    }
     /// Defers derived structures (the IPv4 direct index) until [`DatapathMaps::commit_index`]:
     /// a batch of changes is then published at once.
     fn hold_index(&mut self) {}
@@ -97,7 +101,8 @@ pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, Dat
 
 /// Makes the maps equal to `plan`, writing only the difference (see the module doc).
 /// Writes are counted as `map_insert`, `map_update`, `map_delete`, `counter_reset`, and for
-/// derived structures `map_table` (IPv4 direct index chunks), `map_index` and `map_filter`.
+/// derived structures `map_table` (IPv4 direct index chunks), `map_index`, `map_filter` and
+/// `map_config` (the config's IPv4 NAT source list).
 pub fn sync_maps<M: DatapathMaps + ?Sized>(
     maps: &mut M,
     plan: &DatapathPlan,
@@ -127,9 +132,15 @@ pub fn sync_maps<M: DatapathMaps + ?Sized>(
     batched(maps, &mut writes, |maps, writes| {
         delete_stale(maps, plan, &current, writes)
     })?;
+    take_derived_writes(maps, &mut writes);
+    Ok(writes)
+}
+
+/// Adds the writes the maps made to derived structures since the last call.
+fn take_derived_writes<M: DatapathMaps + ?Sized>(maps: &mut M, writes: &mut Writes) {
     writes.add("map_index", maps.take_index_writes());
     writes.add("map_filter", maps.take_filter_writes());
-    Ok(writes)
+    writes.add("map_config", maps.take_config_writes());
 }
 
 /// Runs `step` with the derived structures held, then publishes what it changed, even after a
@@ -194,8 +205,7 @@ fn upsert<M: DatapathMaps + ?Sized>(
                 writes.add("counter_reset", 1);
             }
             let inserted = maps.insert(role, net, &value);
-            writes.add("map_index", maps.take_index_writes());
-            writes.add("map_filter", maps.take_filter_writes());
+            take_derived_writes(maps, writes);
             inserted.map_err(wrap)?;
             writes.add(
                 if old.is_some() {
