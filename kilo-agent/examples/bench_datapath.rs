@@ -30,7 +30,7 @@ fn entry(kind: EntryKind, i: usize) -> DatapathEntry {
 }
 
 /// `n` mesh destinations shaped like a cluster: per node a pod /24 in 10.0.0.0/8 and an
-/// internal /32 in 172.16.0.0/12 (half each), plus a few IPv6 /64s; one NAT source.
+/// internal /32 in 172.16.0.0/12 (half each), plus a few IPv6 /64s; one NAT source per family.
 fn plan(n: usize) -> DatapathPlan {
     let mut mesh = BTreeMap::new();
     let mut i = 0;
@@ -54,10 +54,16 @@ fn plan(n: usize) -> DatapathPlan {
     }
     DatapathPlan {
         mesh_destinations: mesh,
-        nat_sources: BTreeMap::from([(
-            "10.244.1.0/24".parse().unwrap(),
-            entry(EntryKind::LocalPods, 0),
-        )]),
+        nat_sources: BTreeMap::from([
+            (
+                "10.244.1.0/24".parse().unwrap(),
+                entry(EntryKind::LocalPods, 0),
+            ),
+            (
+                "fd00:244:1::/64".parse().unwrap(),
+                entry(EntryKind::LocalPods, 0),
+            ),
+        ]),
         masquerade_destinations: BTreeMap::from([(
             "192.168.50.0/24".parse().unwrap(),
             entry(EntryKind::AllowedLocation, 0),
@@ -157,19 +163,22 @@ fn main() {
         "# datapath benchmark (BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds)"
     );
 
-    // Packets: a pod to the internet (masquerade path: every mesh length, then the NAT source
-    // and masquerade destination lengths), a pod to a node in the mesh (/32 miss, /24 hit), an
-    // IPv6 pod to a mesh /64 (one probe), a host to the internet (no match: every length of
-    // every table), and a non-IP frame (parse and counters only).
+    // Packets: a pod to the internet, IPv4 and IPv6 (masquerade path: the destination misses
+    // the mesh, the source is a NAT source, the destination not a masquerade destination), a
+    // pod to a node in the mesh (/32 miss, /24 hit), an IPv6 pod to a mesh /64 (one probe), a
+    // host to the internet (no match: every length of every table), and a non-IP frame (parse
+    // and counters only).
     let masq = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
+    let masq6 = frame(&[], v6("fd00:244:1::5"), v6("2001:db8::1"));
     let mesh_hit = frame(&[], v4("10.244.1.5"), v4("10.0.3.7"));
     let mesh6 = frame(&[], v6("fd00::5"), v6("fd00:0:0:2::9"));
     let pass = frame(&[], v4("172.16.200.1"), v4("8.8.8.8"));
     let pass6 = frame(&[], v6("fd99::1"), v6("2001:db8::1"));
     let mut arp = packets::eth(&[], packets::ETH_P_ARP);
     arp.extend_from_slice(&[0u8; 28]);
-    let cases: [(&str, &[u8]); 6] = [
+    let cases: [(&str, &[u8]); 7] = [
         ("masquerade (v4)", &masq),
+        ("masquerade (v6)", &masq6),
         ("mesh hit (v4)", &mesh_hit),
         ("mesh hit (v6)", &mesh6),
         ("no match (v4)", &pass),

@@ -85,18 +85,31 @@ fn open_hashed() -> Datapath {
     open_with(0)
 }
 
-/// `plan()` with more IPv4 NAT sources than the config's list holds (none of them matching the
-/// tests' addresses), so that NAT sources are looked up in the direct index.
+/// `plan()` with more NAT sources than the config's lists hold (none of them matching the
+/// tests' addresses), so that NAT sources are looked up in the direct index (IPv4) and the
+/// hash table.
 fn plan_many_nat() -> DatapathPlan {
     let mut p = plan();
-    for net in ["10.250.0.0/24", "10.251.0.0/24", "10.252.0.0/16"] {
+    for net in [
+        "10.250.0.0/24",
+        "10.251.0.0/24",
+        "10.252.0.0/16",
+        "fd00:250::/64",
+        "fd00:251::/64",
+    ] {
         p.nat_sources.insert(
             net.parse().unwrap(),
             entry(EntryKind::LocalPods, net.into()),
         );
     }
-    assert!(p.nat_sources.len() > kilo_common::NAT4_LIST + 1);
+    assert!(p.nat_sources.len() > kilo_common::NAT4_LIST + kilo_common::NAT6_LIST + 1);
     p
+}
+
+/// `dp` with `plan_many_nat()`.
+fn many_nat(mut dp: Datapath) -> Datapath {
+    dp.sync(&plan_many_nat(), &NoResolver).expect("sync");
+    dp
 }
 
 /// Every way of looking IPv4 up, for the tests of decisions: the direct index (NAT sources
@@ -104,10 +117,6 @@ fn plan_many_nat() -> DatapathPlan {
 /// pools of one chunk (the first /16 needing one takes it, the others fall back to the hash
 /// tables), the hash tables alone (NAT sources too).
 fn every_mode() -> [Datapath; 4] {
-    let many_nat = |mut dp: Datapath| {
-        dp.sync(&plan_many_nat(), &NoResolver).expect("sync");
-        dp
-    };
     [
         open(),
         many_nat(open()),
@@ -312,18 +321,24 @@ fn ipv6_ethernet_decisions() {
     if !support::require_root("ipv6_ethernet_decisions") {
         return;
     }
-    let mut dp = open();
-    use Decision::*;
-    let rows = vec![
-        ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
-        ("fd00:244:1::5", "fd00:1:2::9", mesh("fd00:1:2::/64")),
-        ("fd00:244:1::5", "fd00:1:0:3::9", mesh("fd00:1::/48")),
-        ("fd00:99::1", "2001:db8::1", untouched(Pass)),
-        ("fd00:99::1", "fd00:50::7", masq(&[ALLOWED6])),
-        // An IPv4-mapped address does not match IPv4 entries (the family is part of the key).
-        ("::ffff:10.244.1.5", "2001:db8::1", untouched(Pass)),
-    ];
-    check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
+    // NAT sources from the config's list, and from the hash table.
+    for mut dp in [open(), many_nat(open())] {
+        use Decision::*;
+        let rows = vec![
+            ("fd00:244:1::5", "2001:db8::1", masq(&[NAT6])),
+            ("fd00:244:1:0:ffff::1", "2001:db8::1", masq(&[NAT6])),
+            ("fd00:244:2::5", "2001:db8::1", untouched(Pass)),
+            ("fd00:244:1::5", "fd00:1:2::9", mesh("fd00:1:2::/64")),
+            ("fd00:244:1::5", "fd00:1:0:3::9", mesh("fd00:1::/48")),
+            ("fd00:99::1", "2001:db8::1", untouched(Pass)),
+            ("fd00:99::1", "fd00:50::7", masq(&[ALLOWED6])),
+            ("fd00:244:1::5", "fd00:50::7", masq(&[NAT6, ALLOWED6])),
+            // An IPv4-mapped address does not match IPv4 entries (the family is part of the
+            // key).
+            ("::ffff:10.244.1.5", "2001:db8::1", untouched(Pass)),
+        ];
+        check_each(&mut dp, Framing::L2, addressed(eth_ip, rows));
+    }
 }
 
 #[test]
@@ -723,42 +738,60 @@ fn the_direct_index_writes_a_chunk_or_two_per_change() {
 }
 
 #[test]
-fn nat_sources_move_between_the_config_list_and_the_index_without_a_miss() {
+fn nat_sources_move_between_the_config_lists_and_the_tables_without_a_miss() {
     if !support::require_root(
-        "nat_sources_move_between_the_config_list_and_the_index_without_a_miss",
+        "nat_sources_move_between_the_config_lists_and_the_tables_without_a_miss",
     ) {
         return;
     }
     let l2 = Framing::L2;
     let mut dp = open();
-    let from = |s: &str| frame(&[], v4(s), v4("8.8.8.8"));
+    let from = |s: &str| {
+        let to = if s.contains(':') {
+            "2001:db8::1"
+        } else {
+            "8.8.8.8"
+        };
+        frame(&[], addr(s), addr(to))
+    };
     let nat = |net: &'static str| masq(&[(Role::NatSource, net)]);
-    // Nested NAT sources: the longest counts, in the list (three: it is full) and in the index
-    // (four), and back.
+    // Nested NAT sources: the longest counts, in the lists (three IPv4, two IPv6: both full)
+    // and in the index and hash table (one more of each), and back.
     let mut p = plan();
-    for net in ["10.244.0.0/16", "10.244.1.7/32"] {
+    for net in ["10.244.0.0/16", "10.244.1.7/32", "fd00:244:1::7/128"] {
         p.nat_sources.insert(
             net.parse().unwrap(),
             entry(EntryKind::LocalPods, net.into()),
         );
     }
-    let mut four = p.clone();
-    four.nat_sources.insert(
-        "10.245.0.0/16".parse().unwrap(),
-        entry(EntryKind::LocalPods, "n".into()),
-    );
-    for plan in [&p, &four, &p, &plan()] {
+    let mut more = p.clone();
+    for net in ["10.245.0.0/16", "fd00:245::/64"] {
+        more.nat_sources.insert(
+            net.parse().unwrap(),
+            entry(EntryKind::LocalPods, net.into()),
+        );
+    }
+    for plan in [&p, &more, &p, &plan()] {
         let w = dp.sync(plan, &NoResolver).unwrap();
-        // The list is one config write, whatever changed in it.
+        // The lists are one config write, whatever changed in them.
         assert_eq!(w.get("map_config"), 1, "{w}");
         if plan.nat_sources.len() > 2 {
             check(&mut dp, l2, &from("10.244.1.7"), nat("10.244.1.7/32"));
             check(&mut dp, l2, &from("10.244.2.1"), nat("10.244.0.0/16"));
+            check(
+                &mut dp,
+                l2,
+                &from("fd00:244:1::7"),
+                nat("fd00:244:1::7/128"),
+            );
         } else {
             check(&mut dp, l2, &from("10.244.2.1"), untouched(Decision::Pass));
+            check(&mut dp, l2, &from("fd00:244:1::7"), nat("fd00:244:1::/64"));
         }
         check(&mut dp, l2, &from("10.244.1.9"), nat("10.244.1.0/24"));
+        check(&mut dp, l2, &from("fd00:244:1::9"), nat("fd00:244:1::/64"));
         check(&mut dp, l2, &from("172.16.0.1"), untouched(Decision::Pass));
+        check(&mut dp, l2, &from("fd00:99::1"), untouched(Decision::Pass));
         assert!(dp.sync(plan, &NoResolver).unwrap().is_empty());
     }
 }

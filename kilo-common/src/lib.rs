@@ -200,12 +200,37 @@ pub struct Config {
     pub nat4_len: u32,
     /// The IPv4 NAT sources, longest prefix first (so the first match is the longest).
     pub nat4: [Nat4; NAT4_LIST],
+    /// Puts `nat6` and `nat6_len` on the next line (see the comment on `flags`).
+    pub _pad: [u32; 3],
+    /// The IPv6 NAT sources, longest prefix first.
+    pub nat6: [Nat6; NAT6_LIST],
+    /// Like `nat4_len`, for [`Config::nat6`] ([`NAT6_INDEXED`]: look them up in the hash
+    /// table, a probe per prefix length).
+    pub nat6_len: u32,
+    pub _pad_end: u32,
 }
 
 /// Most IPv4 NAT sources [`Config::nat4`] holds.
 pub const NAT4_LIST: usize = 3;
 /// [`Config::nat4_len`] when the IPv4 NAT sources are looked up in the direct index.
 pub const NAT4_INDEXED: u32 = u32::MAX;
+
+/// Most IPv6 NAT sources [`Config::nat6`] holds.
+pub const NAT6_LIST: usize = 2;
+/// [`Config::nat6_len`] when the IPv6 NAT sources are looked up in the hash table.
+pub const NAT6_INDEXED: u32 = u32::MAX;
+
+/// An IPv6 NAT source in [`Config::nat6`]: the first `prefix_len` bits of the address, as two
+/// `u64::from_be_bytes` halves (`hi` the first eight bytes), bits past it zero; counted in
+/// entry slot `counter`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Nat6 {
+    pub hi: u64,
+    pub lo: u64,
+    pub prefix_len: u32,
+    pub counter: u32,
+}
 
 /// An IPv4 NAT source in [`Config::nat4`]: addresses `a` with `a & mask == net` (both as
 /// `u32::from_be_bytes` of the address), counted in entry slot `counter`.
@@ -230,6 +255,15 @@ impl Config {
             mask: 0,
             counter: 0,
         }; NAT4_LIST],
+        _pad: [0; 3],
+        nat6: [Nat6 {
+            hi: 0,
+            lo: 0,
+            prefix_len: 0,
+            counter: 0,
+        }; NAT6_LIST],
+        nat6_len: 0,
+        _pad_end: 0,
     };
 }
 
@@ -350,3 +384,6 @@ mod user {
     unsafe impl aya::Pod for super::Counter {}
     unsafe impl aya::Pod for super::Chunk {}
 }
+
+// No implicit padding in what the program and the agent share byte for byte.
+const _: () = assert!(core::mem::size_of::<Config>() == 128);

@@ -8,8 +8,8 @@
 //! lengths the pre-filter rules out; see kilo-common)
 //! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
 //!   entry, not a service: redirect there);
-//! - otherwise, source in `KILO_NAT_SRC` (for IPv4, while there are few, the copy of them in
-//!   the config line) or destination in `KILO_MASQ_DST`: set the masquerade mark bits (the one
+//! - otherwise, source in `KILO_NAT_SRC` (while there are few, the copy of them in the config
+//!   value) or destination in `KILO_MASQ_DST`: set the masquerade mark bits (the one
 //!   static nftables rule masquerades marked packets);
 //! - otherwise leave alone.
 //!
@@ -34,7 +34,7 @@ use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS,
     DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE,
     EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FIELD_FALLBACK, FILTER_BUCKETS, FILTER_ROLE_BITS,
-    Lengths, MAX_LENGTHS, NAT4_INDEXED, SLOT_FALLBACK, SLOT_POINTER, counter_stride,
+    Lengths, MAX_LENGTHS, NAT4_INDEXED, NAT6_INDEXED, SLOT_FALLBACK, SLOT_POINTER, counter_stride,
     filter_bucket4, filter_bucket6, filter_class, slot_field,
 };
 
@@ -296,6 +296,22 @@ fn leaf4(addr: u32) -> u64 {
     }
 }
 
+/// The masks of the first `l` bits (at most 128) of a 128-bit address held as (hi, lo) halves.
+#[inline(always)]
+fn masks(l: u32) -> (u64, u64) {
+    let hi = if l >= 64 {
+        u64::MAX
+    } else {
+        u64::MAX.checked_shl(64 - l).unwrap_or(0)
+    };
+    let lo = if l <= 64 {
+        0
+    } else {
+        u64::MAX.checked_shl(128 - l).unwrap_or(0)
+    };
+    (hi, lo)
+}
+
 /// The longest-prefix match of `addr` in one role's table: probe each prefix length present,
 /// longest first, skipping IPv4 lengths the pre-filter word `filter` rules out.
 #[inline(always)]
@@ -336,16 +352,7 @@ fn find(
             continue;
         }
         // Keep the first l bits of the 128-bit (hi, lo) address (IPv4 lives in hi's top 32).
-        let mh = if l >= 64 {
-            u64::MAX
-        } else {
-            u64::MAX.checked_shl(64 - l).unwrap_or(0)
-        };
-        let ml = if l <= 64 {
-            0
-        } else {
-            u64::MAX.checked_shl(128 - l).unwrap_or(0)
-        };
+        let (mh, ml) = masks(l);
         key.prefix_len = l;
         let h = (hi & mh).to_be_bytes();
         let w = (lo & ml).to_be_bytes();
@@ -421,6 +428,28 @@ fn nat4_listed(run: &Run, src: u32) -> bool {
     false
 }
 
+/// Whether `src` is one of the config's IPv6 NAT sources (counting the first, longest, match).
+#[inline(always)]
+fn nat6_listed(run: &Run, src: &[u8; 16]) -> bool {
+    let hi = u64::from_be_bytes([
+        src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7],
+    ]);
+    let lo = u64::from_be_bytes([
+        src[8], src[9], src[10], src[11], src[12], src[13], src[14], src[15],
+    ]);
+    for (i, n) in run.cfg.nat6.iter().enumerate() {
+        if i as u32 >= run.cfg.nat6_len {
+            break;
+        }
+        let (mh, ml) = masks(n.prefix_len);
+        if hi & mh == n.hi && lo & ml == n.lo {
+            run.count_entry(n.counter);
+            return true;
+        }
+    }
+    false
+}
+
 /// The decision for an IPv6 packet whose header starts at `off` (hash tables only).
 #[inline(always)]
 fn ip6(run: &Run, off: usize) -> (i32, Decision) {
@@ -438,7 +467,11 @@ fn ip6(run: &Run, off: usize) -> (i32, Decision) {
     if let Some(r) = mesh_hashed(run, true, off, &dst) {
         return r;
     }
-    let nat = hashed(run, &KILO_NAT_SRC, 1, true, &src);
+    let nat = if run.cfg.nat6_len == NAT6_INDEXED {
+        hashed(run, &KILO_NAT_SRC, 1, true, &src)
+    } else {
+        nat6_listed(run, &src)
+    };
     let masq = hashed(run, &KILO_MASQ_DST, 2, true, &dst);
     masquerade(run, nat | masq)
 }

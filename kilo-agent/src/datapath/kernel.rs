@@ -23,7 +23,7 @@ use aya::{
     },
     util::KernelVersion,
 };
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
     DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, EntryKey, EntryValue, FAMILY_V4,
@@ -188,8 +188,9 @@ type Table = HashMap<MapData, EntryKey, EntryValue>;
 /// it after every insert or remove, or once per batch between [`DatapathMaps::hold_index`] and
 /// [`DatapathMaps::commit_index`]. Chunk writes are counted as `map_table`.
 ///
-/// And keeps the config's copy of the IPv4 NAT sources ([`Config::nat4`]) in step with that
-/// table, at the same moments as the direct index; its writes are counted as `map_config`.
+/// And keeps the config's copy of the NAT sources ([`Config::nat4`], [`Config::nat6`]) in step
+/// with that table, at the same moments as the direct index; its writes are counted as
+/// `map_config`.
 /// [`DatapathMaps::config`] and [`DatapathMaps::set_config`] deal in the settings only.
 pub struct KernelMaps {
     mesh: Table,
@@ -202,8 +203,8 @@ pub struct KernelMaps {
     filter_counts: BTreeMap<(u32, u32, u32), usize>,
     filter_writes: u64,
     config: Array<MapData, Config>,
-    /// The IPv4 NAT sources and their counter slots.
-    nat4: BTreeMap<Ipv4Net, u32>,
+    /// The NAT sources and their counter slots.
+    nat: BTreeMap<IpNet, u32>,
     config_writes: u64,
     counters: CounterArray,
     v4_root: Array<MapData, Chunk>,
@@ -245,7 +246,7 @@ impl KernelMaps {
             filter_counts: BTreeMap::new(),
             filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
-            nat4: BTreeMap::new(),
+            nat: BTreeMap::new(),
             config_writes: 0,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
@@ -281,7 +282,7 @@ impl KernelMaps {
         }
         maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
         maps.reload_direct(&adopted)?;
-        maps.reload_nat4(&adopted[Role::NatSource.index() as usize])?;
+        maps.reload_nat(&adopted[Role::NatSource.index() as usize])?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
         maps.config_writes = 0;
@@ -316,22 +317,28 @@ impl KernelMaps {
         self.publish_direct()
     }
 
-    /// Remembers `entries` (the NAT source table's) as the IPv4 NAT sources and publishes them.
-    fn reload_nat4(&mut self, entries: &[(IpNet, EntryValue)]) -> Result<(), DatapathError> {
-        self.nat4 = entries
-            .iter()
-            .filter_map(|(net, v)| match net {
-                IpNet::V4(n) => Some((*n, v.counter)),
-                IpNet::V6(_) => None,
-            })
-            .collect();
-        self.publish_nat4()
+    /// Remembers `entries` (the NAT source table's) as the NAT sources and publishes them.
+    fn reload_nat(&mut self, entries: &[(IpNet, EntryValue)]) -> Result<(), DatapathError> {
+        self.nat = entries.iter().map(|(net, v)| (*net, v.counter)).collect();
+        self.publish_nat()
     }
 
-    /// Writes the config's NAT source list if it differs from `nat4` (one write).
-    fn publish_nat4(&mut self) -> Result<(), DatapathError> {
+    /// Notes a NAT source change and, unless a batch is held, publishes the lists.
+    fn update_nat(&mut self, net: IpNet, value: Option<&EntryValue>) -> Result<(), DatapathError> {
+        match value {
+            Some(v) => self.nat.insert(net.trunc(), v.counter),
+            None => self.nat.remove(&net.trunc()),
+        };
+        if self.held {
+            return Ok(());
+        }
+        self.publish_nat()
+    }
+
+    /// Writes the config's NAT source lists if they differ from `nat` (one write).
+    fn publish_nat(&mut self) -> Result<(), DatapathError> {
         let have = self.raw_config()?;
-        let want = keys::with_nat4(have, self.nat4.iter().map(|(n, c)| (n, *c)));
+        let want = keys::with_nat_sources(have, self.nat.iter().map(|(n, c)| (n, *c)));
         if want != have {
             self.write_raw_config(&want)?;
             self.config_writes += 1;
@@ -380,15 +387,8 @@ impl KernelMaps {
             let r = role.index() as usize;
             let field = value.map(|v| direct::field(r, v, self.fast_path));
             self.direct.set(r, n.trunc(), field);
-            if role == Role::NatSource {
-                match value {
-                    Some(v) => self.nat4.insert(n.trunc(), v.counter),
-                    None => self.nat4.remove(&n.trunc()),
-                };
-            }
             if !self.held {
                 self.publish_direct()?;
-                self.publish_nat4()?;
             }
         }
         Ok(())
@@ -584,7 +584,11 @@ impl DatapathMaps for KernelMaps {
         if new_length {
             self.publish(role)?;
         }
-        self.update_direct(role, net, Some(value))
+        self.update_direct(role, net, Some(value))?;
+        if role == Role::NatSource {
+            self.update_nat(net, Some(value))?;
+        }
+        Ok(())
     }
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
@@ -612,7 +616,11 @@ impl DatapathMaps for KernelMaps {
                 self.publish_filter(fslot.0)?;
             }
         }
-        self.update_direct(role, net, None)
+        self.update_direct(role, net, None)?;
+        if role == Role::NatSource {
+            self.update_nat(net, None)?;
+        }
+        Ok(())
     }
 
     fn hold_index(&mut self) {
@@ -634,7 +642,7 @@ impl DatapathMaps for KernelMaps {
                 });
             self.direct.holds(role.index() as usize, v4)
         });
-        self.reload_nat4(&current[Role::NatSource.index() as usize])?;
+        self.reload_nat(&current[Role::NatSource.index() as usize])?;
         if same {
             return Ok(0);
         }
@@ -647,7 +655,7 @@ impl DatapathMaps for KernelMaps {
     fn commit_index(&mut self) -> Result<u64, DatapathError> {
         self.held = false;
         let writes = self.publish_direct()?;
-        self.publish_nat4()?;
+        self.publish_nat()?;
         Ok(writes)
     }
 
@@ -683,12 +691,14 @@ impl DatapathMaps for KernelMaps {
         Ok(Config {
             nat4_len: Config::DEFAULT.nat4_len,
             nat4: Config::DEFAULT.nat4,
+            nat6_len: Config::DEFAULT.nat6_len,
+            nat6: Config::DEFAULT.nat6,
             ..self.raw_config()?
         })
     }
 
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
-        let value = keys::with_nat4(*config, self.nat4.iter().map(|(n, c)| (n, *c)));
+        let value = keys::with_nat_sources(*config, self.nat.iter().map(|(n, c)| (n, *c)));
         self.write_raw_config(&value)?;
         // The fast path changes which mesh entries the index sends to the hash table.
         let fast_path = config.flags & CONFIG_FAST_PATH != 0;

@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_common::{
     Config, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
-    NAT4_INDEXED, NAT4_LIST, Nat4,
+    NAT4_INDEXED, NAT4_LIST, NAT6_INDEXED, NAT6_LIST, Nat4, Nat6,
 };
 
 use super::sync::Resolver;
@@ -115,28 +115,50 @@ pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver)
     value
 }
 
-/// `config` with its IPv4 NAT source list ([`Config::nat4`]) made from `nat_sources` (each
-/// IPv4 NAT source and its counter slot): longest prefix first, or [`NAT4_INDEXED`] when there
-/// are more than fit.
-pub fn with_nat4<'a>(
+/// `config` with its NAT source lists ([`Config::nat4`], [`Config::nat6`]) made from
+/// `nat_sources` (each NAT source and its counter slot): per family longest prefix first, or
+/// [`NAT4_INDEXED`] / [`NAT6_INDEXED`] when there are more than fit.
+pub fn with_nat_sources<'a>(
     config: Config,
-    nat_sources: impl IntoIterator<Item = (&'a Ipv4Net, u32)>,
+    nat_sources: impl IntoIterator<Item = (&'a IpNet, u32)>,
 ) -> Config {
-    let mut list: Vec<(&Ipv4Net, u32)> = nat_sources.into_iter().collect();
+    let mut list: Vec<(IpNet, u32)> = nat_sources
+        .into_iter()
+        .map(|(n, c)| (n.trunc(), c))
+        .collect();
     list.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
+    let (v4, v6): (Vec<_>, Vec<_>) = list.into_iter().partition(|(n, _)| n.addr().is_ipv4());
     let mut out = Config {
         nat4_len: NAT4_INDEXED,
         nat4: [Nat4::default(); NAT4_LIST],
+        nat6_len: NAT6_INDEXED,
+        nat6: [Nat6::default(); NAT6_LIST],
         ..config
     };
-    if list.len() <= NAT4_LIST {
-        out.nat4_len = list.len() as u32;
-        for (slot, (net, counter)) in out.nat4.iter_mut().zip(list) {
-            *slot = Nat4 {
-                net: u32::from(net.trunc().addr()),
-                mask: u32::from(net.netmask()),
-                counter,
-            };
+    if v4.len() <= NAT4_LIST {
+        out.nat4_len = v4.len() as u32;
+        for (slot, (net, counter)) in out.nat4.iter_mut().zip(v4) {
+            if let IpNet::V4(n) = net {
+                *slot = Nat4 {
+                    net: u32::from(n.addr()),
+                    mask: u32::from(n.netmask()),
+                    counter,
+                };
+            }
+        }
+    }
+    if v6.len() <= NAT6_LIST {
+        out.nat6_len = v6.len() as u32;
+        for (slot, (net, counter)) in out.nat6.iter_mut().zip(v6) {
+            if let IpNet::V6(n) = net {
+                let bits = u128::from(n.addr());
+                *slot = Nat6 {
+                    hi: (bits >> 64) as u64,
+                    lo: bits as u64,
+                    prefix_len: u32::from(n.prefix_len()),
+                    counter,
+                };
+            }
         }
     }
     out
@@ -222,12 +244,15 @@ mod tests {
     }
 
     #[test]
-    fn nat4_list_is_longest_first_until_it_overflows() {
-        let nets: Vec<Ipv4Net> = [
+    fn nat_lists_are_longest_first_per_family_until_they_overflow() {
+        let nets: Vec<IpNet> = [
             "10.244.0.0/16",
             "10.4.0.1/32",
+            "fd00:244::/48",
             "10.244.1.0/24",
+            "fd00:4::1/128",
             "10.9.0.0/8",
+            "fd00:9::/32",
         ]
         .iter()
         .map(|s| s.parse().unwrap())
@@ -236,24 +261,46 @@ mod tests {
             mark: 0x1000,
             ..Config::DEFAULT
         };
-        let c = with_nat4(base, nets[..3].iter().zip([1, 2, 3]));
+        let c = with_nat_sources(base, nets[..5].iter().zip([1, 2, 3, 4, 5]));
         assert_eq!(c.mark, 0x1000, "the settings are kept");
-        assert_eq!(c.nat4_len, 3);
+        assert_eq!((c.nat4_len, c.nat6_len), (3, 2));
         let got: Vec<(u32, u32, u32)> = c.nat4.iter().map(|n| (n.net, n.mask, n.counter)).collect();
         assert_eq!(
             got,
             [
                 (0x0a04_0001, 0xffff_ffff, 2),
-                (0x0af4_0100, 0xffff_ff00, 3),
+                (0x0af4_0100, 0xffff_ff00, 4),
                 (0x0af4_0000, 0xffff_0000, 1),
             ]
         );
+        assert_eq!(
+            c.nat6,
+            [
+                Nat6 {
+                    hi: 0xfd00_0004_0000_0000,
+                    lo: 1,
+                    prefix_len: 128,
+                    counter: 5
+                },
+                Nat6 {
+                    hi: 0xfd00_0244_0000_0000,
+                    lo: 0,
+                    prefix_len: 48,
+                    counter: 3
+                },
+            ]
+        );
         // Host bits are cleared.
-        assert_eq!(with_nat4(base, [(&nets[3], 9)]).nat4[0].net, 0x0a00_0000);
-        let empty = with_nat4(base, []);
-        assert_eq!(empty.nat4_len, 0);
-        let over = with_nat4(base, nets.iter().zip(0..));
-        assert_eq!(over.nat4_len, NAT4_INDEXED);
+        let host: IpNet = "10.9.8.7/8".parse().unwrap();
+        assert_eq!(
+            with_nat_sources(base, [(&host, 9)]).nat4[0].net,
+            0x0a00_0000
+        );
+        let empty = with_nat_sources(base, []);
+        assert_eq!((empty.nat4_len, empty.nat6_len), (0, 0));
+        let over = with_nat_sources(base, nets.iter().zip(0..));
+        assert_eq!((over.nat4_len, over.nat6_len), (NAT4_INDEXED, NAT6_INDEXED));
         assert_eq!(over.nat4, [Nat4::default(); NAT4_LIST]);
+        assert_eq!(over.nat6, [Nat6::default(); NAT6_LIST]);
     }
 }
