@@ -205,6 +205,8 @@ pub struct KernelMaps {
     config: Array<MapData, Config>,
     /// The NAT sources and their counter slots.
     nat: BTreeMap<IpNet, u32>,
+    /// `nat` changed in a held batch: publish at the commit.
+    nat_pending: bool,
     config_writes: u64,
     counters: CounterArray,
     v4_root: Array<MapData, Chunk>,
@@ -247,6 +249,7 @@ impl KernelMaps {
             filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
             nat: BTreeMap::new(),
+            nat_pending: false,
             config_writes: 0,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
@@ -330,15 +333,22 @@ impl KernelMaps {
             None => self.nat.remove(&net.trunc()),
         };
         if self.held {
+            self.nat_pending = true;
             return Ok(());
         }
         self.publish_nat()
     }
 
+    /// `config` (the settings) with the NAT source lists of `nat`.
+    fn with_nat(&self, config: Config) -> Config {
+        keys::with_nat_sources(config, self.nat.iter().map(|(n, c)| (n, *c)))
+    }
+
     /// Writes the config's NAT source lists if they differ from `nat` (one write).
     fn publish_nat(&mut self) -> Result<(), DatapathError> {
+        self.nat_pending = false;
         let have = self.raw_config()?;
-        let want = keys::with_nat_sources(have, self.nat.iter().map(|(n, c)| (n, *c)));
+        let want = self.with_nat(have);
         if want != have {
             self.write_raw_config(&want)?;
             self.config_writes += 1;
@@ -642,7 +652,13 @@ impl DatapathMaps for KernelMaps {
                 });
             self.direct.holds(role.index() as usize, v4)
         });
-        self.reload_nat(&current[Role::NatSource.index() as usize])?;
+        // NAT sources changed behind the agent's back (IPv6 ones too, which `same` does not see).
+        let nat = &current[Role::NatSource.index() as usize];
+        if nat.len() != self.nat.len()
+            || nat.iter().any(|(n, v)| self.nat.get(n) != Some(&v.counter))
+        {
+            self.reload_nat(nat)?;
+        }
         if same {
             return Ok(0);
         }
@@ -655,7 +671,9 @@ impl DatapathMaps for KernelMaps {
     fn commit_index(&mut self) -> Result<u64, DatapathError> {
         self.held = false;
         let writes = self.publish_direct()?;
-        self.publish_nat()?;
+        if self.nat_pending {
+            self.publish_nat()?;
+        }
         Ok(writes)
     }
 
@@ -688,17 +706,12 @@ impl DatapathMaps for KernelMaps {
     }
 
     fn config(&self) -> Result<Config, DatapathError> {
-        Ok(Config {
-            nat4_len: Config::DEFAULT.nat4_len,
-            nat4: Config::DEFAULT.nat4,
-            nat6_len: Config::DEFAULT.nat6_len,
-            nat6: Config::DEFAULT.nat6,
-            ..self.raw_config()?
-        })
+        // The settings: the lists as an empty NAT table makes them.
+        Ok(keys::with_nat_sources(self.raw_config()?, []))
     }
 
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
-        let value = keys::with_nat_sources(*config, self.nat.iter().map(|(n, c)| (n, *c)));
+        let value = self.with_nat(*config);
         self.write_raw_config(&value)?;
         // The fast path changes which mesh entries the index sends to the hash table.
         let fast_path = config.flags & CONFIG_FAST_PATH != 0;

@@ -127,7 +127,29 @@ pub fn with_nat_sources<'a>(
         .map(|(n, c)| (n.trunc(), c))
         .collect();
     list.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
-    let (v4, v6): (Vec<_>, Vec<_>) = list.into_iter().partition(|(n, _)| n.addr().is_ipv4());
+    let v4: Vec<Nat4> = list
+        .iter()
+        .filter_map(|(net, counter)| match net {
+            IpNet::V4(n) => Some(Nat4 {
+                net: u32::from(n.addr()),
+                mask: u32::from(n.netmask()),
+                counter: *counter,
+            }),
+            IpNet::V6(_) => None,
+        })
+        .collect();
+    let v6: Vec<Nat6> = list
+        .iter()
+        .filter_map(|(net, counter)| match net {
+            IpNet::V6(n) => Some(Nat6 {
+                hi: (u128::from(n.addr()) >> 64) as u64,
+                lo: u128::from(n.addr()) as u64,
+                prefix_len: u32::from(n.prefix_len()),
+                counter: *counter,
+            }),
+            IpNet::V4(_) => None,
+        })
+        .collect();
     let mut out = Config {
         nat4_len: NAT4_INDEXED,
         nat4: [Nat4::default(); NAT4_LIST],
@@ -137,29 +159,11 @@ pub fn with_nat_sources<'a>(
     };
     if v4.len() <= NAT4_LIST {
         out.nat4_len = v4.len() as u32;
-        for (slot, (net, counter)) in out.nat4.iter_mut().zip(v4) {
-            if let IpNet::V4(n) = net {
-                *slot = Nat4 {
-                    net: u32::from(n.addr()),
-                    mask: u32::from(n.netmask()),
-                    counter,
-                };
-            }
-        }
+        out.nat4[..v4.len()].copy_from_slice(&v4);
     }
     if v6.len() <= NAT6_LIST {
         out.nat6_len = v6.len() as u32;
-        for (slot, (net, counter)) in out.nat6.iter_mut().zip(v6) {
-            if let IpNet::V6(n) = net {
-                let bits = u128::from(n.addr());
-                *slot = Nat6 {
-                    hi: (bits >> 64) as u64,
-                    lo: bits as u64,
-                    prefix_len: u32::from(n.prefix_len()),
-                    counter,
-                };
-            }
-        }
+        out.nat6[..v6.len()].copy_from_slice(&v6);
     }
     out
 }

@@ -69,7 +69,7 @@ pub trait DatapathMaps {
     fn take_filter_writes(&mut self) -> u64 {
         0
     }
-    /// Writes made to the config's copy of the IPv4 NAT sources since the last call.
+    /// Writes made to the config's copy of the NAT sources since the last call.
     fn take_config_writes(&mut self) -> u64 {
         0
     }
@@ -102,7 +102,7 @@ pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, Dat
 /// Makes the maps equal to `plan`, writing only the difference (see the module doc).
 /// Writes are counted as `map_insert`, `map_update`, `map_delete`, `counter_reset`, and for
 /// derived structures `map_table` (IPv4 direct index chunks), `map_index`, `map_filter` and
-/// `map_config` (the config's IPv4 NAT source list).
+/// `map_config` (the config's NAT source lists).
 pub fn sync_maps<M: DatapathMaps + ?Sized>(
     maps: &mut M,
     plan: &DatapathPlan,
