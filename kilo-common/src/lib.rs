@@ -59,6 +59,16 @@ pub const PROG_L3: &str = "kilo_ingress_l3";
 pub const PROG_NOOP: &str = "kilo_noop";
 /// A classifier that reads one byte of the IP header and returns (benchmark baseline).
 pub const PROG_TOUCH: &str = "kilo_touch";
+/// The lean program the datapath issue takes as its cost model (benchmark reference): parse
+/// (untagged Ethernet IPv4), an LPM-trie lookup of the destination, then of the source, and
+/// the mark; no config, no counters. Its tries, `MAP_LEAN_*`, are its own.
+pub const PROG_LEAN: &str = "kilo_lean";
+/// The lean reference's LPM tries (`[u8; 4]` keys, `u32` values): mesh destinations, NAT sources.
+pub const MAP_LEAN_MESH: &str = "KILO_LEAN_MESH";
+pub const MAP_LEAN_NAT: &str = "KILO_LEAN_NAT";
+/// Room in each of the lean reference's tries (a cap: LPM tries allocate per entry), enough for
+/// the benchmarks' 100,000-entry plan.
+pub const LEAN_ENTRIES: u32 = 1 << 18;
 
 /// Default capacity of each table. Entries are allocated as inserted (BPF_F_NO_PREALLOC); the
 /// bucket array costs 16 bytes per slot (1 MiB per table at this size).

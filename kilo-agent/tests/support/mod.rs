@@ -4,6 +4,7 @@
 
 pub mod agent;
 pub mod bpffs;
+pub mod lean;
 pub mod netns;
 pub mod packets;
 
