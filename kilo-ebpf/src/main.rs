@@ -1,5 +1,6 @@
 //! The kilo TC datapath: Kilo's masquerade decision (and an opt-in forwarding fast path) made
-//! with LPM-trie lookups at TC ingress of the pod-facing devices and the WireGuard interface.
+//! with longest-prefix matches at TC ingress of the pod-facing devices and the WireGuard
+//! interface (plus the benchmarks' baselines: `kilo_noop`, `kilo_touch`, `kilo_lean`).
 //!
 //! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
 //! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
