@@ -121,8 +121,9 @@ fn cold(iters: u32) {
     }
     let kib = arg::<usize>("--thrash-kib", 64);
     let mut dp = open(131_072);
-    dp.sync(&plan(1_000), &NoResolver).expect("sync");
-    let reference = lean(&plan(1_000));
+    let p = plan(1_000);
+    dp.sync(&p, &NoResolver).expect("sync");
+    let reference = lean(&p);
     let masq = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
     let mesh_hit = frame(&[], v4("10.244.1.5"), v4("10.0.3.7"));
     println!();

@@ -9,8 +9,9 @@
 //!   the prefix lengths present per role and family, longest first. The program probes those
 //!   lengths in order: the first hit is the longest match. A lookup costs one hash probe per
 //!   distinct prefix length (a handful in a Kilo mesh: /32 node and WireGuard IPs, the pod CIDR
-//!   size, service and peer sizes) and does not grow with the number of entries, unlike the kernel's LPM trie whose depth grows with it
-//!   (measured: 1.6x to 2x slower at 100,000 entries than at 10).
+//!   size, service and peer sizes) and does not grow with the number of entries, unlike the
+//!   kernel's LPM trie whose depth grows with it (measured: 1.6x to 2x slower at 100,000
+//!   entries than at 10; `kilo_lean` shows it in `bench_datapath`).
 //! - [`MAP_FILTER`]: a pre-filter that spares most probes that would miss. Array of
 //!   [`FILTER_BUCKETS`] `u64` words, 16 bits per role (role `r` at bit `16 * r`). IPv4: word
 //!   [`filter_bucket4`] (the address's /16), bit `l - 17` set when the role's table may hold an

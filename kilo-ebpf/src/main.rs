@@ -327,6 +327,18 @@ fn leaf4(addr: u32) -> u64 {
     }
 }
 
+/// A 128-bit address (or an IPv4 one in the first four bytes) as big-endian (hi, lo) halves.
+#[inline(always)]
+fn halves(addr: &[u8; 16]) -> (u64, u64) {
+    let hi = u64::from_be_bytes([
+        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
+    ]);
+    let lo = u64::from_be_bytes([
+        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
+    ]);
+    (hi, lo)
+}
+
 /// The masks of the first `l` bits (at most 128) of a 128-bit address held as (hi, lo) halves.
 #[inline(always)]
 fn masks(l: u32) -> (u64, u64) {
@@ -355,12 +367,7 @@ fn find(
 ) -> Option<&'static EntryValue> {
     let lens = KILO_LENGTHS.get(role)?;
     let bits = (filter >> (role * FILTER_ROLE_BITS)) as u32;
-    let hi = u64::from_be_bytes([
-        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
-    ]);
-    let lo = u64::from_be_bytes([
-        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
-    ]);
+    let (hi, lo) = halves(addr);
     let (n, family, width) = if v6 {
         (lens.n6, FAMILY_V6, 128)
     } else {
@@ -462,12 +469,7 @@ fn nat4_listed(run: &Run, src: u32) -> bool {
 /// Whether `src` is one of the config's IPv6 NAT sources (counting the first, longest, match).
 #[inline(always)]
 fn nat6_listed(run: &Run, src: &[u8; 16]) -> bool {
-    let hi = u64::from_be_bytes([
-        src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7],
-    ]);
-    let lo = u64::from_be_bytes([
-        src[8], src[9], src[10], src[11], src[12], src[13], src[14], src[15],
-    ]);
+    let (hi, lo) = halves(src);
     for (i, n) in run.cfg.nat6.iter().enumerate() {
         if i as u32 >= run.cfg.nat6_len {
             break;

@@ -285,7 +285,8 @@ impl KernelMaps {
         }
         maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
         maps.reload_direct(&adopted)?;
-        maps.reload_nat(&adopted[Role::NatSource.index() as usize])?;
+        maps.nat = Self::nat_record(&adopted[Role::NatSource.index() as usize]);
+        maps.publish_nat()?;
         maps.index_writes = 0;
         maps.filter_writes = 0;
         maps.config_writes = 0;
@@ -320,10 +321,9 @@ impl KernelMaps {
         self.publish_direct()
     }
 
-    /// Remembers `entries` (the NAT source table's) as the NAT sources and publishes them.
-    fn reload_nat(&mut self, entries: &[(IpNet, EntryValue)]) -> Result<(), DatapathError> {
-        self.nat = entries.iter().map(|(net, v)| (*net, v.counter)).collect();
-        self.publish_nat()
+    /// The NAT sources and counter slots of `entries` (the NAT source table's).
+    fn nat_record(entries: &[(IpNet, EntryValue)]) -> BTreeMap<IpNet, u32> {
+        entries.iter().map(|(net, v)| (*net, v.counter)).collect()
     }
 
     /// Notes a NAT source change and, unless a batch is held, publishes the lists.
@@ -653,11 +653,10 @@ impl DatapathMaps for KernelMaps {
             self.direct.holds(role.index() as usize, v4)
         });
         // NAT sources changed behind the agent's back (IPv6 ones too, which `same` does not see).
-        let nat = &current[Role::NatSource.index() as usize];
-        if nat.len() != self.nat.len()
-            || nat.iter().any(|(n, v)| self.nat.get(n) != Some(&v.counter))
-        {
-            self.reload_nat(nat)?;
+        let nat = Self::nat_record(&current[Role::NatSource.index() as usize]);
+        if nat != self.nat {
+            self.nat = nat;
+            self.publish_nat()?;
         }
         if same {
             return Ok(0);

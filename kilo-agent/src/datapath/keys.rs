@@ -127,29 +127,22 @@ pub fn with_nat_sources<'a>(
         .map(|(n, c)| (n.trunc(), c))
         .collect();
     list.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
-    let v4: Vec<Nat4> = list
-        .iter()
-        .filter_map(|(net, counter)| match net {
-            IpNet::V4(n) => Some(Nat4 {
+    let (mut v4, mut v6) = (Vec::new(), Vec::new());
+    for (net, counter) in list {
+        match net {
+            IpNet::V4(n) => v4.push(Nat4 {
                 net: u32::from(n.addr()),
                 mask: u32::from(n.netmask()),
-                counter: *counter,
+                counter,
             }),
-            IpNet::V6(_) => None,
-        })
-        .collect();
-    let v6: Vec<Nat6> = list
-        .iter()
-        .filter_map(|(net, counter)| match net {
-            IpNet::V6(n) => Some(Nat6 {
+            IpNet::V6(n) => v6.push(Nat6 {
                 hi: (u128::from(n.addr()) >> 64) as u64,
                 lo: u128::from(n.addr()) as u64,
                 prefix_len: u32::from(n.prefix_len()),
-                counter: *counter,
+                counter,
             }),
-            IpNet::V4(_) => None,
-        })
-        .collect();
+        }
+    }
     let mut out = Config {
         nat4_len: NAT4_INDEXED,
         nat4: [Nat4::default(); NAT4_LIST],
