@@ -17,4 +17,5 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "busybox",
     "iperf3",
+    "socat",
 ];

@@ -157,25 +157,99 @@ impl Drop for KubeBackend {
     }
 }
 
-/// A client from `--kubeconfig` / `--master`, or the in-cluster configuration.
-pub async fn client(
+/// The client configuration from `--kubeconfig` (else `$KUBECONFIG`, `~/.kube/config`, or the
+/// in-cluster service account), with `--master` overriding the server address.
+pub async fn config(
     kubeconfig: Option<&std::path::Path>,
     master: Option<&str>,
-) -> Result<Client, BackendError> {
-    let e = |e: &dyn std::fmt::Display| BackendError::Kube(e.to_string());
+) -> Result<kube::Config, BackendError> {
     let mut config = match kubeconfig {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path).map_err(|x| e(&x))?;
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| {
+                BackendError::Kube(format!(
+                    "reading kubeconfig {}: {}",
+                    path.display(),
+                    error_chain(&e)
+                ))
+            })?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|x| e(&x))?
+                .map_err(|e| {
+                    BackendError::Kube(format!(
+                        "kubeconfig {}: {}",
+                        path.display(),
+                        error_chain(&e)
+                    ))
+                })?
         }
-        None => kube::Config::infer().await.map_err(|x| e(&x))?,
+        None => kube::Config::infer().await.map_err(|e| {
+            BackendError::Kube(format!(
+                "no Kubernetes configuration: give --kubeconfig, set $KUBECONFIG, provide \
+                 ~/.kube/config or run in a pod with a service account ({})",
+                error_chain(&e)
+            ))
+        })?,
     };
     if let Some(m) = master {
-        config.cluster_url = m.parse().map_err(|x| e(&x))?;
+        config.cluster_url = m
+            .parse()
+            .map_err(|e| BackendError::Kube(format!("--master {m:?}: {e}")))?;
     }
-    Client::try_from(config).map_err(|x| e(&x))
+    Ok(config)
+}
+
+/// A client for `config`. TLS is rustls with the ring provider, installed here for the whole
+/// process so that the choice never depends on which crypto features other crates enable.
+pub fn client(config: kube::Config) -> Result<Client, BackendError> {
+    // An error only says a provider is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let url = config.cluster_url.clone();
+    Client::try_from(config)
+        .map_err(|e| BackendError::Kube(format!("client for {url}: {}", error_chain(&e))))
+}
+
+/// An error with all its causes, `outer: inner: innermost` (a TLS or connection failure is
+/// usually only named by the innermost one).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// What went wrong when `action` (e.g. "listing nodes") failed, in an operator's words: an
+/// HTTP status from the API server with its message, or the cause of a connection failure.
+pub fn describe(action: &str, e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) if s.code == 401 => format!(
+            "{action}: 401 Unauthorized: the API server rejected the kubeconfig's credentials ({})",
+            s.message
+        ),
+        kube::Error::Api(s) if s.code == 403 => format!(
+            "{action}: 403 Forbidden: {} (the ClusterRole in manifests/rbac.yaml grants what kg needs)",
+            s.message
+        ),
+        kube::Error::Api(s) => format!("{action}: {} {}: {}", s.code, s.reason, s.message),
+        other => format!("{action}: {}", error_chain(other)),
+    }
+}
+
+/// [`describe`] for a watcher's error.
+fn describe_watch(resource: &str, e: &watcher::Error) -> String {
+    match e {
+        watcher::Error::InitialListFailed(e) => describe(&format!("listing {resource}"), e),
+        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => {
+            describe(&format!("watching {resource}"), e)
+        }
+        other => format!("watching {resource}: {}", error_chain(other)),
+    }
 }
 
 impl KubeBackend {
@@ -227,7 +301,10 @@ impl KubeBackend {
                                 s.publish(&tx);
                             }
                         }
-                        Err(e) => tracing::warn!(error = %e, "node watch failed; retrying"),
+                        Err(e) => tracing::warn!(
+                            error = %describe_watch("nodes", &e),
+                            "waiting for the Kubernetes API server; retrying with backoff"
+                        ),
                     }
                 }
             })
@@ -273,8 +350,9 @@ impl KubeBackend {
                             }
                         }
                         Err(e) => tracing::warn!(
-                            error = %e,
-                            "peer watch failed (is the peers.kilo.squat.ai CRD installed?); retrying"
+                            error = %describe_watch("peers.kilo.squat.ai", &e),
+                            "waiting for the Kubernetes API server (is the Peer CRD installed?); \
+                             retrying with backoff"
                         ),
                     }
                 }
@@ -325,7 +403,7 @@ impl Backend for KubeBackend {
                 &Patch::Merge(annotation_patch(annotations)),
             )
             .await
-            .map_err(|e| BackendError::Kube(format!("patching node {node}: {e}")))?;
+            .map_err(|e| BackendError::Kube(describe(&format!("patching node {node}"), &e)))?;
             Ok(true)
         }
         .boxed()

@@ -141,9 +141,12 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         BackendKind::File => Arc::new(FileBackend::start(
             flags.backend_dir.clone().expect("validated"),
         )?),
-        BackendKind::Kubernetes => Arc::new(kubernetes::KubeBackend::start(
-            kubernetes::client(flags.kubeconfig.as_deref(), flags.master.as_deref()).await?,
-        )),
+        BackendKind::Kubernetes => {
+            let config =
+                kubernetes::config(flags.kubeconfig.as_deref(), flags.master.as_deref()).await?;
+            tracing::info!(server = %config.cluster_url, "Kubernetes API server");
+            Arc::new(kubernetes::KubeBackend::start(kubernetes::client(config)?))
+        }
     };
     let wireguard = if flags.create_interface {
         WgControl::new(&flags.interface, WgApi::Kernel)?

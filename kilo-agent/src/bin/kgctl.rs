@@ -84,8 +84,19 @@ enum What {
     Peer { name: String },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with every cause, never a panic or a backtrace.
+            eprintln!("kgctl: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     let (snapshot, errors) = match cli.backend {
         Backend::File => {
             let Some(dir) = &cli.backend_dir else {
@@ -139,32 +150,28 @@ fn main() -> Result<()> {
 
 /// Lists Nodes and Peers from the Kubernetes API.
 fn kube_snapshot(kubeconfig: Option<&std::path::Path>) -> Result<Snapshot> {
+    use kilo_agent::backend::kubernetes::{self, describe};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let config = match kubeconfig {
-            Some(path) => {
-                let kc = kube::config::Kubeconfig::read_from(path)
-                    .with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
-                kube::Config::from_custom_kubeconfig(
-                    kc,
-                    &kube::config::KubeConfigOptions::default(),
-                )
-                .await?
-            }
-            None => kube::Config::infer().await?,
-        };
-        let client = kube::Client::try_from(config)?;
+        let config = kubernetes::config(kubeconfig, None).await?;
+        let server = config.cluster_url.clone();
+        let client = kubernetes::client(config)?;
         let lp = kube::api::ListParams::default();
         let nodes = kube::Api::<KubeNode>::all(client.clone())
             .list(&lp)
             .await
-            .context("failed to list nodes")?;
+            .map_err(|e| anyhow::anyhow!(describe(&format!("listing nodes from {server}"), &e)))?;
         let peers = kube::Api::<Peer>::all(client)
             .list(&lp)
             .await
-            .context("failed to list peers")?;
+            .map_err(|e| {
+                anyhow::anyhow!(describe(
+                    &format!("listing peers.kilo.squat.ai from {server}"),
+                    &e
+                ))
+            })?;
         let mut s = Snapshot::default();
         for n in nodes {
             s.nodes
