@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod backend;
+pub mod cni;
 pub mod datapath;
 pub mod kgctl;
 pub mod mesh;

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds kube-apiserver from Debian bookworm's `kubernetes` source package (the only API server
+# this kind of machine can get: no registry ships one) into OUT_DIR/kube-apiserver.
+# Usage: kube-apiserver.sh DEBIAN_SOURCE_VERSION OUT_DIR
+# Needs: golang-go, golang-github-modern-go-reflect2-dev, dpkg-dev, rsync and a deb-src line
+# (xtask setup provides them). See shared/reference/kube-apiserver.md for why each step.
+set -euo pipefail
+version=$1
+out=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+apt-get source --download-only "kubernetes=$version" >/dev/null 2>&1
+upstream=${version%-*}
+mkdir src
+tar -xzf "kubernetes_${upstream}.orig.tar.gz" -C src --strip-components=1
+tar -xJf "kubernetes_${version}.debian.tar.xz" -C src
+cd src
+# Debian's patches, in order (quilt's series file).
+while read -r p; do
+  case "$p" in ''|\#*) continue ;; esac
+  patch -p1 -s < "debian/patches/$p"
+done < debian/patches/series
+# The vendored reflect2 1.0.1 crashes (SIGSEGV) under Go >= 1.18 on the first request that
+# touches a custom resource: use Debian's 1.0.2.
+rm -rf vendor/github.com/modern-go/reflect2
+rsync -a --exclude '*_test.go' /usr/share/gocode/src/github.com/modern-go/reflect2/ vendor/github.com/modern-go/reflect2/
+mkdir -p "$work/gopath/src/k8s.io"
+ln -s "$work/src" "$work/gopath/src/k8s.io/kubernetes"
+cd "$work/gopath/src/k8s.io/kubernetes"
+GOPATH="$work/gopath" GOPROXY=off GOFLAGS=-mod=vendor CGO_ENABLED=0 GO111MODULE=on \
+  KUBE_GIT_VERSION=v1.20.2 KUBE_GIT_TREE_STATE=archive \
+  make WHAT=cmd/kube-apiserver >/dev/null
+mkdir -p "$out.partial"
+cp "_output/local/bin/linux/amd64/kube-apiserver" "$out.partial/"
+rm -rf "$out"
+mv "$out.partial" "$out"
