@@ -4,6 +4,7 @@
 //! shows, refreshes Kilo's `last-seen` heartbeat, and cleans up on shutdown.
 //!
 //! The planner is injected ([`Planner`]): the agent never computes topology itself.
+pub mod caps;
 pub mod config;
 pub mod detect;
 pub mod key;

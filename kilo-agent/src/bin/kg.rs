@@ -255,6 +255,7 @@ fn main() -> ExitCode {
     for w in flags.warnings() {
         tracing::warn!("{w}");
     }
+    kilo_agent::agent::caps::warn_missing();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
