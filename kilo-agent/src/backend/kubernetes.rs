@@ -233,7 +233,7 @@ pub fn describe(action: &str, e: &kube::Error) -> String {
             s.message
         ),
         kube::Error::Api(s) if s.code == 403 => format!(
-            "{action}: 403 Forbidden: {} (the ClusterRole in manifests/rbac.yaml grants what kg needs)",
+            "{action}: 403 Forbidden: {} (the ClusterRole in manifests/base/rbac.yaml grants what kg needs)",
             s.message
         ),
         kube::Error::Api(s) => format!("{action}: {} {}: {}", s.code, s.reason, s.message),
