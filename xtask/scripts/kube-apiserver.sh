@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds kube-apiserver from Debian bookworm's `kubernetes` source package (the only API server
-# this kind of machine can get: no registry ships one) into OUT_DIR/kube-apiserver.
+# this kind of machine can get: no registry ships one) into OUT_DIR/kube-apiserver, and puts
+# the same release's kubectl (Debian's kubernetes-client, unpacked, not installed: the machine
+# may have another kubectl at /usr/bin) beside it.
 # Usage: kube-apiserver.sh DEBIAN_SOURCE_VERSION OUT_DIR
 # Needs: golang-go, golang-github-modern-go-reflect2-dev, dpkg-dev, rsync and a deb-src line
 # (xtask setup provides them). See shared/reference/kube-apiserver.md for why each step.
@@ -33,5 +35,9 @@ GOPATH="$work/gopath" GOPROXY=off GOFLAGS=-mod=vendor CGO_ENABLED=0 GO111MODULE=
   make WHAT=cmd/kube-apiserver >/dev/null
 mkdir -p "$out.partial"
 cp "_output/local/bin/linux/amd64/kube-apiserver" "$out.partial/"
+cd "$work"
+apt-get download "kubernetes-client=$version" >/dev/null 2>&1
+dpkg-deb -x kubernetes-client_*.deb client
+cp client/usr/bin/kubectl "$out.partial/"
 rm -rf "$out"
 mv "$out.partial" "$out"

@@ -113,7 +113,8 @@ fn cargo() -> Command {
 fn setup() -> Result<()> {
     install_toolchains()?;
     install_bpf_linker()?;
-    install_debian_packages()?;
+    install_debian_packages(pins::DEBIAN_PACKAGES)?;
+    install_kube_apiserver()?;
     Ok(())
 }
 
@@ -193,8 +194,8 @@ fn install_bpf_linker() -> Result<()> {
     Ok(())
 }
 
-fn install_debian_packages() -> Result<()> {
-    let missing: Vec<&str> = pins::DEBIAN_PACKAGES
+fn install_debian_packages(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| {
@@ -217,6 +218,39 @@ fn install_debian_packages() -> Result<()> {
         .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing)
         .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn kube_apiserver_dir() -> PathBuf {
+    cache_dir().join(format!("kube-apiserver-{}", pins::KUBE_APISERVER))
+}
+
+/// kube-apiserver for the tests, built once from Debian's source package and cached outside
+/// git (about 4 minutes on 2 cores); `xtask/scripts/kube-apiserver.sh` says how.
+fn install_kube_apiserver() -> Result<()> {
+    if kube_apiserver_dir().join("kube-apiserver").exists() {
+        return Ok(());
+    }
+    if !is_root() {
+        eprintln!("xtask: not root, not building kube-apiserver; the API server tests will skip");
+        return Ok(());
+    }
+    // The machine's own package sources, as source-package sources too.
+    let sources = Path::new("/etc/apt/sources.list.d/kilo-rs-src.sources");
+    if !sources.exists() {
+        let debian = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
+            .context("reading the machine's Debian package sources")?;
+        std::fs::write(sources, debian.replace("Types: deb\n", "Types: deb-src\n"))?;
+        run(Command::new("apt-get").arg("update").arg("-qq"))?;
+    }
+    install_debian_packages(pins::KUBE_APISERVER_BUILD_DEPS)?;
+    eprintln!(
+        "xtask: building kube-apiserver {} for the tests (once)",
+        pins::KUBE_APISERVER
+    );
+    run(Command::new("bash")
+        .arg(root_dir().join("xtask/scripts/kube-apiserver.sh"))
+        .arg(pins::KUBE_APISERVER)
+        .arg(kube_apiserver_dir()))
 }
 
 fn is_root() -> bool {
@@ -264,7 +298,12 @@ fn demo() -> Result<()> {
 fn test(args: &[String]) -> Result<()> {
     run(cargo().args(["fmt", "--all", "--check"]))?;
     run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
-    run(cargo().args(["test"]).args(args))
+    let mut test = cargo();
+    if is_root() {
+        // setup built it: a test that cannot find it fails instead of skipping.
+        test.env("KILO_REQUIRE_APISERVER", "1");
+    }
+    run(test.args(["test"]).args(args))
 }
 
 /// Benchmarks are examples named `bench_<what>` in kilo-agent; `cargo xtask bench [what]` runs

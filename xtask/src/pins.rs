@@ -18,4 +18,15 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "busybox",
     "iperf3",
     "socat",
+    "etcd-server",
+];
+/// The Debian source version of `kubernetes` that kube-apiserver is built from for the tests
+/// (no registry reachable here ships an API server binary).
+pub const KUBE_APISERVER: &str = "1.20.5+really1.20.2-1.1+deb12u1";
+/// What building it needs, beyond a `deb-src` line.
+pub const KUBE_APISERVER_BUILD_DEPS: &[&str] = &[
+    "golang-go",
+    "golang-github-modern-go-reflect2-dev",
+    "dpkg-dev",
+    "rsync",
 ];

@@ -28,6 +28,10 @@ impl Cert {
             key: c.signing_key.serialize_pem(),
         }
     }
+
+    pub fn key_pem(&self) -> &str {
+        &self.key
+    }
 }
 
 /// How the stub answers.

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
 pub mod lean;

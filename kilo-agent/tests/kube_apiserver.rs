@@ -1,0 +1,349 @@
+//! kgctl and kg against a real kube-apiserver (`support::apiserver`): the Peer CRD from
+//! `manifests/` is accepted and becomes Established, the server's schema refuses malformed
+//! Peers, kgctl prints for objects in the API server exactly what it prints for the same
+//! objects in files, and kg publishes its own annotations and removes only those on SIGTERM.
+mod support;
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kilo_agent::{
+    backend::kubernetes,
+    mesh::{KubeNode, Peer, Snapshot, objects::parse_stream},
+};
+use kube::{Api, api::PostParams};
+use support::{
+    apiserver::ApiServer,
+    netns::{NetNs, veth},
+};
+
+fn manifest(name: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Kilo's test fixture (4 nodes, 2 peers) with `last-seen` = now.
+fn fixture() -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/kilo/fixture.yaml");
+    std::fs::read_to_string(p)
+        .unwrap()
+        .replace("\"NOW\"", &format!("\"{now}\""))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Creates the Peer CRD and waits until the server says it is Established.
+async fn install_crd(client: &kube::Client) {
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&manifest("base/crds.yaml")).unwrap();
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    api.create(&PostParams::default(), &crd).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let crd = api.get("peers.kilo.squat.ai").await.unwrap();
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "CRD never Established"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn create(client: &kube::Client, snapshot: &Snapshot) {
+    let nodes: Api<KubeNode> = Api::all(client.clone());
+    for n in snapshot.nodes.values() {
+        nodes.create(&PostParams::default(), n).await.unwrap();
+    }
+    let peers: Api<Peer> = Api::all(client.clone());
+    for p in snapshot.peers.values() {
+        // A freshly created CRD can take a moment before its resource is served.
+        let start = Instant::now();
+        while let Err(e) = peers.create(&PostParams::default(), p).await {
+            assert!(start.elapsed() < Duration::from_secs(30), "peer: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+fn kgctl(backend: &[String], args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+        .args(backend)
+        .args(args)
+        .env_remove("KUBECONFIG")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kgctl {backend:?} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap() + &String::from_utf8(out.stderr).unwrap()
+}
+
+#[test]
+fn kgctl_prints_the_same_from_the_api_server_as_from_files() {
+    if !support::apiserver::available("kgctl_prints_the_same_from_the_api_server_as_from_files") {
+        return;
+    }
+    let server = ApiServer::start();
+    let text = fixture();
+    let snapshot = parse_stream(&text, "fixture").unwrap();
+    let rt = runtime();
+    rt.block_on(async {
+        let client = kubernetes::client(server.config()).unwrap();
+        install_crd(&client).await;
+        create(&client, &snapshot).await;
+    });
+    let files = tempfile::tempdir().unwrap();
+    for (i, doc) in text.split("\n---\n").skip(1).enumerate() {
+        std::fs::write(files.path().join(format!("{i:02}.yaml")), doc).unwrap();
+    }
+    let from_files = [
+        "--backend=file".to_string(),
+        format!("--backend-dir={}", files.path().display()),
+    ];
+    let from_api = [format!("--kubeconfig={}", server.kubeconfig().display())];
+    for args in [
+        &["--mesh-granularity=location", "graph"][..],
+        &["--mesh-granularity=full", "graph"],
+        &["--mesh-granularity=location", "showconf", "node", "b"],
+        &["--mesh-granularity=full", "showconf", "node", "c"],
+        &["--mesh-granularity=location", "showconf", "node", "a"],
+        &["--mesh-granularity=location", "showconf", "peer", "b"],
+        &[
+            "--mesh-granularity=location",
+            "showconf",
+            "node",
+            "b",
+            "--as-peer",
+            "-o",
+            "yaml",
+        ],
+    ] {
+        let want = kgctl(&from_files, args);
+        assert!(!want.is_empty(), "{args:?}");
+        assert_eq!(kgctl(&from_api, args), want, "{args:?}");
+    }
+}
+
+/// Every overlay renders with kubectl's own kustomize and the server accepts every object in it.
+#[test]
+fn every_overlay_applies_to_the_api_server() {
+    if !support::apiserver::available("every_overlay_applies_to_the_api_server") {
+        return;
+    }
+    let server = ApiServer::start();
+    let overlays = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../manifests/overlays");
+    let mut seen = 0;
+    for overlay in std::fs::read_dir(&overlays).unwrap() {
+        let overlay = overlay.unwrap().path();
+        let out = Command::new(support::apiserver::kubectl())
+            .arg(format!("--kubeconfig={}", server.kubeconfig().display()))
+            .args(["apply", "--dry-run=server", "-k"])
+            .arg(&overlay)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}: {text}", overlay.display());
+        for object in [
+            "customresourcedefinition.apiextensions.k8s.io/peers.kilo.squat.ai",
+            "serviceaccount/kilo",
+            "clusterrole.rbac.authorization.k8s.io/kilo",
+            "clusterrolebinding.rbac.authorization.k8s.io/kilo",
+            "daemonset.apps/kilo",
+        ] {
+            assert!(
+                text.contains(object),
+                "{}: {object} in {text}",
+                overlay.display()
+            );
+        }
+        seen += 1;
+    }
+    assert!(seen >= 3, "overlays in {}", overlays.display());
+    // The PodMonitor's CRD belongs to the Prometheus Operator: checked for shape only.
+    let monitor: serde_yaml::Value =
+        serde_yaml::from_str(&manifest("monitoring/podmonitor.yaml")).unwrap();
+    assert_eq!(
+        monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
+        "kilo"
+    );
+}
+
+#[test]
+fn the_servers_schema_refuses_malformed_peers() {
+    if !support::apiserver::available("the_servers_schema_refuses_malformed_peers") {
+        return;
+    }
+    let server = ApiServer::start();
+    let rt = runtime();
+    rt.block_on(async {
+        let client = kubernetes::client(server.config()).unwrap();
+        install_crd(&client).await;
+        let api: Api<Peer> = Api::all(client);
+        let peer = |spec: serde_json::Value| -> Peer {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer",
+                "metadata": {"name": "p"}, "spec": spec
+            }))
+            .unwrap()
+        };
+        let key = "a2V5NQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        let good = peer(serde_json::json!({"allowedIPs": ["10.5.0.3/32"], "publicKey": key}));
+        // Wait until the new resource is served (the good peer is then removed again).
+        let start = Instant::now();
+        while api.create(&PostParams::default(), &good).await.is_err() {
+            assert!(start.elapsed() < Duration::from_secs(30));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        api.delete("p", &Default::default()).await.unwrap();
+        for (bad, field) in [
+            (
+                serde_json::json!({"allowedIPs": [], "publicKey": key}),
+                "allowedIPs",
+            ),
+            (
+                serde_json::json!({"allowedIPs": ["10.5.0.3/32"], "publicKey": "nope"}),
+                "publicKey",
+            ),
+            (
+                serde_json::json!({"allowedIPs": ["10.5.0.3/32"], "publicKey": key,
+                    "endpoint": {"dnsOrIP": {"ip": "192.168.0.1"}, "port": 0}}),
+                "port",
+            ),
+        ] {
+            let err = api
+                .create(&PostParams::default(), &peer(bad.clone()))
+                .await
+                .expect_err(&format!("{bad} was accepted"));
+            let kube::Error::Api(status) = err else {
+                panic!("{bad}: {err}")
+            };
+            assert_eq!(status.code, 422, "{bad}: {status:?}");
+            assert!(status.message.contains(field), "{bad}: {}", status.message);
+        }
+    });
+}
+
+/// `kg` in a namespace with the kubernetes backend; the API server runs on that namespace's
+/// loopback, so every client of it here runs in the namespace too.
+#[test]
+fn kg_publishes_and_removes_only_its_own_annotations() {
+    if !support::require_root("kg_publishes_and_removes_only_its_own_annotations")
+        || !support::apiserver::available("kg_publishes_and_removes_only_its_own_annotations")
+    {
+        return;
+    }
+    let ns = NetNs::new("kapi");
+    let server = ns.run(ApiServer::start);
+    let kubeconfig = server.kubeconfig();
+    let node: KubeNode = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kgtest", "labels": {"keep": "me"},
+                     "annotations": {"kilo.squat.ai/location": "here", "other/annotation": "x"}},
+        "spec": {"podCIDR": "10.2.9.0/24"}
+    }))
+    .unwrap();
+    let config = server.config();
+    let c = config.clone();
+    ns.run(move || {
+        runtime().block_on(async {
+            let client = kubernetes::client(c).unwrap();
+            install_crd(&client).await;
+            Api::<KubeNode>::all(client)
+                .create(&PostParams::default(), &node)
+                .await
+                .unwrap();
+        })
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let gw = NetNs::new("kapigw");
+    veth(&ns, "eth0", &gw, "eth0");
+    ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
+    let mut kg = Command::new("ip")
+        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+        .args([
+            &format!("--kubeconfig={}", kubeconfig.display()),
+            "--hostname=kgtest",
+            &format!("--private-key={}", dir.path().join("key").display()),
+            "--listen=127.0.0.1:1107",
+            "--datapath=false",
+            "--log-format=text",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = kg.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
+        s
+    });
+    let annotations = |config: kube::Config| {
+        ns.run(move || {
+            runtime().block_on(async {
+                let client = kubernetes::client(config).unwrap();
+                let n = Api::<KubeNode>::all(client).get("kgtest").await.unwrap();
+                n.metadata.annotations.unwrap_or_default()
+            })
+        })
+    };
+    let start = Instant::now();
+    let published = loop {
+        let a = annotations(config.clone());
+        if a.contains_key("kilo.squat.ai/key") {
+            break a;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "kg never published: {a:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(published["kilo.squat.ai/endpoint"], "10.9.0.1:51820");
+    assert_eq!(published["kilo.squat.ai/internal-ip"], "10.9.0.1/24");
+    assert_eq!(
+        published["other/annotation"], "x",
+        "others' annotations kept"
+    );
+    assert_eq!(published["kilo.squat.ai/location"], "here");
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(kg.id() as i32, libc::SIGTERM) };
+    let status = kg.wait().unwrap();
+    let log = log.join().unwrap();
+    assert!(status.success(), "kg: {status}\n{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    // Clean-up removed exactly kg's own annotations.
+    let left = annotations(config);
+    assert!(
+        left.keys()
+            .all(|k| !k.starts_with("kilo.squat.ai/") || k == "kilo.squat.ai/location"),
+        "{left:?}"
+    );
+    assert_eq!(left["other/annotation"], "x");
+    drop(server);
+}

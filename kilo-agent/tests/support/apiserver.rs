@@ -1,0 +1,212 @@
+//! A real Kubernetes API server for the tests: etcd and kube-apiserver (built by `cargo xtask
+//! setup` from Debian's source package, see `xtask/scripts/kube-apiserver.sh`) on loopback
+//! ports of this network namespace, TLS with a certificate made here, a bearer token in
+//! `system:masters`, RBAC on. Both processes are ended (by PID) and their files removed on drop.
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use super::apistub::Cert;
+
+/// Where `cargo xtask setup` caches kube-apiserver (keyed on the Debian source version).
+pub fn binary() -> PathBuf {
+    cached("kube-apiserver")
+}
+
+/// The same release's kubectl, cached beside it.
+pub fn kubectl() -> PathBuf {
+    cached("kubectl")
+}
+
+fn cached(name: &str) -> PathBuf {
+    let pins = include_str!("../../../xtask/src/pins.rs");
+    let version = pins
+        .lines()
+        .find(|l| l.contains("const KUBE_APISERVER:"))
+        .and_then(|l| l.split('"').nth(1))
+        .expect("KUBE_APISERVER in xtask/src/pins.rs");
+    let cache = std::env::var_os("KILO_CACHE_DIR").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs"),
+        PathBuf::from,
+    );
+    cache.join(format!("kube-apiserver-{version}")).join(name)
+}
+
+/// True when the API server can be started. Without it (no `cargo xtask setup`), a test says
+/// why it skips; under `cargo xtask test` (which sets `KILO_REQUIRE_APISERVER`) that is a failure.
+pub fn available(test: &str) -> bool {
+    let ok = binary().exists() && kubectl().exists() && Path::new("/usr/bin/etcd").exists();
+    if !ok {
+        assert!(
+            std::env::var_os("KILO_REQUIRE_APISERVER").is_none(),
+            "{test}: no kube-apiserver at {} or no /usr/bin/etcd: run `cargo xtask setup`",
+            binary().display()
+        );
+        eprintln!("SKIP {test}: no kube-apiserver (run `cargo xtask setup`)");
+    }
+    ok
+}
+
+pub const TOKEN: &str = "kilo-rs-test-token";
+
+/// etcd + kube-apiserver, running until dropped.
+pub struct ApiServer {
+    pub url: String,
+    pub dir: tempfile::TempDir,
+    cert: Cert,
+    etcd: Child,
+    apiserver: Child,
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        for child in [&mut self.apiserver, &mut self.etcd] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn(cmd: &mut Command, log: &Path) -> Child {
+    let out = std::fs::File::create(log).unwrap();
+    cmd.stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"))
+}
+
+impl ApiServer {
+    /// Starts both and waits until `/readyz` answers (about 5 s).
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let cert = Cert::new();
+        std::fs::write(d.join("tls.crt"), &cert.pem).unwrap();
+        std::fs::write(d.join("tls.key"), cert.key_pem()).unwrap();
+        let sa = rcgen::KeyPair::generate().unwrap();
+        std::fs::write(d.join("sa.key"), sa.serialize_pem()).unwrap();
+        std::fs::write(d.join("sa.pub"), sa.public_key_pem()).unwrap();
+        std::fs::write(
+            d.join("tokens.csv"),
+            format!("{TOKEN},admin,admin,\"system:masters\"\n"),
+        )
+        .unwrap();
+        let (client, peer, secure) = (free_port(), free_port(), free_port());
+        let etcd = spawn(
+            Command::new("/usr/bin/etcd")
+                .arg(format!("--data-dir={}", d.join("etcd").display()))
+                .arg(format!("--listen-client-urls=http://127.0.0.1:{client}"))
+                .arg(format!("--advertise-client-urls=http://127.0.0.1:{client}"))
+                .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+                .arg(format!(
+                    "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+                ))
+                .arg(format!("--initial-cluster=default=http://127.0.0.1:{peer}"))
+                .arg("--name=default"),
+            &d.join("etcd.log"),
+        );
+        let apiserver = spawn(
+            Command::new(binary())
+                .arg(format!("--etcd-servers=http://127.0.0.1:{client}"))
+                .arg("--bind-address=127.0.0.1")
+                .arg("--advertise-address=127.0.0.1")
+                .arg(format!("--secure-port={secure}"))
+                .arg("--insecure-port=0")
+                .arg(format!("--cert-dir={}", d.join("certs").display()))
+                .arg(format!("--tls-cert-file={}", d.join("tls.crt").display()))
+                .arg(format!(
+                    "--tls-private-key-file={}",
+                    d.join("tls.key").display()
+                ))
+                .arg("--service-account-issuer=https://kubernetes.default.svc")
+                .arg(format!(
+                    "--service-account-key-file={}",
+                    d.join("sa.pub").display()
+                ))
+                .arg(format!(
+                    "--service-account-signing-key-file={}",
+                    d.join("sa.key").display()
+                ))
+                .arg(format!(
+                    "--token-auth-file={}",
+                    d.join("tokens.csv").display()
+                ))
+                .arg("--authorization-mode=RBAC")
+                .arg("--disable-admission-plugins=ServiceAccount")
+                .arg("--service-cluster-ip-range=10.96.0.0/12"),
+            &d.join("apiserver.log"),
+        );
+        let server = ApiServer {
+            url: format!("https://127.0.0.1:{secure}"),
+            dir,
+            cert,
+            etcd,
+            apiserver,
+        };
+        server.wait_ready();
+        server
+    }
+
+    fn wait_ready(&self) {
+        let start = Instant::now();
+        let config = self.config();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let client = kilo_agent::backend::kubernetes::client(config).unwrap();
+                loop {
+                    let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+                    if client.request_text(req).await.is_ok_and(|t| t == "ok") {
+                        return;
+                    }
+                    assert!(
+                        start.elapsed() < Duration::from_secs(60),
+                        "kube-apiserver not ready after 60 s:\n{}",
+                        std::fs::read_to_string(self.dir.path().join("apiserver.log"))
+                            .unwrap_or_default()
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            });
+    }
+
+    /// A kubeconfig (token auth, this server's CA) written to this server's directory.
+    pub fn kubeconfig(&self) -> PathBuf {
+        let path = self.dir.path().join("kubeconfig");
+        use base64::Engine as _;
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n    \
+             certificate-authority-data: {}\nusers:\n- name: test\n  user:\n    token: {TOKEN}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n\
+             current-context: test\n",
+            self.url,
+            base64::engine::general_purpose::STANDARD.encode(&self.cert.pem)
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// The client configuration for this server (make the client inside the runtime that uses
+    /// it: `kilo_agent::backend::kubernetes::client(server.config())`).
+    pub fn config(&self) -> kube::Config {
+        let kc = kube::config::Kubeconfig::read_from(self.kubeconfig()).unwrap();
+        futures::executor::block_on(kube::Config::from_custom_kubeconfig(
+            kc,
+            &kube::config::KubeConfigOptions::default(),
+        ))
+        .unwrap()
+    }
+}
