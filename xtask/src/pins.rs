@@ -30,3 +30,8 @@ pub const KUBE_APISERVER_BUILD_DEPS: &[&str] = &[
     "dpkg-dev",
     "rsync",
 ];
+/// The static target of the image's binaries.
+pub const IMAGE_TARGET: &str = "x86_64-unknown-linux-musl";
+/// Debian packages that build and assemble the image (a musl C compiler for ring, umoci and
+/// skopeo for the OCI layout and the docker-archive).
+pub const IMAGE_PACKAGES: &[&str] = &["musl-tools", "umoci", "skopeo"];
