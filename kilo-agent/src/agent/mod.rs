@@ -3,15 +3,21 @@
 //! [`DEBOUNCE`]), publishes the local node's annotations when they differ from what the backend
 //! shows, refreshes Kilo's `last-seen` heartbeat, and cleans up on shutdown.
 //!
+//! Liveness ([`liveness`]) is judged here, before planning: heartbeats that change nothing else
+//! are recorded without a plan, and the loop re-plans when a node crosses the live/dead
+//! boundary, on a timer set to the earliest expiry. A failure to plan changes nothing (no
+//! teardown, no role change) and is reported once.
+//!
 //! The planner is injected ([`Planner`]): the agent never computes topology itself.
 pub mod config;
 pub mod detect;
 pub mod key;
+pub mod liveness;
 pub mod planner;
 pub mod seccomp;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     future::Future,
     net::SocketAddr,
     sync::{Arc, Mutex},
@@ -22,7 +28,7 @@ use ipnet::IpNet;
 use tokio::sync::mpsc;
 
 use crate::{
-    backend::{Annotations, Backend},
+    backend::{Annotations, Backend, Update},
     mesh::{Key, Snapshot},
     plan::Plan,
     reconcile::{
@@ -140,14 +146,47 @@ pub fn discovered_endpoints_json(endpoints: &BTreeMap<&Key, &SocketAddr>) -> Str
     serde_json::Value::Object(map).to_string()
 }
 
+/// The wall clock the loop reads, in unix milliseconds: the system's, or a test's.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> i64 + Send + Sync>);
+
+impl Clock {
+    pub fn new(now_ms: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        Clock(Arc::new(now_ms))
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or_default()
+        })
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
+}
+
 /// How the loop behaves.
 #[derive(Debug, Clone)]
 pub struct LoopSettings {
     pub debounce: Duration,
     pub resync: Option<Duration>,
+    /// `--check-in-period`: also selects the liveness rule ([`liveness::Rule::from_check_in`]).
     pub check_in: Option<Duration>,
     pub clean_up: bool,
     pub clean_up_interface: bool,
+    pub clock: Clock,
 }
 
 impl Default for LoopSettings {
@@ -158,6 +197,7 @@ impl Default for LoopSettings {
             check_in: Some(Duration::from_secs(30)),
             clean_up: true,
             clean_up_interface: false,
+            clock: Clock::default(),
         }
     }
 }
@@ -204,16 +244,15 @@ pub struct Agent<P, K, W, D> {
     pub filter: Arc<Mutex<EventFilter>>,
     pub stats: Stats,
     last_seen_due: bool,
+    /// The generation of the snapshot last planned.
     seen_generation: u64,
     /// Objects the planner rejected last time (so each is counted once, when it appears).
-    invalid: std::collections::BTreeSet<String>,
-}
-
-pub(crate) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
+    invalid: BTreeSet<String>,
+    liveness: liveness::Tracker,
+    /// The nodes the last plan left out as not alive.
+    planned_down: BTreeSet<String>,
+    /// The planning failure last reported (reported again only when it changes).
+    failing: Option<String>,
 }
 
 impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
@@ -231,6 +270,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             ..EventFilter::default()
         };
         metrics.set_datapath(reconciler.datapath.stats_source());
+        let liveness = liveness::Tracker::new(
+            liveness::Rule::from_check_in(settings.check_in),
+            local.hostname.clone(),
+        );
         Agent {
             backend,
             planner,
@@ -243,15 +286,62 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             last_seen_due: true,
             seen_generation: 0,
             invalid: Default::default(),
+            liveness,
+            planned_down: BTreeSet::new(),
+            failing: None,
         }
+    }
+
+    /// Records the heartbeats and connection state of `update`, logging a change of the latter.
+    fn observe(&mut self, update: &Update, now: i64) {
+        match self
+            .liveness
+            .observe(&update.last_seen, update.connected, now)
+        {
+            Some(false) => {
+                self.metrics.error("backend");
+                tracing::warn!("backend disconnected: no node expires until it delivers again");
+            }
+            Some(true) => tracing::info!("backend connected: liveness judged again"),
+            None => {}
+        }
+    }
+
+    /// Whether the nodes alive now differ from those the last plan kept.
+    fn liveness_changed(&mut self, update: &Update) -> bool {
+        let now = self.settings.clock.now_ms();
+        self.observe(update, now);
+        self.liveness.down(&update.snapshot.nodes, now) != self.planned_down
+    }
+
+    /// The snapshot without the nodes that are not alive now.
+    fn alive(&mut self, update: &Update) -> Arc<Snapshot> {
+        let now = self.settings.clock.now_ms();
+        self.observe(update, now);
+        let down = self.liveness.down(&update.snapshot.nodes, now);
+        if down != self.planned_down {
+            tracing::info!(?down, "nodes left out as not alive");
+        }
+        let snapshot = if down.is_empty() {
+            update.snapshot.clone()
+        } else {
+            let mut alive = (*update.snapshot).clone();
+            alive.nodes.retain(|name, _| !down.contains(name));
+            Arc::new(alive)
+        };
+        self.planned_down = down;
+        snapshot
     }
 
     fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome {
         let outcome = self.planner.plan(snapshot);
-        self.metrics.nodes.set(outcome.ready_nodes as i64);
-        self.metrics.peers.set(outcome.ready_peers as i64);
-        self.metrics.leader.set(i64::from(outcome.leader));
-        let now: std::collections::BTreeSet<String> = outcome.errors.iter().cloned().collect();
+        // Without a plan the roles stay as they were.
+        if outcome.plan.is_some() {
+            self.metrics.nodes.set(outcome.ready_nodes as i64);
+            self.metrics.peers.set(outcome.ready_peers as i64);
+            self.metrics.leader.set(i64::from(outcome.leader));
+        }
+        let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {
             self.metrics.error("validate");
             tracing::warn!(error = %e, "left out of the plan");
@@ -260,14 +350,19 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         outcome
     }
 
-    /// Publishes the local annotations that differ from what the backend shows.
+    /// Publishes the local annotations that differ from what the backend shows. Without a plan
+    /// (`planned` false) the WireGuard IP is left as it is.
     async fn publish(
         &mut self,
         snapshot: &Snapshot,
         outcome: &PlanOutcome,
+        planned: bool,
         endpoints: &BTreeMap<Key, SocketAddr>,
     ) {
         let mut want = self.local.annotations(outcome.wireguard_ip);
+        if !planned {
+            want.remove(ANNOTATION_WIREGUARD_IP);
+        }
         let discovered: BTreeMap<&Key, &SocketAddr> = endpoints
             .iter()
             .filter(|(k, _)| outcome.nat_keys.contains(k))
@@ -279,7 +374,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             );
         }
         if self.settings.check_in.is_some() && self.last_seen_due {
-            want.insert(ANNOTATION_LAST_SEEN.into(), unix_now().to_string());
+            want.insert(ANNOTATION_LAST_SEEN.into(), self.unix_seconds());
         }
         let current = snapshot
             .nodes
@@ -305,6 +400,35 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
     }
 
+    fn unix_seconds(&self) -> String {
+        (self.settings.clock.now_ms() / 1000).to_string()
+    }
+
+    /// The check-in: refreshes `last-seen` alone (no plan, no reconcile). Returns whether a
+    /// full pass is needed instead, because the local node is not published yet.
+    async fn check_in(&mut self) -> bool {
+        let published = self
+            .backend
+            .updates()
+            .borrow()
+            .snapshot
+            .nodes
+            .contains_key(&self.local.hostname);
+        if !published {
+            self.last_seen_due = true;
+            return true;
+        }
+        let changes = Annotations::from([(ANNOTATION_LAST_SEEN.into(), Some(self.unix_seconds()))]);
+        match self.backend.publish(&self.local.hostname, &changes).await {
+            Ok(wrote) => self.stats.publishes += u64::from(wrote),
+            Err(e) => {
+                self.metrics.error("local");
+                tracing::warn!(error = %e, "publishing the heartbeat failed");
+            }
+        }
+        false
+    }
+
     /// One pass: plan from the latest snapshot, publish, reconcile.
     pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
         let update = self.backend.updates().borrow().clone();
@@ -315,12 +439,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 tracing::warn!(error = %e, "invalid object skipped");
             }
         }
-        let mut outcome = self.plan(&update.snapshot);
+        let snapshot = self.alive(&update);
+        let mut outcome = self.plan(&snapshot);
         self.metrics
             .invalid_objects
             .set((update.errors.len() + outcome.errors.len()) as i64);
         let Some(plan) = outcome.plan.take() else {
-            self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+            self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;
             return Err(AgentError::NoPlan(
                 outcome
@@ -335,13 +460,18 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         let report = match self.reconciler.reconcile(&plan).await {
             Ok(r) => r,
             Err(e) => {
-                self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+                self.publish(&update.snapshot, &outcome, true, &BTreeMap::new())
                     .await;
                 return Err(e.into());
             }
         };
-        self.publish(&update.snapshot, &outcome, &report.handshaken_endpoints)
-            .await;
+        self.publish(
+            &update.snapshot,
+            &outcome,
+            true,
+            &report.handshaken_endpoints,
+        )
+        .await;
         {
             let mut f = self.filter.lock().expect("filter lock");
             f.indexes = report.links.values().map(|l| l.index).collect();
@@ -368,7 +498,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     /// The difference between the plan and the kernel, changing nothing.
     pub async fn dry_run(&mut self) -> Result<String, AgentError> {
         let update = self.backend.updates().borrow().clone();
-        let outcome = self.plan(&update.snapshot);
+        let snapshot = self.alive(&update);
+        let outcome = self.plan(&snapshot);
         let mut out = String::new();
         for e in &update.errors {
             out.push_str(&format!("! {e}\n"));
@@ -429,7 +560,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         });
         // No reconcile before the backend has a complete view: an empty snapshot must never
         // tear the mesh down.
-        let mut pending = updates.borrow().generation > 0;
+        let mut pending = updates.borrow_and_update().generation > 0;
         let mut stop = false;
         while !stop {
             if pending {
@@ -451,19 +582,31 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 if updates.borrow_and_update().generation == 0 {
                     continue;
                 }
-                if let Err(e) = self.reconcile_once().await {
-                    self.metrics.error(e.metric_label());
-                    tracing::warn!(error = %e, "reconcile failed");
+                match self.reconcile_once().await {
+                    Ok(_) => self.failing = None,
+                    Err(e) => self.report(&e),
                 }
             }
+            // The earliest instant a node alive now would expire: re-plan then, not before.
+            let now = self.settings.clock.now_ms();
+            let expiry = self.liveness.next_expiry(now).map(|at| {
+                tokio::time::Instant::now() + Duration::from_millis((at - now).unsigned_abs())
+            });
             tokio::select! {
                 r = updates.changed() => {
                     if r.is_err() { tracing::error!("backend stopped"); break; }
-                    pending = true;
+                    let update = updates.borrow_and_update().clone();
+                    // A new snapshot is planned; heartbeats alone only when a node revives.
+                    pending = update.generation != self.seen_generation
+                        || self.liveness_changed(&update);
                 }
                 Some(()) = recv(&mut kernel_events) => pending = true,
                 _ = tick(&mut resync) => pending = true,
-                _ = tick(&mut check_in) => { self.last_seen_due = true; pending = true; }
+                _ = tick(&mut check_in) => pending = self.check_in().await,
+                _ = sleep_until(expiry) => {
+                    let update = updates.borrow().clone();
+                    pending = self.liveness_changed(&update);
+                }
                 _ = &mut shutdown => stop = true,
             }
         }
@@ -476,6 +619,29 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             tracing::info!("--clean-up=false: leaving the mesh and datapath running");
         }
         self.stats.clone()
+    }
+}
+
+impl<P, K, W, D> Agent<P, K, W, D> {
+    /// Counts and logs a failed pass; the same planning failure again is only a debug line.
+    fn report(&mut self, e: &AgentError) {
+        let message = e.to_string();
+        if matches!(e, AgentError::NoPlan(_)) {
+            if self.failing.as_ref() == Some(&message) {
+                tracing::debug!(error = %e, "still no plan");
+                return;
+            }
+            self.failing = Some(message);
+        }
+        self.metrics.error(e.metric_label());
+        tracing::warn!(error = %e, "reconcile failed");
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

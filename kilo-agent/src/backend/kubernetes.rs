@@ -1,20 +1,21 @@
 //! The Kubernetes backend (`--backend kubernetes`): a Node watcher filtered to the changes that
 //! matter, a Peer watcher, and a merge patch of the local node's own annotations.
 //!
-//! Node filter: an update wakes the agent only when labels, annotations (other than
-//! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed, or when a
-//! node whose `last-seen` had gone stale comes back. Status heartbeats (kubelet) and Kilo's 30 s
-//! `last-seen` refreshes are stored (so the next snapshot carries them) but cost no reconcile.
-//! Objects are trimmed on arrival (managed fields, images, most of status) to keep memory flat.
+//! Node filter: an update makes a new snapshot only when labels, annotations (other than
+//! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed. Status
+//! heartbeats (kubelet) are stored but cost nothing; Kilo's `last-seen` refreshes only update
+//! [`Update::last_seen`], which the agent records without planning (see
+//! [`crate::agent::liveness`]). The Node watch failing marks the backend disconnected
+//! ([`Update::connected`]) until it delivers again. Objects are trimmed on arrival (managed
+//! fields, images, most of status) to keep memory flat.
 //!
 //! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
 //! `last-seen` is older than 60 s, so during a migration kg keeps refreshing it every 30 s
-//! (every agent still *receives* N updates per 30 s from the API server, but they are filtered
-//! here before they cost a plan or a reconcile). Once no Kilo agent is left,
-//! `--check-in-period=0` stops the heartbeat: liveness is then Kubernetes' own (the node
-//! lifecycle controller marks a node NotReady from its kubelet Lease in `kube-node-lease`;
-//! that `Ready` transition passes the filter), and the steady-state cost per agent is zero
-//! updates whatever N is.
+//! (every agent still *receives* N updates per 30 s from the API server, each recorded without
+//! a plan or a reconcile). Once no Kilo agent is left, `--check-in-period=0` stops the heartbeat:
+//! liveness is then Kubernetes' own (the node lifecycle controller marks a node NotReady from its
+//! kubelet Lease in `kube-node-lease`; that `Ready` transition passes the filter), and the
+//! steady-state cost per agent is zero updates whatever N is.
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
@@ -29,11 +30,9 @@ use kube::{
 };
 use tokio::sync::watch;
 
-use super::{Annotations, Backend, BackendError, Update};
+use super::{Annotations, Backend, BackendError, Update, last_seen_of, refresh};
 use crate::mesh::{KubeNode, Peer, Snapshot};
 
-/// Kilo's readiness window for `last-seen` (2 × its fixed 30 s check-in period).
-pub const LAST_SEEN_WINDOW_SECS: i64 = 60;
 const LAST_SEEN: &str = "kilo.squat.ai/last-seen";
 
 /// The parts of a Node the mesh depends on; an update that leaves them equal is dropped.
@@ -68,24 +67,9 @@ fn ready_condition(n: &KubeNode) -> Option<&NodeCondition> {
         .find(|c| c.type_ == "Ready")
 }
 
-fn last_seen(n: &KubeNode) -> Option<i64> {
-    n.metadata
-        .annotations
-        .as_ref()?
-        .get(LAST_SEEN)?
-        .parse()
-        .ok()
-}
-
-/// Whether `new` differs from `old` in a way that matters. Pure (`now` in unix seconds).
-pub fn node_changed(old: Option<&KubeNode>, new: &KubeNode, now: i64) -> bool {
-    let Some(old) = old else { return true };
-    if view(old) != view(new) {
-        return true;
-    }
-    let fresh = |t: Option<i64>| t.is_some_and(|t| now - t < LAST_SEEN_WINDOW_SECS);
-    // A node coming back to life (stale → fresh) matters; a refresh of a live one does not.
-    !fresh(last_seen(old)) && fresh(last_seen(new))
+/// Whether `new` differs from `old` in a way the snapshot must show (a heartbeat does not). Pure.
+pub fn node_changed(old: Option<&KubeNode>, new: &KubeNode) -> bool {
+    old.is_none_or(|old| view(old) != view(new))
 }
 
 /// Drops what the agent never reads (managed fields, images, heartbeat timestamps).
@@ -116,12 +100,15 @@ struct State {
     peers: BTreeMap<String, Peer>,
     nodes_synced: bool,
     peers_synced: bool,
+    /// The Node watch works (cleared by its errors, set by its next event).
+    connected: bool,
     generation: u64,
     init_nodes: Option<BTreeMap<String, KubeNode>>,
     init_peers: Option<BTreeMap<String, Peer>>,
 }
 
 impl State {
+    /// Sends a new snapshot (a new generation), once both lists have completed.
     fn publish(&mut self, tx: &watch::Sender<Update>) {
         if !(self.nodes_synced && self.peers_synced) {
             return;
@@ -134,7 +121,18 @@ impl State {
             }),
             errors: Vec::new(),
             generation: self.generation,
+            last_seen: Arc::new(last_seen_of(&self.nodes)),
+            connected: self.connected,
         });
+    }
+
+    /// Sends the latest heartbeats and connection state if they changed, keeping the snapshot.
+    fn refresh(&self, tx: &watch::Sender<Update>) {
+        if self.generation == 0 {
+            return;
+        }
+        let last_seen = last_seen_of(&self.nodes);
+        tx.send_if_modified(|u| refresh(u, last_seen, self.connected));
     }
 }
 
@@ -194,11 +192,17 @@ impl KubeBackend {
                     .default_backoff()
                     .boxed();
                 while let Some(ev) = stream.next().await {
-                    let now = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_secs() as i64)
-                        .unwrap_or_default();
                     let mut s = state.lock().expect("state lock");
+                    let delivering = matches!(
+                        ev,
+                        Ok(watcher::Event::InitDone
+                            | watcher::Event::Apply(_)
+                            | watcher::Event::Delete(_))
+                    );
+                    if delivering && !s.connected {
+                        tracing::info!("node watch delivering");
+                        s.connected = true;
+                    }
                     match ev {
                         Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
                         Ok(watcher::Event::InitApply(n)) => {
@@ -215,7 +219,7 @@ impl KubeBackend {
                         Ok(watcher::Event::Apply(n)) => {
                             let n = trim_node(n);
                             let name = name_of(&n);
-                            let changed = node_changed(s.nodes.get(&name), &n, now);
+                            let changed = node_changed(s.nodes.get(&name), &n);
                             s.nodes.insert(name.clone(), n);
                             if changed {
                                 tracing::debug!(node = %name, "node changed");
@@ -227,8 +231,13 @@ impl KubeBackend {
                                 s.publish(&tx);
                             }
                         }
-                        Err(e) => tracing::warn!(error = %e, "node watch failed; retrying"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "node watch failed; retrying");
+                            s.connected = false;
+                        }
                     }
+                    // Heartbeats and the connection state reach the agent without a snapshot.
+                    s.refresh(&tx);
                 }
             })
         };
@@ -367,27 +376,28 @@ mod tests {
         let old = trim_node(node(&[(LAST_SEEN, &t(30))], "True", "2026-01-01T00:00:00Z"));
         // Kilo's last-seen refresh and a kubelet heartbeat: filtered.
         let hb = trim_node(node(&[(LAST_SEEN, &t(0))], "True", "2026-01-01T00:00:10Z"));
-        assert!(!node_changed(Some(&old), &hb, now));
+        assert!(!node_changed(Some(&old), &hb));
         // An annotation, the Ready condition, a stale node coming back: not filtered.
         let ann = trim_node(node(
             &[(LAST_SEEN, &t(0)), ("kilo.squat.ai/leader", "")],
             "True",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&old), &ann, now));
+        assert!(node_changed(Some(&old), &ann));
         let notready = trim_node(node(
             &[(LAST_SEEN, &t(30))],
             "False",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&old), &notready, now));
+        assert!(node_changed(Some(&old), &notready));
+        // Even a stale heartbeat refreshed: liveness is the agent's, from `Update::last_seen`.
         let stale = trim_node(node(
             &[(LAST_SEEN, &t(600))],
             "True",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&stale), &hb, now));
-        assert!(node_changed(None, &hb, now));
+        assert!(!node_changed(Some(&stale), &hb));
+        assert!(node_changed(None, &hb));
         // Trimmed: no managed fields, no images, only the Ready condition without heartbeat.
         assert!(old.metadata.managed_fields.is_none());
         let status = old.status.unwrap();
