@@ -700,4 +700,325 @@ mod tests {
             Annotations::from([(ANNOTATION_WIREGUARD_IP.into(), Some("10.4.0.1/16".into()))])
         );
     }
+
+    /// A backend the test drives: it sends updates and records what the agent publishes.
+    struct Driven {
+        tx: tokio::sync::watch::Sender<Update>,
+        published: Mutex<Vec<Annotations>>,
+    }
+
+    impl Backend for Driven {
+        fn updates(&self) -> tokio::sync::watch::Receiver<Update> {
+            self.tx.subscribe()
+        }
+
+        fn publish<'a>(
+            &'a self,
+            _node: &'a str,
+            annotations: &'a Annotations,
+        ) -> futures::future::BoxFuture<'a, Result<bool, crate::backend::BackendError>> {
+            self.published.lock().unwrap().push(annotations.clone());
+            Box::pin(async { Ok(true) })
+        }
+    }
+
+    /// Unix seconds at the test's start.
+    const T0: i64 = 1_000_000;
+
+    fn nodes(names: &[&str]) -> Arc<Snapshot> {
+        let nodes = names
+            .iter()
+            .map(|n| {
+                let node = serde_json::from_value(serde_json::json!({"metadata": {"name": n}}));
+                (n.to_string(), node.unwrap())
+            })
+            .collect();
+        Arc::new(Snapshot {
+            nodes,
+            ..Snapshot::default()
+        })
+    }
+
+    fn beats(b: &[(&str, i64)]) -> Arc<BTreeMap<String, i64>> {
+        Arc::new(b.iter().map(|(n, t)| (n.to_string(), T0 + t)).collect())
+    }
+
+    type Plans = Arc<Mutex<Vec<(u128, Vec<String>)>>>;
+
+    /// The loop with a 10 s check-in (a 20 s window), an 8 s resync and the in-memory kernel,
+    /// under tokio's paused clock; each plan is recorded with its time (ms since the start)
+    /// and the nodes it was given.
+    fn start(update: Update, outcome: impl Fn() -> PlanOutcome + Send + 'static) -> Running {
+        let begin = tokio::time::Instant::now();
+        let (tx, _) = tokio::sync::watch::channel(update);
+        let backend = Arc::new(Driven {
+            tx,
+            published: Mutex::default(),
+        });
+        let plans = Plans::default();
+        let recorded = plans.clone();
+        let planner = move |s: &Snapshot| {
+            recorded.lock().unwrap().push((
+                begin.elapsed().as_millis(),
+                s.nodes.keys().cloned().collect(),
+            ));
+            outcome()
+        };
+        let reconciler = Reconciler::new(
+            crate::reconcile::FakeKernel::default(),
+            crate::reconcile::wireguard::FakeWireGuard::default(),
+            crate::reconcile::FakeDatapath::default(),
+            crate::reconcile::Settings {
+                devices: crate::reconcile::state::Devices {
+                    wireguard: "kilo0".into(),
+                    private: None,
+                    tunnel: None,
+                },
+                create_interface: true,
+                mtu: None,
+                private_key: Key([7; 32]),
+                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
+            },
+        );
+        let local = Local {
+            hostname: "me".into(),
+            public_key: Key([1; 32]),
+            endpoint: None,
+            internal_ip: None,
+            granularity: "location".into(),
+        };
+        let settings = LoopSettings {
+            resync: Some(Duration::from_secs(8)),
+            check_in: Some(Duration::from_secs(10)),
+            clock: Clock::new(move || T0 * 1000 + begin.elapsed().as_millis() as i64),
+            ..LoopSettings::default()
+        };
+        let metrics = Metrics::new();
+        let mut agent = Agent::new(
+            backend.clone(),
+            planner,
+            reconciler,
+            local,
+            settings,
+            metrics.clone(),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(async move {
+            agent
+                .run(None, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Running {
+            backend,
+            plans,
+            stop,
+            run,
+            metrics,
+        }
+    }
+
+    struct Running {
+        backend: Arc<Driven>,
+        plans: Plans,
+        stop: tokio::sync::oneshot::Sender<()>,
+        run: tokio::task::JoinHandle<Stats>,
+        metrics: Metrics,
+    }
+
+    fn planned() -> PlanOutcome {
+        PlanOutcome {
+            plan: Some(Plan::default()),
+            ..PlanOutcome::default()
+        }
+    }
+
+    /// Sleeps (paused clock) until `ms` after the start.
+    async fn at(begin: tokio::time::Instant, ms: u64) {
+        tokio::time::sleep_until(begin + Duration::from_millis(ms)).await;
+    }
+
+    /// When the first plan at or after `from` without (or with) `node` came.
+    fn first(plans: &Plans, from: u128, node: &str, with: bool) -> Option<u128> {
+        let plans = plans.lock().unwrap();
+        plans
+            .iter()
+            .find(|(t, n)| *t >= from && n.iter().any(|n| n == node) == with)
+            .map(|(t, _)| *t)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
+        let begin = tokio::time::Instant::now();
+        let Running {
+            backend,
+            plans,
+            stop,
+            run,
+            ..
+        } = start(
+            Update {
+                snapshot: nodes(&["me", "a", "b"]),
+                generation: 1,
+                // a vouched for until 21 s, b until 26 s; `me` has no heartbeat yet.
+                last_seen: beats(&[("a", 0), ("b", 5)]),
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        // A heartbeat from b (until 33 s): recorded, no plan.
+        at(begin, 12_000).await;
+        let planned = plans.lock().unwrap().len();
+        backend
+            .tx
+            .send_modify(|u| u.last_seen = beats(&[("a", 0), ("b", 12)]));
+        at(begin, 15_000).await;
+        assert_eq!(
+            plans.lock().unwrap().len(),
+            planned,
+            "a heartbeat made a plan"
+        );
+        // a revives at 40 s.
+        at(begin, 40_000).await;
+        backend
+            .tx
+            .send_modify(|u| u.last_seen = beats(&[("a", 40), ("b", 12)]));
+        at(begin, 50_000).await;
+        let debounce = DEBOUNCE.as_millis();
+        let dropped_a = first(&plans, 0, "a", false).unwrap();
+        assert!(
+            (21_000..=21_000 + debounce).contains(&dropped_a),
+            "{dropped_a}"
+        );
+        let dropped_b = first(&plans, 0, "b", false).unwrap();
+        assert!(
+            (33_000..=33_000 + debounce).contains(&dropped_b),
+            "{dropped_b}"
+        );
+        let back = first(&plans, dropped_a, "a", true).unwrap();
+        assert!((40_000..=40_000 + debounce).contains(&back), "{back}");
+        // Resync ticks (8, 16, 24, 32, 40, 48 s) plan the same nodes as the plan before.
+        let plans_seen = plans.lock().unwrap().clone();
+        for w in plans_seen.windows(2) {
+            if w[1].0 % 8_000 == debounce && w[1].0 != 40_000 + debounce {
+                assert_eq!(w[0].1, w[1].1, "the resync at {} changed the nodes", w[1].0);
+            }
+        }
+        assert!(
+            plans_seen
+                .iter()
+                .all(|(_, n)| n.contains(&"me".to_string()))
+        );
+        // Check-ins at 10, 20, 30, 40 s wrote the heartbeat alone.
+        let published = backend.published.lock().unwrap().clone();
+        let beats_only = published
+            .iter()
+            .filter(|a| a.len() == 1 && a.contains_key(ANNOTATION_LAST_SEEN))
+            .count();
+        assert!(beats_only >= 4, "{published:?}");
+        stop.send(()).unwrap();
+        run.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_expires_while_the_backend_is_disconnected() {
+        let begin = tokio::time::Instant::now();
+        let Running {
+            backend,
+            plans,
+            stop,
+            run,
+            ..
+        } = start(
+            Update {
+                snapshot: nodes(&["me", "a"]),
+                generation: 1,
+                last_seen: beats(&[("a", 0)]), // until 21 s
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        at(begin, 5_000).await;
+        backend.tx.send_modify(|u| u.connected = false);
+        // Resyncs keep planning, with a, long past its heartbeat.
+        at(begin, 100_000).await;
+        assert_eq!(first(&plans, 0, "a", false), None);
+        backend.tx.send_modify(|u| u.connected = true);
+        // Back: a gets a whole window from now, and then expires.
+        at(begin, 130_000).await;
+        let dropped = first(&plans, 0, "a", false).unwrap();
+        assert!(
+            (120_000..=120_000 + DEBOUNCE.as_millis()).contains(&dropped),
+            "{dropped}"
+        );
+        assert!(
+            plans
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(t, _)| *t < 120_000)
+                .count()
+                > 10
+        );
+        stop.send(()).unwrap();
+        run.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_to_plan_keeps_the_role_and_is_reported_once() {
+        let begin = tokio::time::Instant::now();
+        let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fail = failing.clone();
+        let Running {
+            backend,
+            stop,
+            run,
+            metrics,
+            ..
+        } = start(
+            Update {
+                snapshot: nodes(&["me"]),
+                generation: 1,
+                connected: true,
+                ..Update::default()
+            },
+            move || {
+                if fail.load(std::sync::atomic::Ordering::Relaxed) {
+                    return PlanOutcome::default();
+                }
+                PlanOutcome {
+                    leader: true,
+                    wireguard_ip: Some("10.4.0.1/16".parse().unwrap()),
+                    ready_nodes: 1,
+                    ..planned()
+                }
+            },
+        );
+        at(begin, 1_000).await;
+        failing.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Five resyncs without a plan.
+        at(begin, 41_000).await;
+        stop.send(()).unwrap();
+        let stats = run.await.unwrap();
+        assert_eq!(stats.reconciles, 1);
+        let text = metrics.encode();
+        let metric = |series: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("no {series} in {text}"))
+        };
+        assert_eq!(metric("kilo_errors_total{event=\"plan\"}"), "1", "{text}");
+        assert_eq!(metric("kilo_leader"), "1", "{text}");
+        assert_eq!(metric("kilo_nodes"), "1", "{text}");
+        let published = backend.published.lock().unwrap().clone();
+        let ips: Vec<_> = published
+            .iter()
+            .filter_map(|a| a.get(ANNOTATION_WIREGUARD_IP)?.as_deref())
+            .collect();
+        // Set once; never cleared without a plan (the `None` is the clean-up at the end).
+        assert_eq!(ips, ["10.4.0.1/16"], "{published:?}");
+    }
 }
