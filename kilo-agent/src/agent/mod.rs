@@ -722,8 +722,24 @@ mod tests {
         }
     }
 
-    /// Unix seconds at the test's start.
-    const T0: i64 = 1_000_000;
+    use testing::{Plans, Running, T0, planned, spawn};
+
+    fn start(
+        update: Update,
+        outcome: impl Fn() -> PlanOutcome + Send + 'static,
+    ) -> (Arc<Driven>, Running) {
+        let (tx, _) = tokio::sync::watch::channel(update);
+        let backend = Arc::new(Driven {
+            tx,
+            published: Mutex::default(),
+        });
+        let settings = LoopSettings {
+            resync: Some(Duration::from_secs(8)),
+            check_in: Some(Duration::from_secs(10)),
+            ..LoopSettings::default()
+        };
+        (backend.clone(), spawn(backend, settings, outcome))
+    }
 
     fn nodes(names: &[&str]) -> Arc<Snapshot> {
         let nodes = names
@@ -743,97 +759,6 @@ mod tests {
         Arc::new(b.iter().map(|(n, t)| (n.to_string(), T0 + t)).collect())
     }
 
-    type Plans = Arc<Mutex<Vec<(u128, Vec<String>)>>>;
-
-    /// The loop with a 10 s check-in (a 20 s window), an 8 s resync and the in-memory kernel,
-    /// under tokio's paused clock; each plan is recorded with its time (ms since the start)
-    /// and the nodes it was given.
-    fn start(update: Update, outcome: impl Fn() -> PlanOutcome + Send + 'static) -> Running {
-        let begin = tokio::time::Instant::now();
-        let (tx, _) = tokio::sync::watch::channel(update);
-        let backend = Arc::new(Driven {
-            tx,
-            published: Mutex::default(),
-        });
-        let plans = Plans::default();
-        let recorded = plans.clone();
-        let planner = move |s: &Snapshot| {
-            recorded.lock().unwrap().push((
-                begin.elapsed().as_millis(),
-                s.nodes.keys().cloned().collect(),
-            ));
-            outcome()
-        };
-        let reconciler = Reconciler::new(
-            crate::reconcile::FakeKernel::default(),
-            crate::reconcile::wireguard::FakeWireGuard::default(),
-            crate::reconcile::FakeDatapath::default(),
-            crate::reconcile::Settings {
-                devices: crate::reconcile::state::Devices {
-                    wireguard: "kilo0".into(),
-                    private: None,
-                    tunnel: None,
-                },
-                create_interface: true,
-                mtu: None,
-                private_key: Key([7; 32]),
-                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
-            },
-        );
-        let local = Local {
-            hostname: "me".into(),
-            public_key: Key([1; 32]),
-            endpoint: None,
-            internal_ip: None,
-            granularity: "location".into(),
-        };
-        let settings = LoopSettings {
-            resync: Some(Duration::from_secs(8)),
-            check_in: Some(Duration::from_secs(10)),
-            clock: Clock::new(move || T0 * 1000 + begin.elapsed().as_millis() as i64),
-            ..LoopSettings::default()
-        };
-        let metrics = Metrics::new();
-        let mut agent = Agent::new(
-            backend.clone(),
-            planner,
-            reconciler,
-            local,
-            settings,
-            metrics.clone(),
-        );
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let run = tokio::spawn(async move {
-            agent
-                .run(None, async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
-        Running {
-            backend,
-            plans,
-            stop,
-            run,
-            metrics,
-        }
-    }
-
-    struct Running {
-        backend: Arc<Driven>,
-        plans: Plans,
-        stop: tokio::sync::oneshot::Sender<()>,
-        run: tokio::task::JoinHandle<Stats>,
-        metrics: Metrics,
-    }
-
-    fn planned() -> PlanOutcome {
-        PlanOutcome {
-            plan: Some(Plan::default()),
-            ..PlanOutcome::default()
-        }
-    }
-
     /// Sleeps (paused clock) until `ms` after the start.
     async fn at(begin: tokio::time::Instant, ms: u64) {
         tokio::time::sleep_until(begin + Duration::from_millis(ms)).await;
@@ -851,13 +776,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
         let begin = tokio::time::Instant::now();
-        let Running {
+        let (
             backend,
-            plans,
-            stop,
-            run,
-            ..
-        } = start(
+            Running {
+                plans, stop, run, ..
+            },
+        ) = start(
             Update {
                 snapshot: nodes(&["me", "a", "b"]),
                 generation: 1,
@@ -925,13 +849,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn nothing_expires_while_the_backend_is_disconnected() {
         let begin = tokio::time::Instant::now();
-        let Running {
+        let (
             backend,
-            plans,
-            stop,
-            run,
-            ..
-        } = start(
+            Running {
+                plans, stop, run, ..
+            },
+        ) = start(
             Update {
                 snapshot: nodes(&["me", "a"]),
                 generation: 1,
@@ -972,13 +895,12 @@ mod tests {
         let begin = tokio::time::Instant::now();
         let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let fail = failing.clone();
-        let Running {
+        let (
             backend,
-            stop,
-            run,
-            metrics,
-            ..
-        } = start(
+            Running {
+                stop, run, metrics, ..
+            },
+        ) = start(
             Update {
                 snapshot: nodes(&["me"]),
                 generation: 1,
@@ -1020,5 +942,107 @@ mod tests {
             .collect();
         // Set once; never cleared without a plan (the `None` is the clean-up at the end).
         assert_eq!(ips, ["10.4.0.1/16"], "{published:?}");
+    }
+}
+
+/// The loop under tokio's paused clock with the in-memory kernel, for the tests here and in the
+/// backends.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Unix seconds at a test's start.
+    pub const T0: i64 = 1_000_000;
+
+    /// Each plan: its time (ms since the start) and the nodes it was given.
+    pub type Plans = Arc<Mutex<Vec<(u128, Vec<String>)>>>;
+
+    pub struct Running {
+        pub plans: Plans,
+        pub stop: tokio::sync::oneshot::Sender<()>,
+        pub run: tokio::task::JoinHandle<Stats>,
+        pub metrics: Metrics,
+    }
+
+    /// A plan (empty).
+    pub fn planned() -> PlanOutcome {
+        PlanOutcome {
+            plan: Some(Plan::default()),
+            ..PlanOutcome::default()
+        }
+    }
+
+    /// The unix clock of a test: [`T0`] at the start, then tokio's (paused) time.
+    pub fn clock(begin: tokio::time::Instant) -> Clock {
+        Clock::new(move || T0 * 1000 + begin.elapsed().as_millis() as i64)
+    }
+
+    /// Spawns the loop of node `me` on `backend` with `settings` (and [`clock`]); the planner
+    /// records each plan and answers `outcome()`.
+    pub fn spawn(
+        backend: Arc<dyn Backend>,
+        settings: LoopSettings,
+        outcome: impl Fn() -> PlanOutcome + Send + 'static,
+    ) -> Running {
+        let begin = tokio::time::Instant::now();
+        let plans = Plans::default();
+        let recorded = plans.clone();
+        let planner = move |s: &Snapshot| {
+            recorded.lock().unwrap().push((
+                begin.elapsed().as_millis(),
+                s.nodes.keys().cloned().collect(),
+            ));
+            outcome()
+        };
+        let reconciler = Reconciler::new(
+            crate::reconcile::FakeKernel::default(),
+            crate::reconcile::wireguard::FakeWireGuard::default(),
+            crate::reconcile::FakeDatapath::default(),
+            crate::reconcile::Settings {
+                devices: crate::reconcile::state::Devices {
+                    wireguard: "kilo0".into(),
+                    private: None,
+                    tunnel: None,
+                },
+                create_interface: true,
+                mtu: None,
+                private_key: Key([7; 32]),
+                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
+            },
+        );
+        let local = Local {
+            hostname: "me".into(),
+            public_key: Key([1; 32]),
+            endpoint: None,
+            internal_ip: None,
+            granularity: "location".into(),
+        };
+        let settings = LoopSettings {
+            clock: clock(begin),
+            ..settings
+        };
+        let metrics = Metrics::new();
+        let mut agent = Agent::new(
+            backend,
+            planner,
+            reconciler,
+            local,
+            settings,
+            metrics.clone(),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(async move {
+            agent
+                .run(None, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Running {
+            plans,
+            stop,
+            run,
+            metrics,
+        }
     }
 }
