@@ -15,29 +15,17 @@
 mod support;
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use support::{
     bpffs::BpfFs,
-    netns::{NetNs, veth},
+    netns::{NetNs, WgGo, veth},
 };
 
 const NODES: usize = 3;
-
-/// Waits (bounded; liveness only) until `f` holds.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 /// A child process, killed on drop.
 struct Proc(Child);
@@ -61,9 +49,8 @@ struct Seen {
 struct Mesh {
     nodes: Vec<NetNs>,
     _under: NetNs,
-    _wireguard: Vec<Proc>,
+    wireguard: Vec<WgGo>,
     kg: Vec<Option<Proc>>,
-    wg: Vec<String>,
     objects: PathBuf,
     work: tempfile::TempDir,
     bpffs: BpfFs,
@@ -79,21 +66,12 @@ impl Mesh {
         std::fs::create_dir(&objects).unwrap();
         let mut nodes = Vec::new();
         let mut wireguard = Vec::new();
-        let mut wg = Vec::new();
         for i in 1..=NODES {
             let ns = NetNs::new("lvn");
             veth(&ns, "eth0", &under, &format!("p{i}"));
             under.sh(&format!("ip link set p{i} master br0"));
             ns.sh(&format!("ip addr add 192.168.60.{i}/24 dev eth0"));
-            let name = format!("kv{}x{i}", std::process::id() % 100_000);
-            let child = Command::new("ip")
-                .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &name])
-                .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
-            wireguard.push(Proc(child));
+            wireguard.push(WgGo::start(&ns));
             let location = if i == 3 { "west" } else { "east" };
             std::fs::write(
                 objects.join(format!("n{i}.yaml")),
@@ -103,18 +81,12 @@ impl Mesh {
             )
             .unwrap();
             nodes.push(ns);
-            wg.push(name);
-        }
-        for name in &wg {
-            let socket = format!("/var/run/wireguard/{name}.sock");
-            eventually("wireguard-go is up", || Path::new(&socket).exists());
         }
         let mut mesh = Mesh {
             nodes,
             _under: under,
-            _wireguard: wireguard,
+            wireguard,
             kg: (0..NODES).map(|_| None).collect(),
-            wg,
             objects,
             work,
             bpffs: BpfFs::new(),
@@ -145,7 +117,7 @@ impl Mesh {
                 &format!("--backend-dir={}", self.objects.display()),
                 &format!("--hostname=n{}", i + 1),
                 "--create-interface=false",
-                &format!("--interface={}", self.wg[i]),
+                &format!("--interface={}", self.wireguard[i].name),
                 "--encapsulate=never",
                 &format!(
                     "--private-key={}",
@@ -290,10 +262,6 @@ impl Mesh {
 impl Drop for Mesh {
     fn drop(&mut self) {
         self.stop();
-        self._wireguard.clear();
-        for name in &self.wg {
-            let _ = std::fs::remove_file(format!("/var/run/wireguard/{name}.sock"));
-        }
     }
 }
 

@@ -776,12 +776,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
         let begin = tokio::time::Instant::now();
-        let (
-            backend,
-            Running {
-                plans, stop, run, ..
-            },
-        ) = start(
+        let (backend, agent) = start(
             Update {
                 snapshot: nodes(&["me", "a", "b"]),
                 generation: 1,
@@ -794,13 +789,13 @@ mod tests {
         );
         // A heartbeat from b (until 33 s): recorded, no plan.
         at(begin, 12_000).await;
-        let planned = plans.lock().unwrap().len();
+        let planned = agent.plans.lock().unwrap().len();
         backend
             .tx
             .send_modify(|u| u.last_seen = beats(&[("a", 0), ("b", 12)]));
         at(begin, 15_000).await;
         assert_eq!(
-            plans.lock().unwrap().len(),
+            agent.plans.lock().unwrap().len(),
             planned,
             "a heartbeat made a plan"
         );
@@ -811,20 +806,20 @@ mod tests {
             .send_modify(|u| u.last_seen = beats(&[("a", 40), ("b", 12)]));
         at(begin, 50_000).await;
         let debounce = DEBOUNCE.as_millis();
-        let dropped_a = first(&plans, 0, "a", false).unwrap();
+        let dropped_a = first(&agent.plans, 0, "a", false).unwrap();
         assert!(
             (21_000..=21_000 + debounce).contains(&dropped_a),
             "{dropped_a}"
         );
-        let dropped_b = first(&plans, 0, "b", false).unwrap();
+        let dropped_b = first(&agent.plans, 0, "b", false).unwrap();
         assert!(
             (33_000..=33_000 + debounce).contains(&dropped_b),
             "{dropped_b}"
         );
-        let back = first(&plans, dropped_a, "a", true).unwrap();
+        let back = first(&agent.plans, dropped_a, "a", true).unwrap();
         assert!((40_000..=40_000 + debounce).contains(&back), "{back}");
         // Resync ticks (8, 16, 24, 32, 40, 48 s) plan the same nodes as the plan before.
-        let plans_seen = plans.lock().unwrap().clone();
+        let plans_seen = agent.plans.lock().unwrap().clone();
         for w in plans_seen.windows(2) {
             if w[1].0 % 8_000 == debounce && w[1].0 != 40_000 + debounce {
                 assert_eq!(w[0].1, w[1].1, "the resync at {} changed the nodes", w[1].0);
@@ -842,19 +837,14 @@ mod tests {
             .filter(|a| a.len() == 1 && a.contains_key(ANNOTATION_LAST_SEEN))
             .count();
         assert!(beats_only >= 4, "{published:?}");
-        stop.send(()).unwrap();
-        run.await.unwrap();
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
     async fn nothing_expires_while_the_backend_is_disconnected() {
         let begin = tokio::time::Instant::now();
-        let (
-            backend,
-            Running {
-                plans, stop, run, ..
-            },
-        ) = start(
+        let (backend, agent) = start(
             Update {
                 snapshot: nodes(&["me", "a"]),
                 generation: 1,
@@ -868,17 +858,18 @@ mod tests {
         backend.tx.send_modify(|u| u.connected = false);
         // Resyncs keep planning, with a, long past its heartbeat.
         at(begin, 100_000).await;
-        assert_eq!(first(&plans, 0, "a", false), None);
+        assert_eq!(first(&agent.plans, 0, "a", false), None);
         backend.tx.send_modify(|u| u.connected = true);
         // Back: a gets a whole window from now, and then expires.
         at(begin, 130_000).await;
-        let dropped = first(&plans, 0, "a", false).unwrap();
+        let dropped = first(&agent.plans, 0, "a", false).unwrap();
         assert!(
             (120_000..=120_000 + DEBOUNCE.as_millis()).contains(&dropped),
             "{dropped}"
         );
         assert!(
-            plans
+            agent
+                .plans
                 .lock()
                 .unwrap()
                 .iter()
@@ -886,8 +877,8 @@ mod tests {
                 .count()
                 > 10
         );
-        stop.send(()).unwrap();
-        run.await.unwrap();
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
@@ -895,12 +886,7 @@ mod tests {
         let begin = tokio::time::Instant::now();
         let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let fail = failing.clone();
-        let (
-            backend,
-            Running {
-                stop, run, metrics, ..
-            },
-        ) = start(
+        let (backend, agent) = start(
             Update {
                 snapshot: nodes(&["me"]),
                 generation: 1,
@@ -923,10 +909,10 @@ mod tests {
         failing.store(true, std::sync::atomic::Ordering::Relaxed);
         // Five resyncs without a plan.
         at(begin, 41_000).await;
-        stop.send(()).unwrap();
-        let stats = run.await.unwrap();
+        agent.stop.send(()).unwrap();
+        let stats = agent.run.await.unwrap();
         assert_eq!(stats.reconciles, 1);
-        let text = metrics.encode();
+        let text = agent.metrics.encode();
         let metric = |series: &str| {
             text.lines()
                 .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
