@@ -5,8 +5,8 @@
 //! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed. Status
 //! heartbeats (kubelet) are stored but cost nothing; Kilo's `last-seen` refreshes only update
 //! [`Update::last_seen`], which the agent records without planning (see
-//! [`crate::agent::liveness`]). The Node watch failing marks the backend disconnected
-//! ([`Update::connected`]) until it delivers again. Objects are trimmed on arrival (managed
+//! [`crate::agent::liveness`]). The Node watch failing, or a patch that cannot reach the API
+//! server, marks the backend disconnected ([`Update::connected`]) until the watch delivers again. Objects are trimmed on arrival (managed
 //! fields, images, most of status) to keep memory flat.
 //!
 //! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
@@ -143,7 +143,8 @@ fn name_of<K: Resource>(k: &K) -> String {
 /// The Kubernetes backend. Dropping it stops the watchers.
 pub struct KubeBackend {
     client: Client,
-    rx: watch::Receiver<Update>,
+    state: Arc<Mutex<State>>,
+    tx: Arc<watch::Sender<Update>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -181,9 +182,12 @@ impl KubeBackend {
     /// listed everything; until then the agent does not reconcile (an empty view must never
     /// remove the mesh).
     pub fn start(client: Client) -> Self {
-        let (tx, rx) = watch::channel(Update::default());
-        let tx = Arc::new(tx);
-        let state = Arc::new(Mutex::new(State::default()));
+        let mut backend = Self::unwatched(client);
+        let (state, tx, client) = (
+            backend.state.clone(),
+            backend.tx.clone(),
+            backend.client.clone(),
+        );
         let nodes = {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<KubeNode> = Api::all(client.clone());
@@ -289,10 +293,17 @@ impl KubeBackend {
                 }
             })
         };
+        backend.tasks = vec![nodes, peers];
+        backend
+    }
+
+    /// A backend that watches nothing (yet).
+    fn unwatched(client: Client) -> Self {
         KubeBackend {
             client,
-            rx,
-            tasks: vec![nodes, peers],
+            state: Arc::default(),
+            tx: Arc::new(watch::channel(Update::default()).0),
+            tasks: Vec::new(),
         }
     }
 }
@@ -315,9 +326,12 @@ pub fn annotation_patch(annotations: &Annotations) -> serde_json::Value {
 
 impl Backend for KubeBackend {
     fn updates(&self) -> watch::Receiver<Update> {
-        self.rx.clone()
+        self.tx.subscribe()
     }
 
+    /// A patch that does not reach the API server also marks the backend disconnected (until
+    /// the Node watch delivers again): a watch to an unreachable server may take minutes to
+    /// fail, and no heartbeat arrives meanwhile.
     fn publish<'a>(
         &'a self,
         node: &'a str,
@@ -334,7 +348,14 @@ impl Backend for KubeBackend {
                 &Patch::Merge(annotation_patch(annotations)),
             )
             .await
-            .map_err(|e| BackendError::Kube(format!("patching node {node}: {e}")))?;
+            .map_err(|e| {
+                if !matches!(e, kube::Error::Api(_)) {
+                    let mut s = self.state.lock().expect("state lock");
+                    s.connected = false;
+                    s.refresh(&self.tx);
+                }
+                BackendError::Kube(format!("patching node {node}: {e}"))
+            })?;
             Ok(true)
         }
         .boxed()
@@ -343,7 +364,10 @@ impl Backend for KubeBackend {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::{
+        sync::atomic::{AtomicU8, Ordering::Relaxed},
+        time::Duration,
+    };
 
     use http::{Method, Request, Response};
     use kube::client::Body;
@@ -436,11 +460,7 @@ mod tests {
                     .unwrap(),
             );
         });
-        let backend = KubeBackend {
-            client: Client::new(service, "default"),
-            rx: watch::channel(Update::default()).1,
-            tasks: vec![],
-        };
+        let backend = KubeBackend::unwatched(Client::new(service, "default"));
         let changes = Annotations::from([
             (
                 "kilo.squat.ai/key".to_string(),
@@ -557,18 +577,24 @@ mod tests {
             .unwrap()
     }
 
+    /// How the stand-in API server is broken.
+    const WORKING: u8 = 0;
+    /// Refuses connections: the open watch breaks, new ones and patches fail.
+    const REFUSING: u8 = 1;
+    /// Unreachable without a word: the open watch hangs, new ones and patches fail.
+    const HANGING: u8 = 2;
+
     /// A stand-in API server: lists `nodes` and no Peers, answers node watches with the events
     /// it has (each answer ends the watch, so the watcher resumes from the last version), applies
-    /// merge patches to its nodes (recording them, and echoing the node as a watch event), writes
-    /// the other nodes' heartbeats every `period`, and, while `broken` is set, fails node
-    /// watches.
+    /// merge patches to its nodes (recording them, and echoing the node as a watch event), and
+    /// writes the other nodes' heartbeats every `period`, unless `broken` says otherwise.
     async fn api_server(
         mut handle: Handle,
         nodes: Vec<serde_json::Value>,
         period: Duration,
         now: crate::agent::Clock,
         patches: Arc<Mutex<Vec<serde_json::Value>>>,
-        broken: Arc<std::sync::atomic::AtomicBool>,
+        broken: Arc<AtomicU8>,
     ) {
         let mut nodes: BTreeMap<String, serde_json::Value> = nodes
             .into_iter()
@@ -596,7 +622,7 @@ mod tests {
                             "items": nodes.values().collect::<Vec<_>>(),
                         }))),
                         (Method::GET, "/api/v1/nodes", true) => {
-                            if broken.load(std::sync::atomic::Ordering::Relaxed) {
+                            if broken.load(Relaxed) != WORKING {
                                 send.send_error("connection refused");
                             } else {
                                 watch = Some(send);
@@ -607,7 +633,7 @@ mod tests {
                             "metadata": {"resourceVersion": "1"}, "items": [],
                         }))),
                         (Method::GET, "/apis/kilo.squat.ai/v1alpha1/peers", true) => std::mem::forget(send),
-                        (Method::PATCH, _, false) if broken.load(std::sync::atomic::Ordering::Relaxed) => {
+                        (Method::PATCH, _, false) if broken.load(Relaxed) != WORKING => {
                             send.send_error("connection refused");
                         }
                         (Method::PATCH, p, false) => {
@@ -626,12 +652,16 @@ mod tests {
                     }
                 }
                 _ = beat.tick() => {
-                    if broken.load(std::sync::atomic::Ordering::Relaxed) {
-                        // Unreachable: the open watch breaks, nobody can write a heartbeat.
-                        if let Some(w) = watch.take() {
-                            w.send_error("connection reset");
+                    match broken.load(Relaxed) {
+                        WORKING => {}
+                        // Nobody can write a heartbeat.
+                        REFUSING => {
+                            if let Some(w) = watch.take() {
+                                w.send_error("connection reset");
+                            }
+                            continue;
                         }
-                        continue;
+                        _ => continue,
                     }
                     let seen = (now.now_ms() / 1000).to_string();
                     for (name, node) in nodes.iter_mut().filter(|(n, _)| *n != "me") {
@@ -642,7 +672,7 @@ mod tests {
                 }
             }
             if !events.is_empty()
-                && !broken.load(std::sync::atomic::Ordering::Relaxed)
+                && broken.load(Relaxed) == WORKING
                 && let Some(w) = watch.take()
             {
                 let mut body = Vec::new();
@@ -667,10 +697,10 @@ mod tests {
     /// paused clock; returns the recorded patches and the running agent.
     fn idle_mesh(
         period: Duration,
-        broken: Arc<std::sync::atomic::AtomicBool>,
+        broken: Arc<AtomicU8>,
     ) -> (
         Arc<Mutex<Vec<serde_json::Value>>>,
-        KubeBackend,
+        Arc<KubeBackend>,
         crate::agent::testing::Running,
     ) {
         use crate::agent::{Local, testing};
@@ -700,14 +730,9 @@ mod tests {
             patches.clone(),
             broken,
         ));
-        let backend = KubeBackend::start(Client::new(service, "default"));
-        let agent = KubeBackend {
-            client: backend.client.clone(),
-            rx: backend.rx.clone(),
-            tasks: vec![],
-        };
+        let backend = Arc::new(KubeBackend::start(Client::new(service, "default")));
         let running = testing::spawn(
-            Arc::new(agent),
+            backend.clone(),
             crate::agent::LoopSettings {
                 resync: None,
                 check_in: Some(period),
@@ -723,7 +748,7 @@ mod tests {
     async fn idle_heartbeats_are_patched_and_received_without_a_reconcile() {
         for secs in [1, 10, 30] {
             let period = Duration::from_secs(secs);
-            let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let broken = Arc::new(AtomicU8::new(WORKING));
             let (patches, backend, running) = idle_mesh(period, broken);
             // More than three windows (2 × period each).
             tokio::time::sleep(period * 7 + period / 2).await;
@@ -759,16 +784,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn nodes_do_not_expire_while_the_node_watch_fails() {
+    async fn nodes_do_not_expire_while_the_api_server_is_unreachable() {
+        for how in [REFUSING, HANGING] {
+            unreachable_for_five_windows(how).await;
+        }
+    }
+
+    async fn unreachable_for_five_windows(how: u8) {
         let period = Duration::from_secs(1);
-        let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let broken = Arc::new(AtomicU8::new(WORKING));
         let (_patches, backend, running) = idle_mesh(period, broken.clone());
         tokio::time::sleep(period * 3 / 2).await;
-        broken.store(true, std::sync::atomic::Ordering::Relaxed);
+        broken.store(how, Relaxed);
         // Five windows without a heartbeat.
         tokio::time::sleep(period * 10).await;
-        assert!(!backend.updates().borrow().connected);
-        broken.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert!(!backend.updates().borrow().connected, "broken {how}");
+        broken.store(WORKING, Relaxed);
         // The watcher retries with its backoff (up to 30 s apart).
         tokio::time::sleep(period * 40).await;
         assert!(backend.updates().borrow().connected);
@@ -777,7 +808,7 @@ mod tests {
         let plans = running.plans.lock().unwrap().clone();
         assert!(
             plans.iter().all(|(_, nodes)| nodes == &["a", "b", "me"]),
-            "{plans:?}"
+            "broken {how}: {plans:?}"
         );
         // The outage is reported once; the failed heartbeat patches each time.
         let text = running.metrics.encode();
