@@ -6,8 +6,9 @@
 //! heartbeats (kubelet) are stored but cost nothing; Kilo's `last-seen` refreshes only update
 //! [`Update::last_seen`], which the agent records without planning (see
 //! [`crate::agent::liveness`]). The Node watch failing, or a patch that cannot reach the API
-//! server, marks the backend disconnected ([`Update::connected`]) until the watch delivers again. Objects are trimmed on arrival (managed
-//! fields, images, most of status) to keep memory flat.
+//! server, marks the backend disconnected ([`Update::connected`]) until the watch delivers
+//! again. Objects are trimmed on arrival (managed fields, images, most of status) to keep memory
+//! flat.
 //!
 //! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
 //! `last-seen` is older than 60 s, so during a migration kg keeps refreshing it every 30 s
