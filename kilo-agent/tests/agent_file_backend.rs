@@ -290,29 +290,68 @@ fn agents_sharing_a_directory_each_write_their_own_file() {
 }
 
 #[test]
-fn heartbeat_only_rewrites_cost_no_update() {
+fn heartbeat_only_rewrites_update_the_heartbeats_alone() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("a.yaml");
     write(&path, &node("a", &[("kilo.squat.ai/last-seen", "100")]));
     rt().block_on(async {
         let backend = FileBackend::start(dir.path()).unwrap();
         let mut rx = backend.updates();
-        let first = rx.borrow_and_update().generation;
+        let first = rx.borrow_and_update().clone();
+        assert_eq!(first.last_seen.get("a"), Some(&100));
+        assert!(first.connected);
         write(&path, &node("a", &[("kilo.squat.ai/last-seen", "130")]));
-        // Give the backend time to (wrongly) emit the heartbeat on its own.
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        write(&dir.path().join("b.yaml"), &node("b", &[]));
-        rx.changed().await.unwrap();
-        let u = rx.borrow_and_update().clone();
-        assert!(u.generation > first);
-        assert!(
-            u.snapshot.nodes.contains_key("b"),
-            "an update carrying only the heartbeat was emitted"
+        let hb = until(&mut rx, "the heartbeat arrives", |u| {
+            u.last_seen.get("a") == Some(&130)
+        })
+        .await;
+        assert_eq!(
+            hb.generation, first.generation,
+            "a heartbeat is no new snapshot"
         );
+        assert!(Arc::ptr_eq(&hb.snapshot, &first.snapshot));
+        write(&dir.path().join("b.yaml"), &node("b", &[]));
+        let u = until(&mut rx, "b is seen", |u| u.snapshot.nodes.contains_key("b")).await;
+        assert!(u.generation > first.generation);
         // The stored view has the fresh heartbeat all the same.
         assert_eq!(
             u.snapshot.nodes["a"].metadata.annotations.as_ref().unwrap()["kilo.squat.ai/last-seen"],
             "130"
         );
+    });
+}
+
+#[test]
+fn an_unreadable_directory_is_reported_disconnected_until_it_is_back() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("objects");
+    let away = parent.path().join("away");
+    std::fs::create_dir(&dir).unwrap();
+    write(
+        &dir.join("a.yaml"),
+        &node("a", &[("kilo.squat.ai/last-seen", "100")]),
+    );
+    rt().block_on(async {
+        let backend = FileBackend::start(&dir).unwrap();
+        let mut rx = backend.updates();
+        let first = rx.borrow_and_update().clone();
+        std::fs::rename(&dir, &away).unwrap();
+        let lost = until(&mut rx, "disconnected", |u| !u.connected).await;
+        assert_eq!(lost.generation, first.generation);
+        assert_eq!(lost.snapshot.nodes.len(), 1, "the view is kept");
+        // Removed and made again (a new inode): watched afresh, read again.
+        std::fs::remove_dir_all(&away).unwrap();
+        std::fs::create_dir(&dir).unwrap();
+        write(
+            &dir.join("a.yaml"),
+            &node("a", &[("kilo.squat.ai/last-seen", "160")]),
+        );
+        let back = until(&mut rx, "connected again", |u| u.connected).await;
+        assert_eq!(back.last_seen.get("a"), Some(&160));
+        write(&dir.join("b.yaml"), &node("b", &[]));
+        until(&mut rx, "b is seen through the new watch", |u| {
+            u.snapshot.nodes.contains_key("b")
+        })
+        .await;
     });
 }

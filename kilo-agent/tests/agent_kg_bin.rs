@@ -6,21 +6,12 @@ mod support;
 use std::{
     os::unix::fs::PermissionsExt,
     process::{Command, Stdio},
-    time::{Duration, Instant},
 };
 
-use support::netns::{NetNs, veth};
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use support::{
+    eventually,
+    netns::{NetNs, veth},
+};
 
 #[test]
 fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {

@@ -6,7 +6,6 @@ mod support;
 
 use std::{
     os::fd::AsRawFd,
-    process::{Child, Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -18,13 +17,13 @@ use kilo_agent::{
     reconcile::{
         FakeDatapath, Reconciler, Settings,
         netlink::{NetlinkKernel, watch},
-        wireguard::{WgApi, WgControl, uapi_socket},
+        wireguard::{WgApi, WgControl},
     },
     telemetry::Metrics,
 };
 use support::{
     agent::{local, peer_yaml, planner, settings},
-    netns::{NetNs, veth},
+    netns::{NetNs, WgGo, veth},
 };
 
 fn key() -> Key {
@@ -63,16 +62,6 @@ fn metric(text: &str, name: &str) -> u64 {
     support::agent::metric(text, name).unwrap_or(0)
 }
 
-struct WgGo(Child, String);
-
-impl Drop for WgGo {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_file(uapi_socket(&self.1));
-    }
-}
-
 fn snapshot(ns: &NetNs) -> String {
     ns.sh("ip route show table all; ip rule; ip addr")
 }
@@ -91,18 +80,8 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
     a.sh("ip addr add 10.0.0.1/24 dev eth0");
     let before = snapshot(&a);
 
-    let wgname = format!("kl{}", std::process::id() % 100_000);
-    let child = Command::new("ip")
-        .args(["netns", "exec", &a.name, "wireguard-go", "-f", &wgname])
-        .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let wg = WgGo(child, wgname.clone());
-    eventually("wireguard-go is up", || {
-        std::os::unix::net::UnixStream::connect(uapi_socket(&wgname)).is_ok()
-    });
+    let wg = WgGo::start(&a);
+    let wgname = wg.name.clone();
 
     let dir = tempfile::tempdir().unwrap();
     let remote = public(&key());

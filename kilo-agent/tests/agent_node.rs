@@ -5,12 +5,7 @@
 //! the kernel must hold.
 mod support;
 
-use std::{
-    collections::BTreeSet,
-    process::{Child, Command, Stdio},
-    sync::atomic::{AtomicU32, Ordering},
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeSet, time::Duration};
 
 use kilo_agent::{
     mesh::Key,
@@ -18,54 +13,10 @@ use kilo_agent::{
     reconcile::{
         FakeDatapath, Reconciler, Report, Settings,
         netlink::{EventFilter, NetlinkKernel},
-        wireguard::{WgApi, WgControl, WireGuard, uapi_socket},
+        wireguard::{WgApi, WgControl, WireGuard},
     },
 };
-use support::netns::{NetNs, sh, veth};
-
-static N: AtomicU32 = AtomicU32::new(0);
-
-/// A wireguard-go device in a namespace, stopped (and its socket removed) on drop.
-struct WgGo {
-    name: String,
-    child: Child,
-}
-
-impl WgGo {
-    fn start(ns: &NetNs) -> WgGo {
-        let name = format!(
-            "kt{}x{}",
-            std::process::id() % 100_000,
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &name])
-            .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start wireguard-go");
-        let sock = uapi_socket(&name);
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "wireguard-go did not create {}",
-                sock.display()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        WgGo { name, child }
-    }
-}
-
-impl Drop for WgGo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(uapi_socket(&self.name));
-    }
-}
+use support::netns::{NetNs, WgGo, sh, veth};
 
 fn no_ipv6(ns: &NetNs) {
     ns.sh("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1");

@@ -347,7 +347,9 @@ fn image() -> Result<()> {
     std::fs::create_dir_all(&out)?;
     let tag = env!("CARGO_PKG_VERSION");
     let image = format!("{}:{tag}", layout.display());
-    run(Command::new("umoci").args(["init", "--layout"]).arg(&layout))?;
+    run(Command::new("umoci")
+        .args(["init", "--layout"])
+        .arg(&layout))?;
     run(Command::new("umoci").args(["new", "--image", &image]))?;
     run(Command::new("umoci")
         .args(["unpack", "--image", &image])
@@ -379,7 +381,11 @@ fn image() -> Result<()> {
     let _ = std::fs::remove_file(&archive);
     run(Command::new("skopeo")
         .args(["copy", &format!("oci:{image}")])
-        .arg(format!("docker-archive:{}:{}", archive.display(), image_ref())))?;
+        .arg(format!(
+            "docker-archive:{}:{}",
+            archive.display(),
+            image_ref()
+        )))?;
     check_image(&archive, &bundle)?;
     eprintln!(
         "image {}: OCI layout {} (tag {tag}), docker-archive {} (`docker load -i`, `podman load -i`, \

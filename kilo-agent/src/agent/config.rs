@@ -209,7 +209,8 @@ pub struct Flags {
     /// Periodic reconcile (0 disables; events still trigger reconciles).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub resync_period: Duration,
-    /// How often to refresh the kilo.squat.ai/last-seen heartbeat (Kilo's fixed 30s; 0 disables).
+    /// How often to refresh the kilo.squat.ai/last-seen heartbeat (Kilo's fixed 30s); a node
+    /// without one for 2 × this is down. 0 writes none and judges nodes by their Ready condition.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub check_in_period: Duration,
     /// Use the private IP as the endpoint.

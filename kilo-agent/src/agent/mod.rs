@@ -3,16 +3,22 @@
 //! [`DEBOUNCE`]), publishes the local node's annotations when they differ from what the backend
 //! shows, refreshes Kilo's `last-seen` heartbeat, and cleans up on shutdown.
 //!
+//! Liveness ([`liveness`]) is judged here, before planning: heartbeats that change nothing else
+//! are recorded without a plan, and the loop re-plans when a node crosses the live/dead
+//! boundary, on a timer set to the earliest expiry. A failure to plan changes nothing (no
+//! teardown, no role change) and is reported once.
+//!
 //! The planner is injected ([`Planner`]): the agent never computes topology itself.
 pub mod caps;
 pub mod config;
 pub mod detect;
 pub mod key;
+pub mod liveness;
 pub mod planner;
 pub mod seccomp;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     future::Future,
     net::SocketAddr,
     sync::{Arc, Mutex},
@@ -23,7 +29,7 @@ use ipnet::IpNet;
 use tokio::sync::mpsc;
 
 use crate::{
-    backend::{Annotations, Backend},
+    backend::{Annotations, Backend, Update},
     mesh::{Key, Snapshot},
     plan::Plan,
     reconcile::{
@@ -141,14 +147,47 @@ pub fn discovered_endpoints_json(endpoints: &BTreeMap<&Key, &SocketAddr>) -> Str
     serde_json::Value::Object(map).to_string()
 }
 
+/// The wall clock the loop reads, in unix milliseconds: the system's, or a test's.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> i64 + Send + Sync>);
+
+impl Clock {
+    pub fn new(now_ms: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        Clock(Arc::new(now_ms))
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or_default()
+        })
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
+}
+
 /// How the loop behaves.
 #[derive(Debug, Clone)]
 pub struct LoopSettings {
     pub debounce: Duration,
     pub resync: Option<Duration>,
+    /// `--check-in-period`: also selects the liveness rule ([`liveness::Rule::from_check_in`]).
     pub check_in: Option<Duration>,
     pub clean_up: bool,
     pub clean_up_interface: bool,
+    pub clock: Clock,
 }
 
 impl Default for LoopSettings {
@@ -159,6 +198,7 @@ impl Default for LoopSettings {
             check_in: Some(Duration::from_secs(30)),
             clean_up: true,
             clean_up_interface: false,
+            clock: Clock::default(),
         }
     }
 }
@@ -205,16 +245,15 @@ pub struct Agent<P, K, W, D> {
     pub filter: Arc<Mutex<EventFilter>>,
     pub stats: Stats,
     last_seen_due: bool,
+    /// The generation of the snapshot last planned.
     seen_generation: u64,
     /// Objects the planner rejected last time (so each is counted once, when it appears).
-    invalid: std::collections::BTreeSet<String>,
-}
-
-pub(crate) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
+    invalid: BTreeSet<String>,
+    liveness: liveness::Tracker,
+    /// The nodes the last plan left out as not alive.
+    planned_down: BTreeSet<String>,
+    /// The planning failure last reported (reported again only when it changes).
+    failing: Option<String>,
 }
 
 impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
@@ -232,6 +271,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             ..EventFilter::default()
         };
         metrics.set_datapath(reconciler.datapath.stats_source());
+        let liveness = liveness::Tracker::new(
+            liveness::Rule::from_check_in(settings.check_in),
+            local.hostname.clone(),
+        );
         Agent {
             backend,
             planner,
@@ -244,15 +287,62 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             last_seen_due: true,
             seen_generation: 0,
             invalid: Default::default(),
+            liveness,
+            planned_down: BTreeSet::new(),
+            failing: None,
         }
+    }
+
+    /// Records the heartbeats and connection state of `update`, logging a change of the latter.
+    fn observe(&mut self, update: &Update, now: i64) {
+        match self
+            .liveness
+            .observe(&update.last_seen, update.connected, now)
+        {
+            Some(false) => {
+                self.metrics.error("backend");
+                tracing::warn!("backend disconnected: no node expires until it delivers again");
+            }
+            Some(true) => tracing::info!("backend connected: liveness judged again"),
+            None => {}
+        }
+    }
+
+    /// Whether the nodes alive now differ from those the last plan kept.
+    fn liveness_changed(&mut self, update: &Update) -> bool {
+        let now = self.settings.clock.now_ms();
+        self.observe(update, now);
+        self.liveness.down(&update.snapshot.nodes, now) != self.planned_down
+    }
+
+    /// The snapshot without the nodes that are not alive now.
+    fn alive(&mut self, update: &Update) -> Arc<Snapshot> {
+        let now = self.settings.clock.now_ms();
+        self.observe(update, now);
+        let down = self.liveness.down(&update.snapshot.nodes, now);
+        if down != self.planned_down {
+            tracing::info!(?down, "nodes left out as not alive");
+        }
+        let snapshot = if down.is_empty() {
+            update.snapshot.clone()
+        } else {
+            let mut alive = (*update.snapshot).clone();
+            alive.nodes.retain(|name, _| !down.contains(name));
+            Arc::new(alive)
+        };
+        self.planned_down = down;
+        snapshot
     }
 
     fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome {
         let outcome = self.planner.plan(snapshot);
-        self.metrics.nodes.set(outcome.ready_nodes as i64);
-        self.metrics.peers.set(outcome.ready_peers as i64);
-        self.metrics.leader.set(i64::from(outcome.leader));
-        let now: std::collections::BTreeSet<String> = outcome.errors.iter().cloned().collect();
+        // Without a plan the roles stay as they were.
+        if outcome.plan.is_some() {
+            self.metrics.nodes.set(outcome.ready_nodes as i64);
+            self.metrics.peers.set(outcome.ready_peers as i64);
+            self.metrics.leader.set(i64::from(outcome.leader));
+        }
+        let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {
             self.metrics.error("validate");
             tracing::warn!(error = %e, "left out of the plan");
@@ -261,14 +351,19 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         outcome
     }
 
-    /// Publishes the local annotations that differ from what the backend shows.
+    /// Publishes the local annotations that differ from what the backend shows. Without a plan
+    /// (`planned` false) the WireGuard IP is left as it is.
     async fn publish(
         &mut self,
         snapshot: &Snapshot,
         outcome: &PlanOutcome,
+        planned: bool,
         endpoints: &BTreeMap<Key, SocketAddr>,
     ) {
         let mut want = self.local.annotations(outcome.wireguard_ip);
+        if !planned {
+            want.remove(ANNOTATION_WIREGUARD_IP);
+        }
         let discovered: BTreeMap<&Key, &SocketAddr> = endpoints
             .iter()
             .filter(|(k, _)| outcome.nat_keys.contains(k))
@@ -280,7 +375,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             );
         }
         if self.settings.check_in.is_some() && self.last_seen_due {
-            want.insert(ANNOTATION_LAST_SEEN.into(), unix_now().to_string());
+            want.insert(ANNOTATION_LAST_SEEN.into(), self.unix_seconds());
         }
         let current = snapshot
             .nodes
@@ -306,6 +401,35 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
     }
 
+    fn unix_seconds(&self) -> String {
+        (self.settings.clock.now_ms() / 1000).to_string()
+    }
+
+    /// The check-in: refreshes `last-seen` alone (no plan, no reconcile). Returns whether a
+    /// full pass is needed instead, because the local node is not published yet.
+    async fn check_in(&mut self) -> bool {
+        let published = self
+            .backend
+            .updates()
+            .borrow()
+            .snapshot
+            .nodes
+            .contains_key(&self.local.hostname);
+        if !published {
+            self.last_seen_due = true;
+            return true;
+        }
+        let changes = Annotations::from([(ANNOTATION_LAST_SEEN.into(), Some(self.unix_seconds()))]);
+        match self.backend.publish(&self.local.hostname, &changes).await {
+            Ok(wrote) => self.stats.publishes += u64::from(wrote),
+            Err(e) => {
+                self.metrics.error("local");
+                tracing::warn!(error = %e, "publishing the heartbeat failed");
+            }
+        }
+        false
+    }
+
     /// One pass: plan from the latest snapshot, publish, reconcile.
     pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
         let update = self.backend.updates().borrow().clone();
@@ -316,12 +440,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 tracing::warn!(error = %e, "invalid object skipped");
             }
         }
-        let mut outcome = self.plan(&update.snapshot);
+        let snapshot = self.alive(&update);
+        let mut outcome = self.plan(&snapshot);
         self.metrics
             .invalid_objects
             .set((update.errors.len() + outcome.errors.len()) as i64);
         let Some(plan) = outcome.plan.take() else {
-            self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+            self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;
             return Err(AgentError::NoPlan(
                 outcome
@@ -336,13 +461,18 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         let report = match self.reconciler.reconcile(&plan).await {
             Ok(r) => r,
             Err(e) => {
-                self.publish(&update.snapshot, &outcome, &BTreeMap::new())
+                self.publish(&update.snapshot, &outcome, true, &BTreeMap::new())
                     .await;
                 return Err(e.into());
             }
         };
-        self.publish(&update.snapshot, &outcome, &report.handshaken_endpoints)
-            .await;
+        self.publish(
+            &update.snapshot,
+            &outcome,
+            true,
+            &report.handshaken_endpoints,
+        )
+        .await;
         {
             let mut f = self.filter.lock().expect("filter lock");
             f.indexes = report.links.values().map(|l| l.index).collect();
@@ -369,7 +499,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     /// The difference between the plan and the kernel, changing nothing.
     pub async fn dry_run(&mut self) -> Result<String, AgentError> {
         let update = self.backend.updates().borrow().clone();
-        let outcome = self.plan(&update.snapshot);
+        let snapshot = self.alive(&update);
+        let outcome = self.plan(&snapshot);
         let mut out = String::new();
         for e in &update.errors {
             out.push_str(&format!("! {e}\n"));
@@ -430,7 +561,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         });
         // No reconcile before the backend has a complete view: an empty snapshot must never
         // tear the mesh down.
-        let mut pending = updates.borrow().generation > 0;
+        let mut pending = updates.borrow_and_update().generation > 0;
         let mut stop = false;
         while !stop {
             if pending {
@@ -452,19 +583,31 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 if updates.borrow_and_update().generation == 0 {
                     continue;
                 }
-                if let Err(e) = self.reconcile_once().await {
-                    self.metrics.error(e.metric_label());
-                    tracing::warn!(error = %e, "reconcile failed");
+                match self.reconcile_once().await {
+                    Ok(_) => self.failing = None,
+                    Err(e) => self.report(&e),
                 }
             }
+            // The earliest instant a node alive now would expire: re-plan then, not before.
+            let now = self.settings.clock.now_ms();
+            let expiry = self.liveness.next_expiry(now).map(|at| {
+                tokio::time::Instant::now() + Duration::from_millis((at - now).unsigned_abs())
+            });
             tokio::select! {
                 r = updates.changed() => {
                     if r.is_err() { tracing::error!("backend stopped"); break; }
-                    pending = true;
+                    let update = updates.borrow_and_update().clone();
+                    // A new snapshot is planned; heartbeats alone only when a node revives.
+                    pending = update.generation != self.seen_generation
+                        || self.liveness_changed(&update);
                 }
                 Some(()) = recv(&mut kernel_events) => pending = true,
                 _ = tick(&mut resync) => pending = true,
-                _ = tick(&mut check_in) => { self.last_seen_due = true; pending = true; }
+                _ = tick(&mut check_in) => pending = self.check_in().await,
+                _ = sleep_until(expiry) => {
+                    let update = updates.borrow().clone();
+                    pending = self.liveness_changed(&update);
+                }
                 _ = &mut shutdown => stop = true,
             }
         }
@@ -477,6 +620,29 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             tracing::info!("--clean-up=false: leaving the mesh and datapath running");
         }
         self.stats.clone()
+    }
+}
+
+impl<P, K, W, D> Agent<P, K, W, D> {
+    /// Counts and logs a failed pass; the same planning failure again is only a debug line.
+    fn report(&mut self, e: &AgentError) {
+        let message = e.to_string();
+        if matches!(e, AgentError::NoPlan(_)) {
+            if self.failing.as_ref() == Some(&message) {
+                tracing::debug!(error = %e, "still no plan");
+                return;
+            }
+            self.failing = Some(message);
+        }
+        self.metrics.error(e.metric_label());
+        tracing::warn!(error = %e, "reconcile failed");
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -534,5 +700,336 @@ mod tests {
             c,
             Annotations::from([(ANNOTATION_WIREGUARD_IP.into(), Some("10.4.0.1/16".into()))])
         );
+    }
+
+    /// A backend the test drives: it sends updates and records what the agent publishes.
+    struct Driven {
+        tx: tokio::sync::watch::Sender<Update>,
+        published: Mutex<Vec<Annotations>>,
+    }
+
+    impl Backend for Driven {
+        fn updates(&self) -> tokio::sync::watch::Receiver<Update> {
+            self.tx.subscribe()
+        }
+
+        fn publish<'a>(
+            &'a self,
+            _node: &'a str,
+            annotations: &'a Annotations,
+        ) -> futures::future::BoxFuture<'a, Result<bool, crate::backend::BackendError>> {
+            self.published.lock().unwrap().push(annotations.clone());
+            Box::pin(async { Ok(true) })
+        }
+    }
+
+    use testing::{Plans, Running, T0, planned, spawn};
+
+    fn start(
+        update: Update,
+        outcome: impl Fn() -> PlanOutcome + Send + 'static,
+    ) -> (Arc<Driven>, Running) {
+        let (tx, _) = tokio::sync::watch::channel(update);
+        let backend = Arc::new(Driven {
+            tx,
+            published: Mutex::default(),
+        });
+        let settings = LoopSettings {
+            resync: Some(Duration::from_secs(8)),
+            check_in: Some(Duration::from_secs(10)),
+            ..LoopSettings::default()
+        };
+        (backend.clone(), spawn(backend, settings, outcome))
+    }
+
+    fn nodes(names: &[&str]) -> Arc<Snapshot> {
+        let nodes = names
+            .iter()
+            .map(|n| {
+                let node = serde_json::from_value(serde_json::json!({"metadata": {"name": n}}));
+                (n.to_string(), node.unwrap())
+            })
+            .collect();
+        Arc::new(Snapshot {
+            nodes,
+            ..Snapshot::default()
+        })
+    }
+
+    fn beats(b: &[(&str, i64)]) -> Arc<BTreeMap<String, i64>> {
+        Arc::new(b.iter().map(|(n, t)| (n.to_string(), T0 + t)).collect())
+    }
+
+    /// Sleeps (paused clock) until `ms` after the start.
+    async fn at(begin: tokio::time::Instant, ms: u64) {
+        tokio::time::sleep_until(begin + Duration::from_millis(ms)).await;
+    }
+
+    /// When the first plan at or after `from` without (or with) `node` came.
+    fn first(plans: &Plans, from: u128, node: &str, with: bool) -> Option<u128> {
+        let plans = plans.lock().unwrap();
+        plans
+            .iter()
+            .find(|(t, n)| *t >= from && n.iter().any(|n| n == node) == with)
+            .map(|(t, _)| *t)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
+        let begin = tokio::time::Instant::now();
+        let (backend, agent) = start(
+            Update {
+                snapshot: nodes(&["me", "a", "b"]),
+                generation: 1,
+                // a vouched for until 21 s, b until 26 s; `me` has no heartbeat yet.
+                last_seen: beats(&[("a", 0), ("b", 5)]),
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        // A heartbeat from b (until 33 s): recorded, no plan.
+        at(begin, 12_000).await;
+        let planned = agent.plans.lock().unwrap().len();
+        backend
+            .tx
+            .send_modify(|u| u.last_seen = beats(&[("a", 0), ("b", 12)]));
+        at(begin, 15_000).await;
+        assert_eq!(
+            agent.plans.lock().unwrap().len(),
+            planned,
+            "a heartbeat made a plan"
+        );
+        // a revives at 40 s.
+        at(begin, 40_000).await;
+        backend
+            .tx
+            .send_modify(|u| u.last_seen = beats(&[("a", 40), ("b", 12)]));
+        at(begin, 50_000).await;
+        let debounce = DEBOUNCE.as_millis();
+        let dropped_a = first(&agent.plans, 0, "a", false).unwrap();
+        assert!(
+            (21_000..=21_000 + debounce).contains(&dropped_a),
+            "{dropped_a}"
+        );
+        let dropped_b = first(&agent.plans, 0, "b", false).unwrap();
+        assert!(
+            (33_000..=33_000 + debounce).contains(&dropped_b),
+            "{dropped_b}"
+        );
+        let back = first(&agent.plans, dropped_a, "a", true).unwrap();
+        assert!((40_000..=40_000 + debounce).contains(&back), "{back}");
+        // Resync ticks (8, 16, 24, 32, 40, 48 s) plan the same nodes as the plan before.
+        let plans_seen = agent.plans.lock().unwrap().clone();
+        for w in plans_seen.windows(2) {
+            if w[1].0 % 8_000 == debounce && w[1].0 != 40_000 + debounce {
+                assert_eq!(w[0].1, w[1].1, "the resync at {} changed the nodes", w[1].0);
+            }
+        }
+        assert!(
+            plans_seen
+                .iter()
+                .all(|(_, n)| n.contains(&"me".to_string()))
+        );
+        // Check-ins at 10, 20, 30, 40 s wrote the heartbeat alone.
+        let published = backend.published.lock().unwrap().clone();
+        let beats_only = published
+            .iter()
+            .filter(|a| a.len() == 1 && a.contains_key(ANNOTATION_LAST_SEEN))
+            .count();
+        assert!(beats_only >= 4, "{published:?}");
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_expires_while_the_backend_is_disconnected() {
+        let begin = tokio::time::Instant::now();
+        let (backend, agent) = start(
+            Update {
+                snapshot: nodes(&["me", "a"]),
+                generation: 1,
+                last_seen: beats(&[("a", 0)]), // until 21 s
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        at(begin, 5_000).await;
+        backend.tx.send_modify(|u| u.connected = false);
+        // Resyncs keep planning, with a, long past its heartbeat.
+        at(begin, 100_000).await;
+        assert_eq!(first(&agent.plans, 0, "a", false), None);
+        backend.tx.send_modify(|u| u.connected = true);
+        // Back: a gets a whole window from now, and then expires.
+        at(begin, 130_000).await;
+        let dropped = first(&agent.plans, 0, "a", false).unwrap();
+        assert!(
+            (120_000..=120_000 + DEBOUNCE.as_millis()).contains(&dropped),
+            "{dropped}"
+        );
+        assert!(
+            agent
+                .plans
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(t, _)| *t < 120_000)
+                .count()
+                > 10
+        );
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_to_plan_keeps_the_role_and_is_reported_once() {
+        let begin = tokio::time::Instant::now();
+        let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fail = failing.clone();
+        let (backend, agent) = start(
+            Update {
+                snapshot: nodes(&["me"]),
+                generation: 1,
+                connected: true,
+                ..Update::default()
+            },
+            move || {
+                if fail.load(std::sync::atomic::Ordering::Relaxed) {
+                    return PlanOutcome::default();
+                }
+                PlanOutcome {
+                    leader: true,
+                    wireguard_ip: Some("10.4.0.1/16".parse().unwrap()),
+                    ready_nodes: 1,
+                    ..planned()
+                }
+            },
+        );
+        at(begin, 1_000).await;
+        failing.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Five resyncs without a plan.
+        at(begin, 41_000).await;
+        agent.stop.send(()).unwrap();
+        let stats = agent.run.await.unwrap();
+        assert_eq!(stats.reconciles, 1);
+        let text = agent.metrics.encode();
+        let metric = |series: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("no {series} in {text}"))
+        };
+        assert_eq!(metric("kilo_errors_total{event=\"plan\"}"), "1", "{text}");
+        assert_eq!(metric("kilo_leader"), "1", "{text}");
+        assert_eq!(metric("kilo_nodes"), "1", "{text}");
+        let published = backend.published.lock().unwrap().clone();
+        let ips: Vec<_> = published
+            .iter()
+            .filter_map(|a| a.get(ANNOTATION_WIREGUARD_IP)?.as_deref())
+            .collect();
+        // Set once; never cleared without a plan (the `None` is the clean-up at the end).
+        assert_eq!(ips, ["10.4.0.1/16"], "{published:?}");
+    }
+}
+
+/// The loop under tokio's paused clock with the in-memory kernel, for the tests here and in the
+/// backends.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Unix seconds at a test's start.
+    pub const T0: i64 = 1_000_000;
+
+    /// Each plan: its time (ms since the start) and the nodes it was given.
+    pub type Plans = Arc<Mutex<Vec<(u128, Vec<String>)>>>;
+
+    pub struct Running {
+        pub plans: Plans,
+        pub stop: tokio::sync::oneshot::Sender<()>,
+        pub run: tokio::task::JoinHandle<Stats>,
+        pub metrics: Metrics,
+    }
+
+    /// A plan (empty).
+    pub fn planned() -> PlanOutcome {
+        PlanOutcome {
+            plan: Some(Plan::default()),
+            ..PlanOutcome::default()
+        }
+    }
+
+    /// The unix clock of a test: [`T0`] at the start, then tokio's (paused) time.
+    pub fn clock(begin: tokio::time::Instant) -> Clock {
+        Clock::new(move || T0 * 1000 + begin.elapsed().as_millis() as i64)
+    }
+
+    /// Spawns the loop of node `me` on `backend` with `settings` (and [`clock`]); the planner
+    /// records each plan and answers `outcome()`.
+    pub fn spawn(
+        backend: Arc<dyn Backend>,
+        settings: LoopSettings,
+        outcome: impl Fn() -> PlanOutcome + Send + 'static,
+    ) -> Running {
+        let begin = tokio::time::Instant::now();
+        let plans = Plans::default();
+        let recorded = plans.clone();
+        let planner = move |s: &Snapshot| {
+            recorded.lock().unwrap().push((
+                begin.elapsed().as_millis(),
+                s.nodes.keys().cloned().collect(),
+            ));
+            outcome()
+        };
+        let reconciler = Reconciler::new(
+            crate::reconcile::FakeKernel::default(),
+            crate::reconcile::wireguard::FakeWireGuard::default(),
+            crate::reconcile::FakeDatapath::default(),
+            crate::reconcile::Settings {
+                devices: crate::reconcile::state::Devices {
+                    wireguard: "kilo0".into(),
+                    private: None,
+                    tunnel: None,
+                },
+                create_interface: true,
+                mtu: None,
+                private_key: Key([7; 32]),
+                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
+            },
+        );
+        let local = Local {
+            hostname: "me".into(),
+            public_key: Key([1; 32]),
+            endpoint: None,
+            internal_ip: None,
+            granularity: "location".into(),
+        };
+        let settings = LoopSettings {
+            clock: clock(begin),
+            ..settings
+        };
+        let metrics = Metrics::new();
+        let mut agent = Agent::new(
+            backend,
+            planner,
+            reconciler,
+            local,
+            settings,
+            metrics.clone(),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(async move {
+            agent
+                .run(None, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Running {
+            plans,
+            stop,
+            run,
+            metrics,
+        }
     }
 }

@@ -1,34 +1,16 @@
-//! The agent's planner: the pure [`plan_for`] behind the [`Planner`] seam, with the clock and the
-//! liveness rule (which nodes count as alive) applied on the way in.
+//! The agent's planner: the pure [`plan_for`] behind the [`Planner`] seam. The agent has already
+//! left out the nodes it judges not alive ([`super::liveness`]).
 use std::collections::BTreeSet;
 
-use super::{PlanOutcome, Planner, unix_now};
+use super::{PlanOutcome, Planner};
 use crate::{
-    backend::Liveness,
     mesh::Snapshot,
     plan::{Planned, Settings, plan_for},
 };
 
-/// Plans with `settings`, leaving out nodes that `liveness` says are down.
-pub fn planner(settings: Settings, liveness: Liveness) -> impl Planner {
-    move |snapshot: &Snapshot| {
-        let now = unix_now() as i64;
-        let down: Vec<&String> = snapshot
-            .nodes
-            .iter()
-            .filter(|(_, n)| !liveness.alive(n, now))
-            .map(|(name, _)| name)
-            .collect();
-        let planned = if down.is_empty() {
-            plan_for(snapshot, &settings)
-        } else {
-            tracing::debug!(?down, "nodes left out as not alive");
-            let mut alive = snapshot.clone();
-            alive.nodes.retain(|name, _| !down.contains(&name));
-            plan_for(&alive, &settings)
-        };
-        outcome(planned)
-    }
+/// Plans with `settings`.
+pub fn planner(settings: Settings) -> impl Planner {
+    move |snapshot: &Snapshot| outcome(plan_for(snapshot, &settings))
 }
 
 /// What the agent needs of a [`Planned`].

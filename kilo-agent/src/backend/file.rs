@@ -5,6 +5,11 @@
 //! directory is rescanned once it has been quiet for [`QUIET`] (or after [`MAX_DELAY`] at most),
 //! and only files whose size, mtime or inode changed are parsed again. A file that cannot be
 //! read is logged (naming the file and the error), reported in [`Update::errors`] and skipped.
+//! A rescan that changed only `last-seen` heartbeats updates [`Update::last_seen`] alone.
+//!
+//! When the directory cannot be read (removed, renamed, unreadable) the backend reports itself
+//! disconnected ([`Update::connected`]) and, only then, retries every [`RETRY`], watching the
+//! directory afresh before rescanning it.
 //!
 //! Publishing annotations rewrites the agent's own node file atomically (write a hidden temporary
 //! file, fsync, rename), creating `<node>.yaml` when no file holds that node. Hidden files
@@ -31,6 +36,8 @@ use crate::mesh::{
 pub const QUIET: Duration = Duration::from_millis(50);
 /// The longest a rescan waits under a continuous stream of events.
 pub const MAX_DELAY: Duration = Duration::from_millis(500);
+/// How often an unreadable directory is tried again.
+pub const RETRY: Duration = Duration::from_secs(1);
 
 /// What identifies a file's version without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,9 +153,11 @@ impl Cache {
             }
         }
         Update {
+            last_seen: Arc::new(super::last_seen_of(&snapshot.nodes)),
             snapshot: Arc::new(snapshot),
             errors,
             generation: self.generation,
+            connected: true,
         }
     }
 
@@ -165,7 +174,6 @@ pub struct FileBackend {
     dir: PathBuf,
     cache: Arc<Mutex<Cache>>,
     rx: watch::Receiver<Update>,
-    _watcher: notify::RecommendedWatcher,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -200,18 +208,12 @@ impl FileBackend {
                 path: dir.display().to_string(),
                 message: e.to_string(),
             })?;
-        watcher
-            .watch(&dir, RecursiveMode::NonRecursive)
-            .map_err(|e| BackendError::Watch {
-                path: dir.display().to_string(),
-                message: e.to_string(),
-            })?;
-        let task = tokio::spawn(run(dir.clone(), cache.clone(), erx, tx));
+        watch_dir(&mut watcher, &dir)?;
+        let task = tokio::spawn(run(dir.clone(), cache.clone(), erx, tx, watcher));
         Ok(FileBackend {
             dir,
             cache,
             rx,
-            _watcher: watcher,
             task,
         })
     }
@@ -221,13 +223,39 @@ impl FileBackend {
     }
 }
 
+fn watch_dir(watcher: &mut notify::RecommendedWatcher, dir: &Path) -> Result<(), BackendError> {
+    watcher
+        .watch(dir, RecursiveMode::NonRecursive)
+        .map_err(|e| BackendError::Watch {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        })
+}
+
 async fn run(
     dir: PathBuf,
     cache: Arc<Mutex<Cache>>,
     mut events: mpsc::UnboundedReceiver<()>,
     tx: watch::Sender<Update>,
+    mut watcher: notify::RecommendedWatcher,
 ) {
-    while events.recv().await.is_some() {
+    let mut connected = true;
+    loop {
+        if connected {
+            if events.recv().await.is_none() {
+                return;
+            }
+        } else {
+            if let Ok(None) = tokio::time::timeout(RETRY, events.recv()).await {
+                return;
+            }
+            // The directory may be a new one (removed and made again): watch it afresh.
+            let _ = watcher.unwatch(&dir);
+            if let Err(e) = watch_dir(&mut watcher, &dir) {
+                tracing::debug!(error = %e, "file backend still disconnected");
+                continue;
+            }
+        }
         // Coalesce: wait until the directory is quiet, or MAX_DELAY at most.
         let deadline = tokio::time::Instant::now() + MAX_DELAY;
         loop {
@@ -240,38 +268,48 @@ async fn run(
         }
         let update = {
             let mut c = cache.lock().expect("cache lock");
+            // Rescanned even when this rescan finds nothing new: `publish` rescans too, and may
+            // have read a change first.
             match c.rescan(&dir) {
-                Ok(true) => {
-                    let u = c.update();
-                    let now = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_secs() as i64)
-                        .unwrap_or_default();
-                    let last = tx.borrow();
-                    // A heartbeat-only rewrite (kilo.squat.ai/last-seen) costs no reconcile;
-                    // the stored view still gets it with the next real change.
-                    let meaningful = u.errors != last.errors
-                        || super::snapshot_changed(&last.snapshot, &u.snapshot, now);
-                    drop(last);
-                    meaningful.then_some(u)
+                Ok(_) => {
+                    if !connected {
+                        tracing::info!(dir = %dir.display(), "file backend reading again");
+                    }
+                    connected = true;
+                    Some(c.update())
                 }
-                Ok(false) => None,
                 Err(e) => {
-                    tracing::warn!(error = %e, "file backend rescan failed");
+                    if connected {
+                        tracing::warn!(error = %e, "file backend disconnected: cannot read the directory");
+                    }
+                    connected = false;
                     None
                 }
             }
         };
-        if let Some(u) = update {
-            tracing::debug!(
-                generation = u.generation,
-                nodes = u.snapshot.nodes.len(),
-                peers = u.snapshot.peers.len(),
-                "file backend update"
-            );
-            if tx.send(u).is_err() {
-                return;
+        tx.send_if_modified(|last| match update {
+            // A heartbeat-only rewrite (kilo.squat.ai/last-seen) costs no plan: only the
+            // heartbeats change, under the same generation.
+            Some(u)
+                if u.errors == last.errors
+                    && !super::snapshot_changed(&last.snapshot, &u.snapshot) =>
+            {
+                super::refresh(last, (*u.last_seen).clone(), true)
             }
+            Some(u) => {
+                tracing::debug!(
+                    generation = u.generation,
+                    nodes = u.snapshot.nodes.len(),
+                    peers = u.snapshot.peers.len(),
+                    "file backend update"
+                );
+                *last = u;
+                true
+            }
+            None => super::refresh(last, (*last.last_seen).clone(), false),
+        });
+        if tx.is_closed() {
+            return;
         }
     }
 }

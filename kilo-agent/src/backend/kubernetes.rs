@@ -1,20 +1,22 @@
 //! The Kubernetes backend (`--backend kubernetes`): a Node watcher filtered to the changes that
 //! matter, a Peer watcher, and a merge patch of the local node's own annotations.
 //!
-//! Node filter: an update wakes the agent only when labels, annotations (other than
-//! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed, or when a
-//! node whose `last-seen` had gone stale comes back. Status heartbeats (kubelet) and Kilo's 30 s
-//! `last-seen` refreshes are stored (so the next snapshot carries them) but cost no reconcile.
-//! Objects are trimmed on arrival (managed fields, images, most of status) to keep memory flat.
+//! Node filter: an update makes a new snapshot only when labels, annotations (other than
+//! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed. Status
+//! heartbeats (kubelet) are stored but cost nothing; Kilo's `last-seen` refreshes only update
+//! [`Update::last_seen`], which the agent records without planning (see
+//! [`crate::agent::liveness`]). The Node watch failing, or a patch that cannot reach the API
+//! server, marks the backend disconnected ([`Update::connected`]) until the watch delivers
+//! again. Objects are trimmed on arrival (managed fields, images, most of status) to keep memory
+//! flat.
 //!
 //! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
 //! `last-seen` is older than 60 s, so during a migration kg keeps refreshing it every 30 s
-//! (every agent still *receives* N updates per 30 s from the API server, but they are filtered
-//! here before they cost a plan or a reconcile). Once no Kilo agent is left,
-//! `--check-in-period=0` stops the heartbeat: liveness is then Kubernetes' own (the node
-//! lifecycle controller marks a node NotReady from its kubelet Lease in `kube-node-lease`;
-//! that `Ready` transition passes the filter), and the steady-state cost per agent is zero
-//! updates whatever N is.
+//! (every agent still *receives* N updates per 30 s from the API server, each recorded without
+//! a plan or a reconcile). Once no Kilo agent is left, `--check-in-period=0` stops the heartbeat:
+//! liveness is then Kubernetes' own (the node lifecycle controller marks a node NotReady from its
+//! kubelet Lease in `kube-node-lease`; that `Ready` transition passes the filter), and the
+//! steady-state cost per agent is zero updates whatever N is.
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
@@ -29,11 +31,9 @@ use kube::{
 };
 use tokio::sync::watch;
 
-use super::{Annotations, Backend, BackendError, Update};
+use super::{Annotations, Backend, BackendError, Update, last_seen_of, refresh};
 use crate::mesh::{KubeNode, Peer, Snapshot};
 
-/// Kilo's readiness window for `last-seen` (2 × its fixed 30 s check-in period).
-pub const LAST_SEEN_WINDOW_SECS: i64 = 60;
 const LAST_SEEN: &str = "kilo.squat.ai/last-seen";
 
 /// The parts of a Node the mesh depends on; an update that leaves them equal is dropped.
@@ -68,24 +68,9 @@ fn ready_condition(n: &KubeNode) -> Option<&NodeCondition> {
         .find(|c| c.type_ == "Ready")
 }
 
-fn last_seen(n: &KubeNode) -> Option<i64> {
-    n.metadata
-        .annotations
-        .as_ref()?
-        .get(LAST_SEEN)?
-        .parse()
-        .ok()
-}
-
-/// Whether `new` differs from `old` in a way that matters. Pure (`now` in unix seconds).
-pub fn node_changed(old: Option<&KubeNode>, new: &KubeNode, now: i64) -> bool {
-    let Some(old) = old else { return true };
-    if view(old) != view(new) {
-        return true;
-    }
-    let fresh = |t: Option<i64>| t.is_some_and(|t| now - t < LAST_SEEN_WINDOW_SECS);
-    // A node coming back to life (stale → fresh) matters; a refresh of a live one does not.
-    !fresh(last_seen(old)) && fresh(last_seen(new))
+/// Whether `new` differs from `old` in a way the snapshot must show (a heartbeat does not). Pure.
+pub fn node_changed(old: Option<&KubeNode>, new: &KubeNode) -> bool {
+    old.is_none_or(|old| view(old) != view(new))
 }
 
 /// Drops what the agent never reads (managed fields, images, heartbeat timestamps).
@@ -116,12 +101,15 @@ struct State {
     peers: BTreeMap<String, Peer>,
     nodes_synced: bool,
     peers_synced: bool,
+    /// The Node watch works (cleared by its errors, set by its next event).
+    connected: bool,
     generation: u64,
     init_nodes: Option<BTreeMap<String, KubeNode>>,
     init_peers: Option<BTreeMap<String, Peer>>,
 }
 
 impl State {
+    /// Sends a new snapshot (a new generation), once both lists have completed.
     fn publish(&mut self, tx: &watch::Sender<Update>) {
         if !(self.nodes_synced && self.peers_synced) {
             return;
@@ -134,7 +122,18 @@ impl State {
             }),
             errors: Vec::new(),
             generation: self.generation,
+            last_seen: Arc::new(last_seen_of(&self.nodes)),
+            connected: self.connected,
         });
+    }
+
+    /// Sends the latest heartbeats and connection state if they changed, keeping the snapshot.
+    fn refresh(&self, tx: &watch::Sender<Update>) {
+        if self.generation == 0 {
+            return;
+        }
+        let last_seen = last_seen_of(&self.nodes);
+        tx.send_if_modified(|u| refresh(u, last_seen, self.connected));
     }
 }
 
@@ -145,7 +144,8 @@ fn name_of<K: Resource>(k: &K) -> String {
 /// The Kubernetes backend. Dropping it stops the watchers.
 pub struct KubeBackend {
     client: Client,
-    rx: watch::Receiver<Update>,
+    state: Arc<Mutex<State>>,
+    tx: Arc<watch::Sender<Update>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -257,9 +257,12 @@ impl KubeBackend {
     /// listed everything; until then the agent does not reconcile (an empty view must never
     /// remove the mesh).
     pub fn start(client: Client) -> Self {
-        let (tx, rx) = watch::channel(Update::default());
-        let tx = Arc::new(tx);
-        let state = Arc::new(Mutex::new(State::default()));
+        let mut backend = Self::unwatched(client);
+        let (state, tx, client) = (
+            backend.state.clone(),
+            backend.tx.clone(),
+            backend.client.clone(),
+        );
         let nodes = {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<KubeNode> = Api::all(client.clone());
@@ -268,11 +271,17 @@ impl KubeBackend {
                     .default_backoff()
                     .boxed();
                 while let Some(ev) = stream.next().await {
-                    let now = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_secs() as i64)
-                        .unwrap_or_default();
                     let mut s = state.lock().expect("state lock");
+                    let delivering = matches!(
+                        ev,
+                        Ok(watcher::Event::InitDone
+                            | watcher::Event::Apply(_)
+                            | watcher::Event::Delete(_))
+                    );
+                    if delivering && !s.connected {
+                        tracing::info!("node watch delivering");
+                        s.connected = true;
+                    }
                     match ev {
                         Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
                         Ok(watcher::Event::InitApply(n)) => {
@@ -289,7 +298,7 @@ impl KubeBackend {
                         Ok(watcher::Event::Apply(n)) => {
                             let n = trim_node(n);
                             let name = name_of(&n);
-                            let changed = node_changed(s.nodes.get(&name), &n, now);
+                            let changed = node_changed(s.nodes.get(&name), &n);
                             s.nodes.insert(name.clone(), n);
                             if changed {
                                 tracing::debug!(node = %name, "node changed");
@@ -301,11 +310,16 @@ impl KubeBackend {
                                 s.publish(&tx);
                             }
                         }
-                        Err(e) => tracing::warn!(
-                            error = %describe_watch("nodes", &e),
-                            "waiting for the Kubernetes API server; retrying with backoff"
-                        ),
+                        Err(e) => {
+                            tracing::warn!(
+                                error = %describe_watch("nodes", &e),
+                                "waiting for the Kubernetes API server; retrying with backoff"
+                            );
+                            s.connected = false;
+                        }
                     }
+                    // Heartbeats and the connection state reach the agent without a snapshot.
+                    s.refresh(&tx);
                 }
             })
         };
@@ -358,10 +372,17 @@ impl KubeBackend {
                 }
             })
         };
+        backend.tasks = vec![nodes, peers];
+        backend
+    }
+
+    /// A backend that watches nothing (yet).
+    fn unwatched(client: Client) -> Self {
         KubeBackend {
             client,
-            rx,
-            tasks: vec![nodes, peers],
+            state: Arc::default(),
+            tx: Arc::new(watch::channel(Update::default()).0),
+            tasks: Vec::new(),
         }
     }
 }
@@ -384,9 +405,12 @@ pub fn annotation_patch(annotations: &Annotations) -> serde_json::Value {
 
 impl Backend for KubeBackend {
     fn updates(&self) -> watch::Receiver<Update> {
-        self.rx.clone()
+        self.tx.subscribe()
     }
 
+    /// A patch that does not reach the API server also marks the backend disconnected (until
+    /// the Node watch delivers again): a watch to an unreachable server may take minutes to
+    /// fail, and no heartbeat arrives meanwhile.
     fn publish<'a>(
         &'a self,
         node: &'a str,
@@ -403,7 +427,14 @@ impl Backend for KubeBackend {
                 &Patch::Merge(annotation_patch(annotations)),
             )
             .await
-            .map_err(|e| BackendError::Kube(describe(&format!("patching node {node}"), &e)))?;
+            .map_err(|e| {
+                if !matches!(e, kube::Error::Api(_)) {
+                    let mut s = self.state.lock().expect("state lock");
+                    s.connected = false;
+                    s.refresh(&self.tx);
+                }
+                BackendError::Kube(describe(&format!("patching node {node}"), &e))
+            })?;
             Ok(true)
         }
         .boxed()
@@ -412,6 +443,11 @@ impl Backend for KubeBackend {
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        sync::atomic::{AtomicU8, Ordering::Relaxed},
+        time::Duration,
+    };
+
     use http::{Method, Request, Response};
     use kube::client::Body;
 
@@ -445,27 +481,28 @@ mod tests {
         let old = trim_node(node(&[(LAST_SEEN, &t(30))], "True", "2026-01-01T00:00:00Z"));
         // Kilo's last-seen refresh and a kubelet heartbeat: filtered.
         let hb = trim_node(node(&[(LAST_SEEN, &t(0))], "True", "2026-01-01T00:00:10Z"));
-        assert!(!node_changed(Some(&old), &hb, now));
+        assert!(!node_changed(Some(&old), &hb));
         // An annotation, the Ready condition, a stale node coming back: not filtered.
         let ann = trim_node(node(
             &[(LAST_SEEN, &t(0)), ("kilo.squat.ai/leader", "")],
             "True",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&old), &ann, now));
+        assert!(node_changed(Some(&old), &ann));
         let notready = trim_node(node(
             &[(LAST_SEEN, &t(30))],
             "False",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&old), &notready, now));
+        assert!(node_changed(Some(&old), &notready));
+        // Even a stale heartbeat refreshed: liveness is the agent's, from `Update::last_seen`.
         let stale = trim_node(node(
             &[(LAST_SEEN, &t(600))],
             "True",
             "2026-01-01T00:00:05Z",
         ));
-        assert!(node_changed(Some(&stale), &hb, now));
-        assert!(node_changed(None, &hb, now));
+        assert!(!node_changed(Some(&stale), &hb));
+        assert!(node_changed(None, &hb));
         // Trimmed: no managed fields, no images, only the Ready condition without heartbeat.
         assert!(old.metadata.managed_fields.is_none());
         let status = old.status.unwrap();
@@ -502,11 +539,7 @@ mod tests {
                     .unwrap(),
             );
         });
-        let backend = KubeBackend {
-            client: Client::new(service, "default"),
-            rx: watch::channel(Update::default()).1,
-            tasks: vec![],
-        };
+        let backend = KubeBackend::unwatched(Client::new(service, "default"));
         let changes = Annotations::from([
             (
                 "kilo.squat.ai/key".to_string(),
@@ -612,6 +645,255 @@ mod tests {
                 .as_ref()
                 .unwrap()["kilo.squat.ai/location"],
             "b"
+        );
+    }
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    fn json_response(v: &serde_json::Value) -> Response<Body> {
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(v).unwrap()))
+            .unwrap()
+    }
+
+    /// How the stand-in API server is broken.
+    const WORKING: u8 = 0;
+    /// Refuses connections: the open watch breaks, new ones and patches fail.
+    const REFUSING: u8 = 1;
+    /// Unreachable without a word: the open watch hangs, new ones and patches fail.
+    const HANGING: u8 = 2;
+
+    /// A stand-in API server: lists `nodes` and no Peers, answers node watches with the events
+    /// it has (each answer ends the watch, so the watcher resumes from the last version), applies
+    /// merge patches to its nodes (recording them, and echoing the node as a watch event), and
+    /// writes the other nodes' heartbeats every `period`, unless `broken` says otherwise.
+    async fn api_server(
+        mut handle: Handle,
+        nodes: Vec<serde_json::Value>,
+        period: Duration,
+        now: crate::agent::Clock,
+        patches: Arc<Mutex<Vec<serde_json::Value>>>,
+        broken: Arc<AtomicU8>,
+    ) {
+        let mut nodes: BTreeMap<String, serde_json::Value> = nodes
+            .into_iter()
+            .map(|n| (n["metadata"]["name"].as_str().unwrap().to_string(), n))
+            .collect();
+        let mut version = 10;
+        let mut events = Vec::new();
+        let mut watch: Option<tower_test::mock::SendResponse<Response<Body>>> = None;
+        let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let modified = |n: &mut serde_json::Value, version: &mut u64| {
+            *version += 1;
+            n["metadata"]["resourceVersion"] = version.to_string().into();
+            serde_json::json!({"type": "MODIFIED", "object": n.clone()})
+        };
+        loop {
+            tokio::select! {
+                r = handle.next_request() => {
+                    let Some((req, send)) = r else { return };
+                    let path = req.uri().path().to_string();
+                    let watching = req.uri().query().unwrap_or_default().contains("watch=true");
+                    match (req.method().clone(), path.as_str(), watching) {
+                        (Method::GET, "/api/v1/nodes", false) => send.send_response(json_response(&serde_json::json!({
+                            "apiVersion": "v1", "kind": "NodeList",
+                            "metadata": {"resourceVersion": version.to_string()},
+                            "items": nodes.values().collect::<Vec<_>>(),
+                        }))),
+                        (Method::GET, "/api/v1/nodes", true) => {
+                            if broken.load(Relaxed) != WORKING {
+                                send.send_error("connection refused");
+                            } else {
+                                watch = Some(send);
+                            }
+                        }
+                        (Method::GET, "/apis/kilo.squat.ai/v1alpha1/peers", false) => send.send_response(json_response(&serde_json::json!({
+                            "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "PeerList",
+                            "metadata": {"resourceVersion": "1"}, "items": [],
+                        }))),
+                        (Method::GET, "/apis/kilo.squat.ai/v1alpha1/peers", true) => std::mem::forget(send),
+                        (Method::PATCH, _, false) if broken.load(Relaxed) != WORKING => {
+                            send.send_error("connection refused");
+                        }
+                        (Method::PATCH, p, false) => {
+                            let name = p.strip_prefix("/api/v1/nodes/").unwrap().to_string();
+                            let body = req.into_body().collect_bytes().await.unwrap();
+                            let patch: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                            let node = nodes.get_mut(&name).unwrap();
+                            for (k, v) in patch["metadata"]["annotations"].as_object().unwrap() {
+                                node["metadata"]["annotations"][k] = v.clone();
+                            }
+                            patches.lock().unwrap().push(patch);
+                            events.push(modified(node, &mut version));
+                            send.send_response(json_response(node));
+                        }
+                        other => panic!("unexpected request {other:?}"),
+                    }
+                }
+                _ = beat.tick() => {
+                    match broken.load(Relaxed) {
+                        WORKING => {}
+                        // Nobody can write a heartbeat.
+                        REFUSING => {
+                            if let Some(w) = watch.take() {
+                                w.send_error("connection reset");
+                            }
+                            continue;
+                        }
+                        _ => continue,
+                    }
+                    let seen = (now.now_ms() / 1000).to_string();
+                    for (name, node) in nodes.iter_mut().filter(|(n, _)| *n != "me") {
+                        node["metadata"]["annotations"][LAST_SEEN] = seen.clone().into();
+                        let _ = name;
+                        events.push(modified(node, &mut version));
+                    }
+                }
+            }
+            if !events.is_empty()
+                && broken.load(Relaxed) == WORKING
+                && let Some(w) = watch.take()
+            {
+                let mut body = Vec::new();
+                for e in events.drain(..) {
+                    body.extend(serde_json::to_vec(&e).unwrap());
+                    body.push(b'\n');
+                }
+                w.send_response(Response::builder().body(Body::from(body)).unwrap());
+            }
+        }
+    }
+
+    fn mesh_node(name: &str, annotations: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "resourceVersion": "1", "annotations": annotations},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        })
+    }
+
+    /// Three nodes, the agent on `me` with the check-in `period` and no resync, under the
+    /// paused clock; returns the recorded patches and the running agent.
+    fn idle_mesh(
+        period: Duration,
+        broken: Arc<AtomicU8>,
+    ) -> (
+        Arc<Mutex<Vec<serde_json::Value>>>,
+        Arc<KubeBackend>,
+        crate::agent::testing::Running,
+    ) {
+        use crate::agent::{Local, testing};
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let t0 = testing::T0.to_string();
+        // What the agent publishes about `me`, so that only heartbeats change from here on.
+        let local = Local {
+            hostname: "me".into(),
+            public_key: crate::mesh::Key([1; 32]),
+            endpoint: None,
+            internal_ip: None,
+            granularity: "location".into(),
+        };
+        let mut mine = serde_json::to_value(local.annotations(None)).unwrap();
+        mine[LAST_SEEN] = t0.clone().into();
+        let nodes = vec![
+            mesh_node("me", mine),
+            mesh_node("a", serde_json::json!({LAST_SEEN: t0})),
+            mesh_node("b", serde_json::json!({LAST_SEEN: t0})),
+        ];
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        tokio::spawn(api_server(
+            handle,
+            nodes,
+            period,
+            testing::clock(tokio::time::Instant::now()),
+            patches.clone(),
+            broken,
+        ));
+        let backend = Arc::new(KubeBackend::start(Client::new(service, "default")));
+        let running = testing::spawn(
+            backend.clone(),
+            crate::agent::LoopSettings {
+                resync: None,
+                check_in: Some(period),
+                clean_up: false,
+                ..Default::default()
+            },
+            testing::planned,
+        );
+        (patches, backend, running)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_heartbeats_are_patched_and_received_without_a_reconcile() {
+        for secs in [1, 10, 30] {
+            let period = Duration::from_secs(secs);
+            let broken = Arc::new(AtomicU8::new(WORKING));
+            let (patches, backend, running) = idle_mesh(period, broken);
+            // More than three windows (2 × period each).
+            tokio::time::sleep(period * 7 + period / 2).await;
+            let last = backend.updates().borrow().clone();
+            running.stop.send(()).unwrap();
+            let stats = running.run.await.unwrap();
+            let beats = patches
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|p| {
+                    let a = p["metadata"]["annotations"].as_object().unwrap();
+                    a.len() == 1 && a.contains_key(LAST_SEEN)
+                })
+                .count();
+            assert!(beats >= 6, "period {secs} s: {beats} heartbeat patches");
+            assert_eq!(
+                last.generation, 1,
+                "period {secs} s: a heartbeat made a snapshot"
+            );
+            assert!(
+                last.last_seen["a"] >= crate::agent::testing::T0 + 6 * secs as i64,
+                "period {secs} s: {:?}",
+                last.last_seen
+            );
+            assert_eq!(stats.reconciles, 1, "period {secs} s: reconciled again");
+            let plans = running.plans.lock().unwrap().clone();
+            assert_eq!(plans.len(), 1, "period {secs} s: {plans:?}");
+            assert_eq!(plans[0].1, ["a", "b", "me"]);
+            let text = running.metrics.encode();
+            assert!(!text.contains("kilo_errors_total{"), "{text}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nodes_do_not_expire_while_the_api_server_is_unreachable() {
+        for how in [REFUSING, HANGING] {
+            unreachable_for_five_windows(how).await;
+        }
+    }
+
+    async fn unreachable_for_five_windows(how: u8) {
+        let period = Duration::from_secs(1);
+        let broken = Arc::new(AtomicU8::new(WORKING));
+        let (_patches, backend, running) = idle_mesh(period, broken.clone());
+        tokio::time::sleep(period * 3 / 2).await;
+        broken.store(how, Relaxed);
+        // Five windows without a heartbeat.
+        tokio::time::sleep(period * 10).await;
+        assert!(!backend.updates().borrow().connected, "broken {how}");
+        broken.store(WORKING, Relaxed);
+        // The watcher retries with its backoff (up to 30 s apart).
+        tokio::time::sleep(period * 40).await;
+        assert!(backend.updates().borrow().connected);
+        running.stop.send(()).unwrap();
+        running.run.await.unwrap();
+        let plans = running.plans.lock().unwrap().clone();
+        assert!(
+            plans.iter().all(|(_, nodes)| nodes == &["a", "b", "me"]),
+            "broken {how}: {plans:?}"
+        );
+        // The outage is reported once; the failed heartbeat patches each time.
+        let text = running.metrics.encode();
+        assert!(
+            text.contains("kilo_errors_total{event=\"backend\"} 1"),
+            "{text}"
         );
     }
 }

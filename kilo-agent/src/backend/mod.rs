@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, sync::Arc};
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 
-use crate::mesh::Snapshot;
+use crate::mesh::{Snapshot, annotations::LAST_SEEN};
 
 /// Annotations to publish on the local node: `Some(v)` sets, `None` removes.
 pub type Annotations = BTreeMap<String, Option<String>>;
@@ -24,8 +24,43 @@ pub struct Update {
     pub snapshot: Arc<Snapshot>,
     /// Objects that could not be read, each naming the object (or file) and the problem.
     pub errors: Vec<String>,
-    /// Bumped on every change; 0 = nothing received yet.
+    /// Bumped on every change of `snapshot`; 0 = nothing received yet.
     pub generation: u64,
+    /// The latest `kilo.squat.ai/last-seen` of every node (unix seconds). Kept current also when
+    /// only heartbeats changed, which leaves `generation` and `snapshot` as they were: recording
+    /// a heartbeat costs no plan.
+    pub last_seen: Arc<BTreeMap<String, i64>>,
+    /// Whether the backend currently receives changes (its watch works, its directory is
+    /// readable). While it does not, heartbeats cannot arrive and no node expires.
+    pub connected: bool,
+}
+
+/// The `kilo.squat.ai/last-seen` of each node that has a valid one.
+pub fn last_seen_of(nodes: &BTreeMap<String, crate::mesh::KubeNode>) -> BTreeMap<String, i64> {
+    nodes
+        .iter()
+        .filter_map(|(name, n)| {
+            let t = n
+                .metadata
+                .annotations
+                .as_ref()?
+                .get(LAST_SEEN)?
+                .parse()
+                .ok()?;
+            Some((name.clone(), t))
+        })
+        .collect()
+}
+
+/// Sets `u`'s heartbeats and connection state; returns whether either changed (for
+/// `watch::Sender::send_if_modified`, which then wakes the agent without a new generation).
+pub fn refresh(u: &mut Update, last_seen: BTreeMap<String, i64>, connected: bool) -> bool {
+    let changed = *u.last_seen != last_seen || u.connected != connected;
+    if changed {
+        u.last_seen = Arc::new(last_seen);
+        u.connected = connected;
+    }
+    changed
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,59 +102,15 @@ pub trait Backend: Send + Sync {
     ) -> BoxFuture<'a, Result<bool, BackendError>>;
 }
 
-/// How a node's liveness is judged (for the planner's readiness check).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
-    /// Kilo's: `kilo.squat.ai/last-seen` within `window` seconds (Kilo: 60 = 2 × 30 s check-in).
-    /// Needed while Kilo agents remain in the cluster.
-    LastSeen { window: i64 },
-    /// Kubernetes' own: the Node's `Ready` condition (kept current by the node lifecycle
-    /// controller from the kubelet's Lease in `kube-node-lease`); a node without status (the
-    /// file backend) is alive. No per-agent heartbeat traffic at all.
-    NodeReady,
-}
-
-impl Liveness {
-    /// `--check-in-period`: a period keeps Kilo's heartbeat (window = 2 × period), 0 selects
-    /// [`Liveness::NodeReady`].
-    pub fn from_check_in(period: Option<std::time::Duration>) -> Self {
-        match period {
-            Some(p) => Liveness::LastSeen {
-                window: 2 * p.as_secs() as i64,
-            },
-            None => Liveness::NodeReady,
-        }
-    }
-
-    /// Whether the node counts as alive at `now` (unix seconds).
-    pub fn alive(self, node: &crate::mesh::KubeNode, now: i64) -> bool {
-        match self {
-            Liveness::LastSeen { window } => node
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("kilo.squat.ai/last-seen"))
-                .and_then(|v| v.parse::<i64>().ok())
-                .is_some_and(|t| now - t < window),
-            Liveness::NodeReady => node
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-                .is_none_or(|c| c.status == "True"),
-        }
-    }
-}
-
 /// Whether `new` differs from `old` in a way the mesh cares about: a node added, removed or
 /// changed beyond its `last-seen` heartbeat (see [`kubernetes::node_changed`]), or any Peer
-/// spec. `now` is in unix seconds.
-pub fn snapshot_changed(old: &Snapshot, new: &Snapshot, now: i64) -> bool {
+/// spec. Heartbeats travel in [`Update::last_seen`] instead.
+pub fn snapshot_changed(old: &Snapshot, new: &Snapshot) -> bool {
     old.nodes.len() != new.nodes.len()
         || new
             .nodes
             .iter()
-            .any(|(name, n)| kubernetes::node_changed(old.nodes.get(name), n, now))
+            .any(|(name, n)| kubernetes::node_changed(old.nodes.get(name), n))
         || old.peers.len() != new.peers.len()
         || new
             .peers
@@ -142,36 +133,4 @@ pub fn apply_annotations(current: &mut BTreeMap<String, String>, changes: &Annot
         }
     }
     changed
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn node(last_seen: Option<&str>, ready: Option<&str>) -> crate::mesh::KubeNode {
-        let mut v = serde_json::json!({"metadata": {"name": "a", "annotations": {}}});
-        if let Some(t) = last_seen {
-            v["metadata"]["annotations"]["kilo.squat.ai/last-seen"] = t.into();
-        }
-        if let Some(r) = ready {
-            v["status"] = serde_json::json!({"conditions": [{"type": "Ready", "status": r}]});
-        }
-        serde_json::from_value(v).unwrap()
-    }
-
-    #[test]
-    fn liveness_by_last_seen_or_node_ready() {
-        let kilo = Liveness::from_check_in(Some(std::time::Duration::from_secs(30)));
-        assert_eq!(kilo, Liveness::LastSeen { window: 60 });
-        assert!(kilo.alive(&node(Some("1000"), None), 1059));
-        assert!(!kilo.alive(&node(Some("1000"), None), 1060));
-        assert!(!kilo.alive(&node(None, Some("True")), 1000));
-        let k8s = Liveness::from_check_in(None);
-        assert!(k8s.alive(&node(None, Some("True")), 1000));
-        assert!(!k8s.alive(&node(Some("1000"), Some("Unknown")), 1000));
-        assert!(
-            k8s.alive(&node(None, None), 1000),
-            "no status (file backend) = alive"
-        );
-    }
 }

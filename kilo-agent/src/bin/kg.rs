@@ -14,7 +14,7 @@ use kilo_agent::{
         planner::planner,
         seccomp,
     },
-    backend::{Backend, Liveness, file::FileBackend, kubernetes},
+    backend::{Backend, file::FileBackend, kubernetes},
     datapath::{AgentDatapath, Datapath, DatapathConfig, logs},
     plan,
     reconcile::{
@@ -38,7 +38,7 @@ fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
         encapsulate: flags.encapsulate,
         cni: flags.cni,
         topology_label: flags.topology_label.clone(),
-        // Liveness is the agent's (see `backend::Liveness`), applied before planning.
+        // Liveness is the agent's (see `agent::liveness`), applied before planning.
         now: None,
         ..plan::Settings::default()
     }
@@ -173,10 +173,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         },
     );
     let metrics = Metrics::new();
-    let planner = planner(
-        plan_settings(&flags, &hostname),
-        Liveness::from_check_in(flags.check_in()),
-    );
+    let planner = planner(plan_settings(&flags, &hostname));
     let mut agent = Agent::new(
         backend.clone(),
         planner,

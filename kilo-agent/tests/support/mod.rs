@@ -21,6 +21,18 @@ pub fn require_root(test: &str) -> bool {
     root
 }
 
+/// Waits (bounded at 60 s; for liveness only, never a speed check) until `f` holds.
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// `--name VALUE` from the command line (the benchmarks' flags), or `default`.
 pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let args: Vec<String> = std::env::args().collect();

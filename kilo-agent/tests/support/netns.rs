@@ -1,12 +1,16 @@
-//! Throwaway network namespaces (`ip netns`), removed on drop on every path.
+//! Throwaway network namespaces (`ip netns`), removed on drop on every path, and wireguard-go
+//! devices in them.
 //!
 //! Tests may run tools (`ip`, `ping`, `nft`); the agent itself never does.
 use std::{
     fs::File,
     os::fd::AsRawFd,
-    process::{Command, Output},
+    process::{Child, Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
 };
+
+use kilo_agent::reconcile::wireguard::uapi_socket;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -102,4 +106,47 @@ pub fn try_sh(cmd: &str) -> Output {
         .arg(cmd)
         .output()
         .unwrap_or_else(|e| panic!("cannot run `{cmd}`: {e}"))
+}
+
+/// A wireguard-go device in a namespace, stopped (and its socket removed) on drop.
+pub struct WgGo {
+    pub name: String,
+    child: Child,
+}
+
+impl WgGo {
+    /// Starts `kt<pid>x<n>` in `ns` and returns once its UAPI socket answers.
+    pub fn start(ns: &NetNs) -> WgGo {
+        let name = format!(
+            "kt{}x{}",
+            std::process::id() % 100_000,
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &name])
+            .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start wireguard-go");
+        let sock = uapi_socket(&name);
+        let start = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "wireguard-go did not create {}",
+                sock.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        WgGo { name, child }
+    }
+}
+
+impl Drop for WgGo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(uapi_socket(&self.name));
+    }
 }
