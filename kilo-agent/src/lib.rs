@@ -6,7 +6,6 @@
 
 pub mod agent;
 pub mod backend;
-pub mod cni;
 pub mod datapath;
 pub mod kgctl;
 pub mod mesh;

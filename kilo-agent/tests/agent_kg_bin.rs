@@ -35,6 +35,10 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             &format!("--private-key={}", key.display()),
             "--listen=127.0.0.1:1107",
             "--iptables-forward-rules",
+            &format!(
+                "--cni-path={}",
+                dir.path().join("10-kilo.conflist").display()
+            ),
             "--log-level=debug",
             // The program's own log records are forwarded (starting fails if they cannot be).
             "--datapath-log-level=debug",

@@ -1,7 +1,8 @@
 //! kgctl and kg against a real kube-apiserver (`support::apiserver`): the Peer CRD from
 //! `manifests/` is accepted and becomes Established, the server's schema refuses malformed
 //! Peers, kgctl prints for objects in the API server exactly what it prints for the same
-//! objects in files, and kg publishes its own annotations and removes only those on SIGTERM.
+//! objects in files, and kg publishes its own annotations, keeps the CNI configuration's
+//! ranges at the node's pod CIDR, and removes only its own annotations on SIGTERM.
 mod support;
 
 use std::{
@@ -18,7 +19,7 @@ use kilo_agent::{
 use kube::{Api, api::PostParams};
 use support::{
     apiserver::ApiServer,
-    netns::{NetNs, veth},
+    netns::{NetNs, WgGo, veth},
 };
 
 fn manifest(name: &str) -> String {
@@ -283,6 +284,18 @@ fn kg_publishes_and_removes_only_its_own_annotations() {
     let gw = NetNs::new("kapigw");
     veth(&ns, "eth0", &gw, "eth0");
     ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
+    let wg = WgGo::start(&ns);
+    // Kilo as the CNI: the bridge configuration Kilo's manifests install, without ranges.
+    let conflist = dir.path().join("10-kilo.conflist");
+    std::fs::write(
+        &conflist,
+        std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../manifests/overlays/kubeadm/cni-conf.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     let mut kg = Command::new("ip")
         .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
         .args([
@@ -291,6 +304,9 @@ fn kg_publishes_and_removes_only_its_own_annotations() {
             &format!("--private-key={}", dir.path().join("key").display()),
             "--listen=127.0.0.1:1107",
             "--datapath=false",
+            "--create-interface=false",
+            &format!("--interface={}", wg.name),
+            &format!("--cni-path={}", conflist.display()),
             "--log-format=text",
         ])
         .stdout(Stdio::null())
@@ -331,6 +347,25 @@ fn kg_publishes_and_removes_only_its_own_annotations() {
         "others' annotations kept"
     );
     assert_eq!(published["kilo.squat.ai/location"], "here");
+    // The node's pod CIDR reaches the CNI configuration's IPAM ranges.
+    let start = Instant::now();
+    while !std::fs::read_to_string(&conflist)
+        .unwrap()
+        .contains("10.2.9.0/24")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{}",
+            std::fs::read_to_string(&conflist).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&conflist).unwrap()).unwrap();
+    assert_eq!(
+        conf["plugins"][0]["ipam"]["ranges"],
+        serde_json::json!([[{"subnet": "10.2.9.0/24"}]])
+    );
     // SAFETY: a signal to our own child.
     unsafe { libc::kill(kg.id() as i32, libc::SIGTERM) };
     let status = kg.wait().unwrap();

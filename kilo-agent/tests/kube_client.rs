@@ -159,6 +159,7 @@ impl Kg {
                 &format!("--private-key={}", dir.join("key").display()),
                 "--listen=127.0.0.1:1107",
                 "--datapath=false",
+                "--cni=false",
                 "--log-format=text",
             ])
             .stdout(Stdio::null())

@@ -119,6 +119,8 @@ impl Mesh {
                 "--create-interface=false",
                 &format!("--interface={}", self.wireguard[i].name),
                 "--encapsulate=never",
+                // Not Kilo as the CNI here: the host's /etc/cni stays untouched.
+                "--cni=false",
                 &format!(
                     "--private-key={}",
                     self.work.path().join(format!("n{i}.key")).display()

@@ -36,6 +36,7 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         "pod3 saw the packet from 10.42.1.2",
         "latest handshake",
         "kilo_leader 1",
+        "\"subnet\": \"10.42.1.0/24\"",
         "demo OK",
     ] {
         assert!(stdout.contains(want), "missing {want:?} in:\n{stdout}");

@@ -10,6 +10,7 @@
 #     inet .100             a host outside the mesh
 set -euo pipefail
 BIN=${1:?usage: demo.sh BIN_DIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 P=${KRS_DEMO_PREFIX:-krs-demo}
 WG=${KRS_DEMO_WG:-kilo} # WireGuard interfaces $WG1..3 (their UAPI sockets share /var/run/wireguard)
 WORK=$(mktemp -d /tmp/krs-demo.XXXXXX)
@@ -102,7 +103,10 @@ done
 
 say "starting kg on every node (file backend: $DIR)"
 for i in 1 2 3; do
+  # Kilo as the CNI: the bridge configuration Kilo's manifests install; kg fills in the ranges.
+  cp "$ROOT/manifests/overlays/kubeadm/cni-conf.json" "$WORK/n$i.conflist"
   ip netns exec "$P-n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
+    --cni-path "$WORK/n$i.conflist" \
     --create-interface=false --interface "$WG$i" --encapsulate never \
     --private-key "$WORK/n$i.key" --bpffs-dir "/sys/fs/bpf/$P-n$i" \
     --listen "127.0.0.1:1107" --resync-period 10s --log-level info \
@@ -121,6 +125,8 @@ say "kgctl graph (Graphviz DOT, Kilo's layout)"
 "$BIN/kgctl" --backend file --backend-dir "$DIR" graph
 say "kgctl showconf node n1 (the leader of east)"
 "$BIN/kgctl" --backend file --backend-dir "$DIR" showconf node n1
+say "n1's CNI configuration: kg set the bridge's IPAM ranges to n1's pod CIDR"
+grep -A4 '"ranges"' "$WORK/n1.conflist"
 say "wg show on n1: a real WireGuard device, configured by kg over its UAPI socket"
 inns n1 wg show "${WG}1"
 

@@ -172,6 +172,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             resolver: Box::new(system_resolver),
         },
     );
+    let reconciler = if flags.cni {
+        reconciler.with_cni(flags.cni_path.clone())
+    } else {
+        reconciler
+    };
     let metrics = Metrics::new();
     let planner = planner(plan_settings(&flags, &hostname));
     let mut agent = Agent::new(

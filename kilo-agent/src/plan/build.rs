@@ -92,7 +92,7 @@ pub struct Settings {
     pub local: bool,
     /// `--encapsulate` (always).
     pub encapsulate: Encapsulation,
-    /// `--cni` (true): the local pod CIDR is a NAT source.
+    /// `--cni` (true): the local pod CIDR is a NAT source and the CNI configuration's range.
     pub cni: bool,
     /// `--topology-label` (topology.kubernetes.io/region).
     pub topology_label: String,
@@ -439,6 +439,11 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
         routes,
         rules: rt.rules.into_iter().collect(),
         datapath: datapath(t, s),
+        cni_ranges: if s.cni {
+            t.pod_cidrs.clone()
+        } else {
+            Vec::new()
+        },
     }
 }
 

@@ -38,6 +38,9 @@ pub struct Plan {
     /// Sorted and free of duplicates.
     pub rules: Vec<Rule>,
     pub datapath: DatapathPlan,
+    /// The IPAM ranges of the bridge CNI configuration (`--cni`): the node's pod CIDRs. Empty
+    /// without `--cni`.
+    pub cni_ranges: Vec<IpNet>,
 }
 
 /// The WireGuard device's configuration, without the private key.

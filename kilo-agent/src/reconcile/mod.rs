@@ -13,6 +13,7 @@
 //! Ownership marker: our routes and rules carry protocol [`RTPROT_KILO`] (107, from Kilo's table
 //! 1107; unused by iproute2's `rt_protos`, bird, FRR, Calico (80) or Cilium), so the agent never
 //! reads, replaces or deletes anybody else's routes, even in the main table.
+pub mod cni;
 pub mod netlink;
 pub mod state;
 pub mod wireguard;
@@ -390,6 +391,8 @@ pub struct DryRun {
     pub kernel: KernelDiff,
     pub wireguard: WgDiff,
     pub datapath: Vec<String>,
+    /// What the CNI configuration file would get.
+    pub cni: Option<String>,
     pub link_missing: bool,
     pub problems: Vec<String>,
 }
@@ -400,7 +403,7 @@ impl std::fmt::Display for DryRun {
             writeln!(f, "+ link (WireGuard interface)")?;
         }
         write!(f, "{}{}", self.wireguard, self.kernel)?;
-        for l in &self.datapath {
+        for l in self.datapath.iter().chain(&self.cni) {
             writeln!(f, "{l}")?;
         }
         for p in &self.problems {
@@ -411,12 +414,13 @@ impl std::fmt::Display for DryRun {
 }
 
 /// Runs the reconcilers in dependency order: link, WireGuard device, addresses, routes, rules,
-/// datapath.
+/// datapath, and (with [`Reconciler::with_cni`]) the CNI configuration file.
 pub struct Reconciler<K, W, D> {
     pub kernel: K,
     pub wireguard: W,
     pub datapath: D,
     pub settings: Settings,
+    pub cni: Option<cni::CniFile>,
 }
 
 impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
@@ -426,7 +430,15 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             wireguard,
             datapath,
             settings,
+            cni: None,
         }
+    }
+
+    /// Also keeps the bridge CNI configuration at `path` in step with the plan's pod CIDRs
+    /// (`--cni`, `--cni-path`).
+    pub fn with_cni(mut self, path: std::path::PathBuf) -> Self {
+        self.cni = Some(cni::CniFile::new(path));
+        self
     }
 
     fn link_want(&self) -> LinkWant {
@@ -501,6 +513,11 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
         }
+        if let Some(cni) = &mut self.cni {
+            let (w, problem) = cni.reconcile(&plan.cni_ranges);
+            report.writes += w;
+            report.problems.extend(problem);
+        }
         report.links = observed.links;
         Ok(report)
     }
@@ -542,6 +559,12 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         match self.datapath.describe(&plan.datapath) {
             Ok(lines) => out.datapath = lines,
             Err(e) => out.problems.push(e.to_string()),
+        }
+        if let Some(cni) = &self.cni {
+            match cni.describe(&plan.cni_ranges) {
+                Ok(line) => out.cni = line,
+                Err(e) => out.problems.push(e.to_string()),
+            }
         }
         Ok(out)
     }
@@ -623,6 +646,7 @@ mod tests {
                 table: KILO_TABLE,
             }],
             datapath: DatapathPlan::default(),
+            cni_ranges: Vec::new(),
         }
     }
 
@@ -677,6 +701,44 @@ mod tests {
             assert_eq!(clean.writes.get("rule_del"), 1);
             assert_eq!(clean.writes.get("link_del"), 1);
             assert!(r.kernel.state.routes.is_empty() && r.kernel.state.rules.is_empty());
+        });
+    }
+
+    #[test]
+    fn the_cni_configuration_follows_the_plans_pod_cidrs() {
+        block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("10-kilo.conflist");
+            std::fs::write(
+                &path,
+                r#"{"name":"kilo","plugins":[{"type":"bridge","ipam":{"type":"host-local"}}]}"#,
+            )
+            .unwrap();
+            let mut r = reconciler().with_cni(path.clone());
+            let plan = Plan {
+                cni_ranges: vec!["10.2.1.0/24".parse().unwrap()],
+                ..plan()
+            };
+            let first = r.reconcile(&plan).await.unwrap();
+            assert_eq!(first.writes.get("cni_config"), 1, "{}", first.writes);
+            assert!(
+                std::fs::read_to_string(&path)
+                    .unwrap()
+                    .contains("10.2.1.0/24")
+            );
+            assert!(r.dry_run(&plan).await.unwrap().to_string().is_empty());
+            assert!(r.reconcile(&plan).await.unwrap().writes.is_empty());
+            // A moved pod CIDR: the dry run says so, the reconcile writes it.
+            let moved = Plan {
+                cni_ranges: vec!["10.2.9.0/24".parse().unwrap()],
+                ..plan.clone()
+            };
+            let dry = r.dry_run(&moved).await.unwrap().to_string();
+            assert!(dry.contains("10.2.9.0/24"), "{dry}");
+            assert_eq!(
+                r.reconcile(&moved).await.unwrap().writes.get("cni_config"),
+                1
+            );
         });
     }
 

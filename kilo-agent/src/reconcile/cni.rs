@@ -17,6 +17,66 @@ use std::{
 use ipnet::IpNet;
 use serde_json::{Value, json};
 
+use super::Writes;
+
+/// The configuration file kg keeps (`--cni-path`), and the problem last reported about it, so
+/// that a file that stays missing or malformed is reported once, not at every reconcile.
+#[derive(Debug)]
+pub struct CniFile {
+    pub path: PathBuf,
+    reported: Option<String>,
+}
+
+impl CniFile {
+    pub fn new(path: PathBuf) -> Self {
+        CniFile {
+            path,
+            reported: None,
+        }
+    }
+
+    /// What [`CniFile::reconcile`] would change, as a dry-run line; `None` when nothing.
+    pub fn describe(&self, ranges: &[IpNet]) -> Result<Option<String>, CniError> {
+        if ranges.is_empty() {
+            return Ok(None);
+        }
+        let change = rewritten(&self.path, ranges)?;
+        let ranges: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+        Ok(change.map(|_| {
+            format!(
+                "~ CNI configuration {}: ranges {}",
+                self.path.display(),
+                ranges.join(", ")
+            )
+        }))
+    }
+
+    /// Brings the file in step with `ranges` (nothing to do when empty: `--cni=false`, or no
+    /// pod CIDR yet). Returns the writes (`cni_config`) and a problem when there is a new one.
+    pub fn reconcile(&mut self, ranges: &[IpNet]) -> (Writes, Option<String>) {
+        let mut writes = Writes::default();
+        match sync(&self.path, ranges) {
+            Ok(wrote) => {
+                if wrote {
+                    tracing::info!(path = %self.path.display(), ?ranges, "set the pod CIDRs in the CNI configuration");
+                    writes.add("cni_config", 1);
+                }
+                self.reported = None;
+                (writes, None)
+            }
+            Err(e) => {
+                let problem = e.to_string();
+                if self.reported.as_ref() == Some(&problem) {
+                    tracing::debug!(%problem, "CNI configuration still not usable");
+                    return (writes, None);
+                }
+                self.reported = Some(problem.clone());
+                (writes, Some(problem))
+            }
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CniError {
     #[error("CNI configuration {path}: {source}")]
@@ -67,22 +127,29 @@ pub fn with_pod_cidrs(text: &str, pod_cidrs: &[IpNet]) -> Result<Option<String>,
     Ok(Some(out))
 }
 
+/// The file at `path` rewritten to carry `pod_cidrs`, or `None` when it already does.
+fn rewritten(path: &Path, pod_cidrs: &[IpNet]) -> Result<Option<String>, CniError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CniError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    with_pod_cidrs(&text, pod_cidrs).map_err(|message| CniError::Invalid {
+        path: path.to_owned(),
+        message,
+    })
+}
+
 /// Brings the file at `path` to carry `pod_cidrs`; returns whether it wrote.
 pub fn sync(path: &Path, pod_cidrs: &[IpNet]) -> Result<bool, CniError> {
     if pod_cidrs.is_empty() {
         return Ok(false);
     }
+    let Some(new) = rewritten(path, pod_cidrs)? else {
+        return Ok(false);
+    };
     let io = |source| CniError::Io {
         path: path.to_owned(),
         source,
-    };
-    let text = std::fs::read_to_string(path).map_err(io)?;
-    let Some(new) = with_pod_cidrs(&text, pod_cidrs).map_err(|message| CniError::Invalid {
-        path: path.to_owned(),
-        message,
-    })?
-    else {
-        return Ok(false);
     };
     let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
     let dir = path.parent().unwrap_or(Path::new("."));
@@ -196,6 +263,27 @@ mod tests {
             let err = with_pod_cidrs(text, &cidrs(&["10.2.1.0/24"])).unwrap_err();
             assert!(err.contains(says), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn a_lasting_problem_is_reported_once_and_a_fix_is_noticed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("10-kilo.conflist");
+        let mut file = CniFile::new(path.clone());
+        let pods = cidrs(&["10.2.1.0/24"]);
+        let (w, p) = file.reconcile(&pods);
+        assert!(w.is_empty());
+        assert!(p.unwrap().contains("10-kilo.conflist"));
+        assert_eq!(file.reconcile(&pods).1, None, "reported once");
+        std::fs::write(&path, KILO).unwrap();
+        let (w, p) = file.reconcile(&pods);
+        assert_eq!((w.get("cni_config"), p), (1, None));
+        assert!(file.reconcile(&pods).0.is_empty());
+        std::fs::write(&path, "{").unwrap();
+        assert!(
+            file.reconcile(&pods).1.is_some(),
+            "a new problem is reported"
+        );
     }
 
     #[test]
