@@ -251,16 +251,18 @@ fn the_servers_schema_refuses_malformed_peers() {
 }
 
 /// `kg` in a namespace with the kubernetes backend; the API server runs on that namespace's
-/// loopback, so every client of it here runs in the namespace too.
+/// loopback, so every client of it here runs in the namespace too. kg publishes its own
+/// annotations and sets the CNI ranges; while the API server is down it keeps the WireGuard
+/// device as it was, and it applies a Peer created right after the server's return within
+/// 10 s; on SIGTERM it removes only its own annotations.
 #[test]
-fn kg_publishes_and_removes_only_its_own_annotations() {
-    if !support::require_root("kg_publishes_and_removes_only_its_own_annotations")
-        || !support::apiserver::available("kg_publishes_and_removes_only_its_own_annotations")
-    {
+fn kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up() {
+    let test = "kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up";
+    if !support::require_root(test) || !support::apiserver::available(test) {
         return;
     }
     let ns = NetNs::new("kapi");
-    let server = ns.run(ApiServer::start);
+    let mut server = ns.run(ApiServer::start);
     let kubeconfig = server.kubeconfig();
     let node: KubeNode = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "kgtest", "labels": {"keep": "me"},
@@ -366,6 +368,55 @@ fn kg_publishes_and_removes_only_its_own_annotations() {
         conf["plugins"][0]["ipam"]["ranges"],
         serde_json::json!([[{"subnet": "10.2.9.0/24"}]])
     );
+    // A Peer becomes a WireGuard peer of this (lone, so leading) node.
+    let create_peer = |name: &str, key: &str, ip: &str| {
+        let peer: Peer = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer",
+            "metadata": {"name": name}, "spec": {"allowedIPs": [ip], "publicKey": key}
+        }))
+        .unwrap();
+        let config = config.clone();
+        ns.run(move || {
+            runtime().block_on(async {
+                let client = kubernetes::client(config).unwrap();
+                Api::<Peer>::all(client)
+                    .create(&PostParams::default(), &peer)
+                    .await
+                    .unwrap();
+            })
+        });
+    };
+    let wg_peers = || ns.sh(&format!("wg show {} peers", wg.name));
+    let wait_for_peer = |key: &str| {
+        let start = Instant::now();
+        while !wg_peers().contains(key) {
+            assert!(start.elapsed() < Duration::from_secs(30), "{}", wg_peers());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let (laptop, phone) = (
+        "bGFwdG9wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+        "cGhvbmUAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+    );
+    create_peer("laptop", laptop, "10.5.0.1/32");
+    wait_for_peer(laptop);
+    // The outage: etcd keeps the objects, clients are refused.
+    server.stop();
+    std::thread::sleep(Duration::from_secs(15));
+    assert!(wg_peers().contains(laptop), "torn down during the outage");
+    let mut server = ns.run(move || {
+        server.restart();
+        server
+    });
+    let back = Instant::now();
+    create_peer("phone", phone, "10.5.0.2/32");
+    wait_for_peer(phone);
+    assert!(
+        back.elapsed() < Duration::from_secs(10),
+        "a Peer created at the server's return took {:?} to apply",
+        back.elapsed()
+    );
+    assert!(wg_peers().contains(laptop));
     // SAFETY: a signal to our own child.
     unsafe { libc::kill(kg.id() as i32, libc::SIGTERM) };
     let status = kg.wait().unwrap();
@@ -380,5 +431,5 @@ fn kg_publishes_and_removes_only_its_own_annotations() {
         "{left:?}"
     );
     assert_eq!(left["other/annotation"], "x");
-    drop(server);
+    server.stop();
 }

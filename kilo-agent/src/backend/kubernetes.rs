@@ -241,6 +241,20 @@ pub fn describe(action: &str, e: &kube::Error) -> String {
     }
 }
 
+/// How long the watches wait between attempts while the API server cannot be reached: from
+/// 0.5 s doubling to at most 5 s (kube's default grows to 30 s, so after an outage of a minute
+/// kg would learn of the server's return up to 30 s late), with jitter so that a cluster's
+/// agents do not all come back in the same instant.
+fn watch_backoff() -> watcher::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(500))
+        .with_max_delay(std::time::Duration::from_secs(5))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .into()
+}
+
 /// [`describe`] for a watcher's error.
 fn describe_watch(resource: &str, e: &watcher::Error) -> String {
     match e {
@@ -268,7 +282,7 @@ impl KubeBackend {
             let api: Api<KubeNode> = Api::all(client.clone());
             tokio::spawn(async move {
                 let mut stream = watcher(api, watcher::Config::default())
-                    .default_backoff()
+                    .backoff(watch_backoff())
                     .boxed();
                 while let Some(ev) = stream.next().await {
                     let mut s = state.lock().expect("state lock");
@@ -328,7 +342,7 @@ impl KubeBackend {
             let api: Api<Peer> = Api::all(client.clone());
             tokio::spawn(async move {
                 let mut stream = watcher(api, watcher::Config::default())
-                    .default_backoff()
+                    .backoff(watch_backoff())
                     .boxed();
                 while let Some(ev) = stream.next().await {
                     let mut s = state.lock().expect("state lock");

@@ -58,6 +58,7 @@ pub struct ApiServer {
     cert: Cert,
     etcd: Child,
     apiserver: Child,
+    args: Vec<String>,
 }
 
 impl Drop for ApiServer {
@@ -116,46 +117,52 @@ impl ApiServer {
                 .arg("--name=default"),
             &d.join("etcd.log"),
         );
-        let apiserver = spawn(
-            Command::new(binary())
-                .arg(format!("--etcd-servers=http://127.0.0.1:{client}"))
-                .arg("--bind-address=127.0.0.1")
-                .arg("--advertise-address=127.0.0.1")
-                .arg(format!("--secure-port={secure}"))
-                .arg("--insecure-port=0")
-                .arg(format!("--cert-dir={}", d.join("certs").display()))
-                .arg(format!("--tls-cert-file={}", d.join("tls.crt").display()))
-                .arg(format!(
-                    "--tls-private-key-file={}",
-                    d.join("tls.key").display()
-                ))
-                .arg("--service-account-issuer=https://kubernetes.default.svc")
-                .arg(format!(
-                    "--service-account-key-file={}",
-                    d.join("sa.pub").display()
-                ))
-                .arg(format!(
-                    "--service-account-signing-key-file={}",
-                    d.join("sa.key").display()
-                ))
-                .arg(format!(
-                    "--token-auth-file={}",
-                    d.join("tokens.csv").display()
-                ))
-                .arg("--authorization-mode=RBAC")
-                .arg("--disable-admission-plugins=ServiceAccount")
-                .arg("--service-cluster-ip-range=10.96.0.0/12"),
-            &d.join("apiserver.log"),
-        );
+        let args: Vec<String> = vec![
+            format!("--etcd-servers=http://127.0.0.1:{client}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={secure}"),
+            "--insecure-port=0".into(),
+            format!("--cert-dir={}", d.join("certs").display()),
+            format!("--tls-cert-file={}", d.join("tls.crt").display()),
+            format!("--tls-private-key-file={}", d.join("tls.key").display()),
+            "--service-account-issuer=https://kubernetes.default.svc".into(),
+            format!("--service-account-key-file={}", d.join("sa.pub").display()),
+            format!(
+                "--service-account-signing-key-file={}",
+                d.join("sa.key").display()
+            ),
+            format!("--token-auth-file={}", d.join("tokens.csv").display()),
+            "--authorization-mode=RBAC".into(),
+            "--disable-admission-plugins=ServiceAccount".into(),
+            "--service-cluster-ip-range=10.96.0.0/12".into(),
+        ];
+        let apiserver = spawn(Command::new(binary()).args(&args), &d.join("apiserver.log"));
         let server = ApiServer {
             url: format!("https://127.0.0.1:{secure}"),
             dir,
             cert,
             etcd,
             apiserver,
+            args,
         };
         server.wait_ready();
         server
+    }
+
+    /// Stops the API server (etcd keeps the objects); clients see connections refused.
+    pub fn stop(&mut self) {
+        let _ = self.apiserver.kill();
+        let _ = self.apiserver.wait();
+    }
+
+    /// Starts the API server again on the same port and waits until it is ready.
+    pub fn restart(&mut self) {
+        self.apiserver = spawn(
+            Command::new(binary()).args(&self.args),
+            &self.dir.path().join("apiserver-restarted.log"),
+        );
+        self.wait_ready();
     }
 
     fn wait_ready(&self) {
