@@ -349,6 +349,16 @@ fn kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up() {
         "others' annotations kept"
     );
     assert_eq!(published["kilo.squat.ai/location"], "here");
+    // Merge patches of kg's own keys only, each sent once: the node's own annotations, then
+    // (once the plan makes it the leader) its WireGuard IP.
+    std::thread::sleep(Duration::from_secs(2));
+    let patches = server.node_patches("kgtest");
+    for (i, p) in patches.iter().enumerate() {
+        assert!(!patches[..i].contains(p), "sent twice: {patches:#?}");
+        let keys = p["metadata"]["annotations"].as_object().unwrap();
+        assert!(keys.keys().all(|k| k.starts_with("kilo.squat.ai/")), "{p}");
+    }
+    assert!(patches.len() <= 2, "{patches:#?}");
     // The node's pod CIDR reaches the CNI configuration's IPAM ranges.
     let start = Instant::now();
     while !std::fs::read_to_string(&conflist)

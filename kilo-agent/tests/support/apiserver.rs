@@ -103,6 +103,14 @@ impl ApiServer {
             format!("{TOKEN},admin,admin,\"system:masters\"\n"),
         )
         .unwrap();
+        // Every patch of a Node, for tests that count what an agent writes.
+        std::fs::write(
+            d.join("audit.yaml"),
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+             - level: Request\n  verbs: [patch]\n  resources: [{group: \"\", resources: [nodes]}]\n\
+             - level: None\n",
+        )
+        .unwrap();
         let (client, peer, secure) = (free_port(), free_port(), free_port());
         let etcd = spawn(
             Command::new("/usr/bin/etcd")
@@ -136,6 +144,8 @@ impl ApiServer {
             "--authorization-mode=RBAC".into(),
             "--disable-admission-plugins=ServiceAccount".into(),
             "--service-cluster-ip-range=10.96.0.0/12".into(),
+            format!("--audit-policy-file={}", d.join("audit.yaml").display()),
+            format!("--audit-log-path={}", d.join("audit.log").display()),
         ];
         let apiserver = spawn(Command::new(binary()).args(&args), &d.join("apiserver.log"));
         let server = ApiServer {
@@ -148,6 +158,17 @@ impl ApiServer {
         };
         server.wait_ready();
         server
+    }
+
+    /// The bodies of the patches of Node `name` the server has answered, oldest first.
+    pub fn node_patches(&self, name: &str) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.path().join("audit.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["objectRef"]["name"] == name && e["stage"] == "ResponseComplete")
+            .map(|e| e["requestObject"].clone())
+            .collect()
     }
 
     /// Stops the API server (etcd keeps the objects); clients see connections refused.
