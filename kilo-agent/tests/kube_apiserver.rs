@@ -11,6 +11,7 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use futures::FutureExt as _;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kilo_agent::{
     backend::kubernetes,
@@ -250,98 +251,183 @@ fn the_servers_schema_refuses_malformed_peers() {
     });
 }
 
-/// `kg` in a namespace with the kubernetes backend; the API server runs on that namespace's
-/// loopback, so every client of it here runs in the namespace too. kg publishes its own
-/// annotations and sets the CNI ranges; while the API server is down it keeps the WireGuard
-/// device as it was, and it applies a Peer created right after the server's return within
-/// 10 s; on SIGTERM it removes only its own annotations.
+/// `kg` in a namespace (an underlay address, a wireguard-go device, Kilo's CNI configuration
+/// without ranges) with the kubernetes backend; the API server runs on that namespace's
+/// loopback, so every client of it here runs in the namespace too.
+struct Lab {
+    ns: NetNs,
+    _gw: NetNs,
+    server: ApiServer,
+    wg: WgGo,
+    dir: tempfile::TempDir,
+    kg: std::process::Child,
+    log: std::thread::JoinHandle<String>,
+}
+
+impl Lab {
+    /// The API server with the CRD and `nodes`, then kg for node `kgtest` with `args`.
+    fn start(nodes: Vec<KubeNode>, args: &[&str]) -> Lab {
+        let ns = NetNs::new("kapi");
+        let server = ns.run(ApiServer::start);
+        let config = server.config();
+        ns.run(move || {
+            runtime().block_on(async {
+                let client = kubernetes::client(config).unwrap();
+                install_crd(&client).await;
+                for node in nodes {
+                    Api::<KubeNode>::all(client.clone())
+                        .create(&PostParams::default(), &node)
+                        .await
+                        .unwrap();
+                }
+            })
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let gw = NetNs::new("kapigw");
+        veth(&ns, "eth0", &gw, "eth0");
+        ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
+        let wg = WgGo::start(&ns);
+        std::fs::write(
+            dir.path().join("10-kilo.conflist"),
+            manifest("overlays/kubeadm/cni-conf.json"),
+        )
+        .unwrap();
+        let mut kg = Command::new("ip")
+            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+            .args([
+                format!("--kubeconfig={}", server.kubeconfig().display()),
+                "--hostname=kgtest".into(),
+                format!("--private-key={}", dir.path().join("key").display()),
+                "--listen=127.0.0.1:1107".into(),
+                "--datapath=false".into(),
+                "--create-interface=false".into(),
+                format!("--interface={}", wg.name),
+                format!(
+                    "--cni-path={}",
+                    dir.path().join("10-kilo.conflist").display()
+                ),
+                "--log-format=text".into(),
+            ])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = kg.stderr.take().unwrap();
+        let log = std::thread::spawn(move || {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
+            s
+        });
+        Lab {
+            ns,
+            _gw: gw,
+            server,
+            wg,
+            dir,
+            kg,
+            log,
+        }
+    }
+
+    /// Runs `f` with a client of the API server, in the namespace.
+    fn api<T: Send>(
+        &self,
+        f: impl FnOnce(kube::Client) -> futures::future::BoxFuture<'static, T> + Send,
+    ) -> T {
+        let config = self.server.config();
+        self.ns
+            .run(|| runtime().block_on(async { f(kubernetes::client(config).unwrap()).await }))
+    }
+
+    fn annotations(&self) -> std::collections::BTreeMap<String, String> {
+        self.api(|c| {
+            async move {
+                let n = Api::<KubeNode>::all(c).get("kgtest").await.unwrap();
+                n.metadata.annotations.unwrap_or_default()
+            }
+            .boxed()
+        })
+    }
+
+    fn create_peer(&self, name: &str, key: &str, ip: &str) {
+        let peer: Peer = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer",
+            "metadata": {"name": name}, "spec": {"allowedIPs": [ip], "publicKey": key}
+        }))
+        .unwrap();
+        self.api(|c| {
+            async move {
+                Api::<Peer>::all(c)
+                    .create(&PostParams::default(), &peer)
+                    .await
+                    .unwrap();
+            }
+            .boxed()
+        });
+    }
+
+    fn wg_peers(&self) -> String {
+        self.ns.sh(&format!("wg show {} peers", self.wg.name))
+    }
+
+    /// Waits until the WireGuard device has (or, with `present` false, lacks) `key`.
+    fn wait_for_peer(&self, key: &str, present: bool) {
+        eventually(&format!("peer {key} present: {present}"), || {
+            self.wg_peers().contains(key) == present
+        });
+    }
+
+    /// SIGTERM, then kg's log; kg must exit 0 without panicking.
+    fn stop(mut self) -> (String, Self) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.kg.id() as i32, libc::SIGTERM) };
+        let status = self.kg.wait().unwrap();
+        let log = std::mem::replace(&mut self.log, std::thread::spawn(String::new))
+            .join()
+            .unwrap();
+        assert!(status.success(), "kg: {status}\n{log}");
+        assert!(!log.contains("panicked"), "{log}");
+        (log, self)
+    }
+}
+
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn node(value: serde_json::Value) -> KubeNode {
+    serde_json::from_value(value).unwrap()
+}
+
+/// kg publishes its own annotations (each patch once) and sets the CNI ranges; while the API
+/// server is down it keeps the WireGuard device as it was, and it applies a Peer created right
+/// after the server's return within 10 s; on SIGTERM it removes only its own annotations.
 #[test]
 fn kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up() {
     let test = "kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up";
     if !support::require_root(test) || !support::apiserver::available(test) {
         return;
     }
-    let ns = NetNs::new("kapi");
-    let mut server = ns.run(ApiServer::start);
-    let kubeconfig = server.kubeconfig();
-    let node: KubeNode = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "kgtest", "labels": {"keep": "me"},
-                     "annotations": {"kilo.squat.ai/location": "here", "other/annotation": "x"}},
-        "spec": {"podCIDR": "10.2.9.0/24"}
-    }))
-    .unwrap();
-    let config = server.config();
-    let c = config.clone();
-    ns.run(move || {
-        runtime().block_on(async {
-            let client = kubernetes::client(c).unwrap();
-            install_crd(&client).await;
-            Api::<KubeNode>::all(client)
-                .create(&PostParams::default(), &node)
-                .await
-                .unwrap();
-        })
+    let mut lab = Lab::start(
+        vec![node(serde_json::json!({
+            "metadata": {"name": "kgtest", "labels": {"keep": "me"},
+                         "annotations": {"kilo.squat.ai/location": "here", "other/annotation": "x"}},
+            "spec": {"podCIDR": "10.2.9.0/24"}
+        }))],
+        &[],
+    );
+    eventually("kg publishes its node", || {
+        lab.annotations().contains_key("kilo.squat.ai/key")
     });
-    let dir = tempfile::tempdir().unwrap();
-    let gw = NetNs::new("kapigw");
-    veth(&ns, "eth0", &gw, "eth0");
-    ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
-    let wg = WgGo::start(&ns);
-    // Kilo as the CNI: the bridge configuration Kilo's manifests install, without ranges.
-    let conflist = dir.path().join("10-kilo.conflist");
-    std::fs::write(
-        &conflist,
-        std::fs::read_to_string(
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../manifests/overlays/kubeadm/cni-conf.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let mut kg = Command::new("ip")
-        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
-        .args([
-            &format!("--kubeconfig={}", kubeconfig.display()),
-            "--hostname=kgtest",
-            &format!("--private-key={}", dir.path().join("key").display()),
-            "--listen=127.0.0.1:1107",
-            "--datapath=false",
-            "--create-interface=false",
-            &format!("--interface={}", wg.name),
-            &format!("--cni-path={}", conflist.display()),
-            "--log-format=text",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = kg.stderr.take().unwrap();
-    let log = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
-        s
-    });
-    let annotations = |config: kube::Config| {
-        ns.run(move || {
-            runtime().block_on(async {
-                let client = kubernetes::client(config).unwrap();
-                let n = Api::<KubeNode>::all(client).get("kgtest").await.unwrap();
-                n.metadata.annotations.unwrap_or_default()
-            })
-        })
-    };
-    let start = Instant::now();
-    let published = loop {
-        let a = annotations(config.clone());
-        if a.contains_key("kilo.squat.ai/key") {
-            break a;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "kg never published: {a:?}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let published = lab.annotations();
     assert_eq!(published["kilo.squat.ai/endpoint"], "10.9.0.1:51820");
     assert_eq!(published["kilo.squat.ai/internal-ip"], "10.9.0.1/24");
     assert_eq!(
@@ -352,7 +438,7 @@ fn kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up() {
     // Merge patches of kg's own keys only, each sent once: the node's own annotations, then
     // (once the plan makes it the leader) its WireGuard IP.
     std::thread::sleep(Duration::from_secs(2));
-    let patches = server.node_patches("kgtest");
+    let patches = lab.server.node_patches("kgtest");
     for (i, p) in patches.iter().enumerate() {
         assert!(!patches[..i].contains(p), "sent twice: {patches:#?}");
         let keys = p["metadata"]["annotations"].as_object().unwrap();
@@ -360,86 +446,113 @@ fn kg_against_the_api_server_publishes_rides_out_an_outage_and_cleans_up() {
     }
     assert!(patches.len() <= 2, "{patches:#?}");
     // The node's pod CIDR reaches the CNI configuration's IPAM ranges.
-    let start = Instant::now();
-    while !std::fs::read_to_string(&conflist)
-        .unwrap()
-        .contains("10.2.9.0/24")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "{}",
-            std::fs::read_to_string(&conflist).unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let conf: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&conflist).unwrap()).unwrap();
-    assert_eq!(
-        conf["plugins"][0]["ipam"]["ranges"],
-        serde_json::json!([[{"subnet": "10.2.9.0/24"}]])
-    );
+    let conflist = lab.dir.path().join("10-kilo.conflist");
+    let ranges = || {
+        let conf: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&conflist).unwrap()).unwrap();
+        conf["plugins"][0]["ipam"]["ranges"].clone()
+    };
+    eventually("the CNI ranges are set", || {
+        ranges() == serde_json::json!([[{"subnet": "10.2.9.0/24"}]])
+    });
+
     // A Peer becomes a WireGuard peer of this (lone, so leading) node.
-    let create_peer = |name: &str, key: &str, ip: &str| {
-        let peer: Peer = serde_json::from_value(serde_json::json!({
-            "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer",
-            "metadata": {"name": name}, "spec": {"allowedIPs": [ip], "publicKey": key}
-        }))
-        .unwrap();
-        let config = config.clone();
-        ns.run(move || {
-            runtime().block_on(async {
-                let client = kubernetes::client(config).unwrap();
-                Api::<Peer>::all(client)
-                    .create(&PostParams::default(), &peer)
-                    .await
-                    .unwrap();
-            })
-        });
-    };
-    let wg_peers = || ns.sh(&format!("wg show {} peers", wg.name));
-    let wait_for_peer = |key: &str| {
-        let start = Instant::now();
-        while !wg_peers().contains(key) {
-            assert!(start.elapsed() < Duration::from_secs(30), "{}", wg_peers());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
     let (laptop, phone) = (
         "bGFwdG9wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
         "cGhvbmUAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
     );
-    create_peer("laptop", laptop, "10.5.0.1/32");
-    wait_for_peer(laptop);
+    lab.create_peer("laptop", laptop, "10.5.0.1/32");
+    lab.wait_for_peer(laptop, true);
     // The outage: etcd keeps the objects, clients are refused.
-    server.stop();
+    lab.server.stop();
     std::thread::sleep(Duration::from_secs(15));
-    assert!(wg_peers().contains(laptop), "torn down during the outage");
-    let mut server = ns.run(move || {
-        server.restart();
-        server
-    });
-    let back = Instant::now();
-    create_peer("phone", phone, "10.5.0.2/32");
-    wait_for_peer(phone);
     assert!(
-        back.elapsed() < Duration::from_secs(10),
-        "a Peer created at the server's return took {:?} to apply",
-        back.elapsed()
+        lab.wg_peers().contains(laptop),
+        "torn down during the outage"
     );
-    assert!(wg_peers().contains(laptop));
-    // SAFETY: a signal to our own child.
-    unsafe { libc::kill(kg.id() as i32, libc::SIGTERM) };
-    let status = kg.wait().unwrap();
-    let log = log.join().unwrap();
-    assert!(status.success(), "kg: {status}\n{log}");
-    assert!(!log.contains("panicked"), "{log}");
+    lab.ns.run(|| lab.server.restart());
+    let back = Instant::now();
+    lab.create_peer("phone", phone, "10.5.0.2/32");
+    lab.wait_for_peer(phone, true);
+    let caught_up = back.elapsed();
+    assert!(lab.wg_peers().contains(laptop));
+
+    let (log, lab) = lab.stop();
+    assert!(
+        caught_up < Duration::from_secs(10),
+        "a Peer created at the server's return took {caught_up:?} to apply:\n{log}"
+    );
     // Clean-up removed exactly kg's own annotations.
-    let left = annotations(config);
+    let left = lab.annotations();
     assert!(
         left.keys()
             .all(|k| !k.starts_with("kilo.squat.ai/") || k == "kilo.squat.ai/location"),
         "{left:?}"
     );
     assert_eq!(left["other/annotation"], "x");
-    server.stop();
+}
+
+/// With `--check-in-period=0` a node's liveness is its Ready condition: set False through the
+/// API, the node leaves this leader's WireGuard peers; True brings it back.
+#[test]
+fn with_check_in_0_a_node_follows_its_ready_condition() {
+    let test = "with_check_in_0_a_node_follows_its_ready_condition";
+    if !support::require_root(test) || !support::apiserver::available(test) {
+        return;
+    }
+    let remote_key = "cmVtb3RlAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+    let lab = Lab::start(
+        vec![
+            node(serde_json::json!({
+                "metadata": {"name": "kgtest", "annotations": {"kilo.squat.ai/location": "here"}},
+                "spec": {"podCIDR": "10.2.9.0/24"}
+            })),
+            node(serde_json::json!({
+                "metadata": {"name": "remote", "annotations": {
+                    "kilo.squat.ai/location": "there",
+                    "kilo.squat.ai/key": remote_key,
+                    "kilo.squat.ai/endpoint": "192.0.2.7:51820",
+                    "kilo.squat.ai/internal-ip": "192.0.2.7/24"}},
+                "spec": {"podCIDR": "10.2.8.0/24"}
+            })),
+        ],
+        &["--check-in-period=0"],
+    );
+    let set_ready = |status: &'static str| {
+        lab.api(move |c| {
+            async move {
+                let patch = serde_json::json!({"status": {"conditions": [{
+                    "type": "Ready", "status": status, "reason": "Test",
+                    "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+                Api::<KubeNode>::all(c)
+                    .patch_status(
+                        "remote",
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(patch),
+                    )
+                    .await
+                    .unwrap();
+            }
+            .boxed()
+        });
+    };
+    set_ready("True");
+    lab.wait_for_peer(remote_key, true);
+    set_ready("False");
+    lab.wait_for_peer(remote_key, false);
+    set_ready("True");
+    lab.wait_for_peer(remote_key, true);
+    let (log, _lab) = lab.stop();
+    assert!(
+        !log.contains("kilo.squat.ai/last-seen"),
+        "no heartbeat with 0: {log}"
+    );
+    let patches = _lab.server.node_patches("kgtest");
+    assert!(
+        patches
+            .iter()
+            .all(|p| !p["metadata"]["annotations"]["kilo.squat.ai/last-seen"].is_string()),
+        "a heartbeat was written: {patches:#?}"
+    );
 }

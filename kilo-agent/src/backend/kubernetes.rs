@@ -27,7 +27,7 @@ use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
 use kube::{
     Api, Client, Resource,
     api::{Patch, PatchParams},
-    runtime::{WatchStreamExt, watcher},
+    runtime::watcher,
 };
 use tokio::sync::watch;
 
@@ -242,13 +242,13 @@ pub fn describe(action: &str, e: &kube::Error) -> String {
 }
 
 /// How long the watches wait between attempts while the API server cannot be reached: from
-/// 0.5 s doubling to at most 5 s (kube's default grows to 30 s, so after an outage of a minute
-/// kg would learn of the server's return up to 30 s late), with jitter so that a cluster's
-/// agents do not all come back in the same instant.
+/// 0.5 s doubling to 2.5 s, plus a random jitter of up to as much again (so at most 5 s, and a
+/// cluster's agents do not all come back in the same instant). kube's default grows to 30 s,
+/// so after an outage of a minute kg would learn of the server's return up to 30 s late.
 fn watch_backoff() -> watcher::ExponentialBackoff {
     backon::ExponentialBuilder::default()
         .with_min_delay(std::time::Duration::from_millis(500))
-        .with_max_delay(std::time::Duration::from_secs(5))
+        .with_max_delay(std::time::Duration::from_millis(2500))
         .with_factor(2.0)
         .with_jitter()
         .without_max_times()
@@ -266,6 +266,37 @@ fn describe_watch(resource: &str, e: &watcher::Error) -> String {
     }
 }
 
+/// Watches `api` for ever, handing every event to `on_event` (failures as `Err`). After a
+/// failure it waits ([`watch_backoff`]), then lists afresh (a quorum read) instead of resuming
+/// the watch: a restarted API server's watch cache can take seconds to fill, and a watch
+/// resumed from an old resource version then only ends in `410 Gone` after that wait.
+async fn watch_forever<K>(
+    api: Api<K>,
+    mut on_event: impl FnMut(Result<watcher::Event<K>, watcher::Error>),
+) where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    use kube::runtime::utils::Backoff as _;
+    let mut backoff = watch_backoff();
+    loop {
+        let mut stream = watcher(api.clone(), watcher::Config::default()).boxed();
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(event) => {
+                    backoff.reset();
+                    on_event(Ok(event));
+                }
+                Err(e) => {
+                    on_event(Err(e));
+                    break;
+                }
+            }
+        }
+        let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(5));
+        tokio::time::sleep(delay).await;
+    }
+}
+
 impl KubeBackend {
     /// Starts the Node and Peer watchers. The first update (generation 1) comes once both have
     /// listed everything; until then the agent does not reconcile (an empty view must never
@@ -280,111 +311,101 @@ impl KubeBackend {
         let nodes = {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<KubeNode> = Api::all(client.clone());
-            tokio::spawn(async move {
-                let mut stream = watcher(api, watcher::Config::default())
-                    .backoff(watch_backoff())
-                    .boxed();
-                while let Some(ev) = stream.next().await {
-                    let mut s = state.lock().expect("state lock");
-                    let delivering = matches!(
-                        ev,
-                        Ok(watcher::Event::InitDone
-                            | watcher::Event::Apply(_)
-                            | watcher::Event::Delete(_))
-                    );
-                    if delivering && !s.connected {
-                        tracing::info!("node watch delivering");
-                        s.connected = true;
+            tokio::spawn(watch_forever(api, move |ev| {
+                let mut s = state.lock().expect("state lock");
+                let delivering = matches!(
+                    ev,
+                    Ok(watcher::Event::InitDone
+                        | watcher::Event::Apply(_)
+                        | watcher::Event::Delete(_))
+                );
+                if delivering && !s.connected {
+                    tracing::info!("node watch delivering");
+                    s.connected = true;
+                }
+                match ev {
+                    Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
+                    Ok(watcher::Event::InitApply(n)) => {
+                        let n = trim_node(n);
+                        s.init_nodes
+                            .get_or_insert_with(BTreeMap::new)
+                            .insert(name_of(&n), n);
                     }
-                    match ev {
-                        Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
-                        Ok(watcher::Event::InitApply(n)) => {
-                            let n = trim_node(n);
-                            s.init_nodes
-                                .get_or_insert_with(BTreeMap::new)
-                                .insert(name_of(&n), n);
-                        }
-                        Ok(watcher::Event::InitDone) => {
-                            s.nodes = s.init_nodes.take().unwrap_or_default();
-                            s.nodes_synced = true;
+                    Ok(watcher::Event::InitDone) => {
+                        s.nodes = s.init_nodes.take().unwrap_or_default();
+                        s.nodes_synced = true;
+                        s.publish(&tx);
+                    }
+                    Ok(watcher::Event::Apply(n)) => {
+                        let n = trim_node(n);
+                        let name = name_of(&n);
+                        let changed = node_changed(s.nodes.get(&name), &n);
+                        s.nodes.insert(name.clone(), n);
+                        if changed {
+                            tracing::debug!(node = %name, "node changed");
                             s.publish(&tx);
                         }
-                        Ok(watcher::Event::Apply(n)) => {
-                            let n = trim_node(n);
-                            let name = name_of(&n);
-                            let changed = node_changed(s.nodes.get(&name), &n);
-                            s.nodes.insert(name.clone(), n);
-                            if changed {
-                                tracing::debug!(node = %name, "node changed");
-                                s.publish(&tx);
-                            }
-                        }
-                        Ok(watcher::Event::Delete(n)) => {
-                            if s.nodes.remove(&name_of(&n)).is_some() {
-                                s.publish(&tx);
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(
-                                error = %describe_watch("nodes", &e),
-                                "waiting for the Kubernetes API server; retrying with backoff"
-                            );
-                            s.connected = false;
+                    }
+                    Ok(watcher::Event::Delete(n)) => {
+                        if s.nodes.remove(&name_of(&n)).is_some() {
+                            s.publish(&tx);
                         }
                     }
-                    // Heartbeats and the connection state reach the agent without a snapshot.
-                    s.refresh(&tx);
+                    Err(e) => {
+                        tracing::warn!(
+                            error = %describe_watch("nodes", &e),
+                            "waiting for the Kubernetes API server; retrying with backoff"
+                        );
+                        s.connected = false;
+                    }
                 }
-            })
+                // Heartbeats and the connection state reach the agent without a snapshot.
+                s.refresh(&tx);
+            }))
         };
         let peers = {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<Peer> = Api::all(client.clone());
-            tokio::spawn(async move {
-                let mut stream = watcher(api, watcher::Config::default())
-                    .backoff(watch_backoff())
-                    .boxed();
-                while let Some(ev) = stream.next().await {
-                    let mut s = state.lock().expect("state lock");
-                    let trim = |mut p: Peer| {
-                        p.metadata.managed_fields = None;
-                        p
-                    };
-                    match ev {
-                        Ok(watcher::Event::Init) => s.init_peers = Some(BTreeMap::new()),
-                        Ok(watcher::Event::InitApply(p)) => {
-                            let p = trim(p);
-                            s.init_peers
-                                .get_or_insert_with(BTreeMap::new)
-                                .insert(name_of(&p), p);
-                        }
-                        Ok(watcher::Event::InitDone) => {
-                            s.peers = s.init_peers.take().unwrap_or_default();
-                            s.peers_synced = true;
+            tokio::spawn(watch_forever(api, move |ev| {
+                let mut s = state.lock().expect("state lock");
+                let trim = |mut p: Peer| {
+                    p.metadata.managed_fields = None;
+                    p
+                };
+                match ev {
+                    Ok(watcher::Event::Init) => s.init_peers = Some(BTreeMap::new()),
+                    Ok(watcher::Event::InitApply(p)) => {
+                        let p = trim(p);
+                        s.init_peers
+                            .get_or_insert_with(BTreeMap::new)
+                            .insert(name_of(&p), p);
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        s.peers = s.init_peers.take().unwrap_or_default();
+                        s.peers_synced = true;
+                        s.publish(&tx);
+                    }
+                    Ok(watcher::Event::Apply(p)) => {
+                        let p = trim(p);
+                        let name = name_of(&p);
+                        let changed = s.peers.get(&name).map(|o| &o.spec) != Some(&p.spec);
+                        s.peers.insert(name, p);
+                        if changed {
                             s.publish(&tx);
                         }
-                        Ok(watcher::Event::Apply(p)) => {
-                            let p = trim(p);
-                            let name = name_of(&p);
-                            let changed = s.peers.get(&name).map(|o| &o.spec) != Some(&p.spec);
-                            s.peers.insert(name, p);
-                            if changed {
-                                s.publish(&tx);
-                            }
-                        }
-                        Ok(watcher::Event::Delete(p)) => {
-                            if s.peers.remove(&name_of(&p)).is_some() {
-                                s.publish(&tx);
-                            }
-                        }
-                        Err(e) => tracing::warn!(
-                            error = %describe_watch("peers.kilo.squat.ai", &e),
-                            "waiting for the Kubernetes API server (is the Peer CRD installed?); \
-                             retrying with backoff"
-                        ),
                     }
+                    Ok(watcher::Event::Delete(p)) => {
+                        if s.peers.remove(&name_of(&p)).is_some() {
+                            s.publish(&tx);
+                        }
+                    }
+                    Err(e) => tracing::warn!(
+                        error = %describe_watch("peers.kilo.squat.ai", &e),
+                        "waiting for the Kubernetes API server (is the Peer CRD installed?); \
+                         retrying with backoff"
+                    ),
                 }
-            })
+            }))
         };
         backend.tasks = vec![nodes, peers];
         backend

@@ -43,15 +43,18 @@ impl NetNs {
         try_sh(&format!("ip netns exec {} sh -c '{}'", self.name, cmd))
     }
 
-    /// Runs `f` on a fresh thread that has entered this namespace (for netlink, BPF, sockets).
-    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+    /// Runs `f` on a fresh thread that has entered this namespace (for netlink, BPF, sockets);
+    /// `f` may borrow from the caller.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            enter(&path);
-            f()
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                enter(&path);
+                f()
+            })
+            .join()
+            .expect("thread in namespace panicked")
         })
-        .join()
-        .expect("thread in namespace panicked")
     }
 
     /// Enters this namespace on the current thread for good (for dedicated threads/runtimes).
