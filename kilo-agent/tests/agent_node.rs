@@ -13,10 +13,11 @@ use std::{
 };
 
 use kilo_agent::{
+    datapath::FakeDatapath,
     mesh::Key,
     plan::{Device, KILO_TABLE, MAIN_TABLE, Plan, Route, Rule, WireGuardPeer, WireGuardPlan},
     reconcile::{
-        FakeDatapath, Reconciler, Report, Settings,
+        Reconciler, Report, Settings,
         netlink::{EventFilter, NetlinkKernel},
         wireguard::{WgApi, WgControl, WireGuard, uapi_socket},
     },
