@@ -1,20 +1,11 @@
-//! The kilo TC datapath: Kilo's masquerade decision (and an opt-in forwarding fast path) made
-//! with kernel LPM-trie lookups at TC ingress of the pod-facing devices and the WireGuard
-//! interface.
-//!
-//! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
-//! entry point, for devices without a MAC header), IPv4 or IPv6; then
-//! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
-//!   entry, not a service: redirect there);
-//! - otherwise, source in `KILO_NAT_SRC` or destination in `KILO_MASQ_DST`: set the masquerade
-//!   mark bits (the one static nftables rule masquerades marked packets);
-//! - otherwise leave alone.
-//!
-//! Every packet it does not masquerade leaves with our mark bits clear (others' bits are kept),
-//! so a mark set upstream never masquerades a packet Kilo's rule would not. Nothing is ever
-//! dropped; truncated or malformed packets pass untouched. The only map writes are this CPU's
-//! counters (and aya-log records on malformed packets, when the config asks for them). Map
-//! layouts live in `kilo-common`.
+//! The kilo TC datapath at ingress of the pod-facing devices and the WireGuard interface. It
+//! parses Ethernet (up to two VLAN tags) or raw IP (the `_l3` entry point), IPv4 or IPv6, and
+//! with one kernel LPM-trie lookup per role: destination in `KILO_MESH` → leave alone (or, fast
+//! path on, an egress in the entry, not a service: redirect); else source in `KILO_NAT_SRC` or
+//! destination in `KILO_MASQ_DST` → set our mark bits (the static nftables rule masquerades);
+//! else leave alone. Every other packet leaves with our mark bits clear (others' are kept).
+//! Nothing is dropped; malformed packets pass untouched. The only map writes are this CPU's
+//! counters (and aya-log records of malformed packets when asked). Layouts: `kilo-common`.
 #![no_std]
 #![no_main]
 
@@ -99,18 +90,16 @@ pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
     verdict
 }
 
-/// One run of the program: the packet, the config, and where this CPU's counters start.
+/// One run: the packet, the config, this CPU's region of KILO_COUNTERS, the packet's length.
 struct Run<'a> {
     ctx: &'a TcContext,
     cfg: &'static Config,
-    /// This CPU's region of KILO_COUNTERS.
     base: u32,
     len: u64,
 }
 
 impl<'a> Run<'a> {
-    /// None only without a config (a map that cannot be missing: the program then passes
-    /// everything untouched and uncounted).
+    /// None only without a config (which cannot be missing): then all passes, uncounted.
     #[inline(always)]
     fn new(ctx: &'a TcContext) -> Option<Self> {
         let cfg = KILO_CONFIG.get(0)?;
@@ -176,9 +165,8 @@ impl<'a> Run<'a> {
     }
 }
 
-/// Writes the skb's mark. Not inlined: the verifier wants the store at a fixed offset from the
-/// context pointer, which LLVM would otherwise share with the load of the mark as one
-/// modified pointer.
+/// Writes the skb's mark. Not inlined: else LLVM reuses the load's modified context pointer
+/// for the store, which the verifier refuses.
 #[inline(never)]
 fn set_mark(skb: *mut __sk_buff, mark: u32) {
     // SAFETY: the context of a TC program is a __sk_buff, whose mark it may write.
@@ -218,23 +206,13 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-/// The lookup key of a whole address.
+/// The lookup key of the address of `N` bytes at `hdr[at..]`.
 #[inline(always)]
-fn key(v6: bool, addr: [u8; 16]) -> Key<LpmData> {
-    let (family, bits) = if v6 {
-        (FAMILY_V6, 128)
-    } else {
-        (FAMILY_V4, 32)
-    };
-    Key::new(FAMILY_BITS + bits, LpmData { family, addr })
-}
-
-/// The first `N` bytes of `hdr` from `at`, in the 16-byte address of a key.
-#[inline(always)]
-fn addr<const N: usize>(hdr: &[u8], at: usize) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    out[..N].copy_from_slice(&hdr[at..at + N]);
-    out
+fn key<const N: usize>(hdr: &[u8], at: usize) -> Key<LpmData> {
+    let mut addr = [0u8; 16];
+    addr[..N].copy_from_slice(&hdr[at..at + N]);
+    let family = if N == 16 { FAMILY_V6 } else { FAMILY_V4 };
+    Key::new(FAMILY_BITS + 8 * N as u32, LpmData { family, addr })
 }
 
 /// The decision for an IP packet whose header starts at `off`.
@@ -248,10 +226,7 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
         if hdr[0] >> 4 != 6 {
             return (ok, Decision::Malformed);
         }
-        (
-            key(true, addr::<16>(&hdr, 8)),
-            key(true, addr::<16>(&hdr, 24)),
-        )
+        (key::<16>(&hdr, 8), key::<16>(&hdr, 24))
     } else {
         let Some(hdr) = load::<[u8; 20]>(run.ctx, off) else {
             return (ok, Decision::Malformed);
@@ -259,10 +234,7 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
         if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
             return (ok, Decision::Malformed);
         }
-        (
-            key(false, addr::<4>(&hdr, 12)),
-            key(false, addr::<4>(&hdr, 16)),
-        )
+        (key::<4>(&hdr, 12), key::<4>(&hdr, 16))
     };
     if let Some(entry) = KILO_MESH.get(&dst) {
         run.count_entry(entry);
@@ -281,11 +253,12 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
             masquerade = true;
         }
     }
-    if masquerade {
-        (ok, Decision::Masquerade)
+    let decision = if masquerade {
+        Decision::Masquerade
     } else {
-        (ok, Decision::Pass)
-    }
+        Decision::Pass
+    };
+    (ok, decision)
 }
 
 /// The fast path: decrement the TTL / hop limit like a router and redirect to the entry's
