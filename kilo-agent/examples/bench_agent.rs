@@ -22,9 +22,10 @@ use std::{
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, LoopSettings, seccomp},
     backend::{Backend, file::FileBackend},
+    datapath::FakeDatapath,
     mesh::Key,
     reconcile::{
-        FakeDatapath, Reconciler, Writes,
+        Reconciler, Writes,
         netlink::NetlinkKernel,
         wireguard::{WgApi, WgControl, uapi_socket},
     },

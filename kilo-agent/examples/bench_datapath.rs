@@ -1,8 +1,8 @@
 //! Datapath benchmarks (root): per-packet cost of the TC program with BPF_PROG_TEST_RUN at
-//! 10, 1,000 and 100,000 map entries against the empty program and against the lean reference
-//! (the datapath issue's cost model: parse, kernel LPM tries, mark; its IPv4 cases only), with
-//! hot and with cold caches, and the cost of `sync` (10,000 entries from empty; a 1-entry
-//! change into 10,000: time and map writes).
+//! 10, 1,000 and 100,000 entries beside the empty program (kilo-ebpf's bench object), and the
+//! cost of `sync`: 10,000 entries from empty, 1-entry changes into 10,000 (time and map
+//! writes), and the CPU time of an idle resync at 10,000 entries (the record compared with the
+//! plan; every `READ_BACK_EVERY`-th also reads the tries back).
 //!
 //! `cargo run --release -p kilo-agent --example bench_datapath [-- --repeat N --rounds R]`
 #[path = "../tests/support/mod.rs"]
@@ -18,7 +18,7 @@ use std::{
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_agent::{
-    datapath::{Datapath, DatapathConfig, Framing, NoResolver, OBJECT},
+    datapath::{Datapath, DatapathConfig, Framing, NoResolver, READ_BACK_EVERY},
     plan::{DatapathEntry, DatapathPlan, EntryKind},
 };
 use packets::{frame, time, v4, v6};
@@ -90,107 +90,30 @@ fn open(slots: u32) -> Datapath {
     .expect("load the datapath (needs root)")
 }
 
-/// An instance of the object with the lean reference loaded and filled from `plan`.
-fn lean(plan: &DatapathPlan) -> aya::Ebpf {
-    let mut ebpf = aya::Ebpf::load(OBJECT).expect("load the object");
-    support::lean::load(&mut ebpf, plan);
-    ebpf
-}
-
-/// The lean reference program of `ebpf`.
-fn lean_prog(ebpf: &aya::Ebpf) -> &aya::programs::SchedClassifier {
-    ebpf.program(kilo_common::PROG_LEAN)
-        .unwrap()
-        .try_into()
-        .unwrap()
-}
-
-/// Per-packet cost with cold caches, the way a packet finds them after an idle spell or other
-/// work (as on a lightly loaded router, or one whose softirq runs on another CPU than the
-/// sender): before each single run a buffer is written, `--thrash-kib` of cache lines, either
-/// contiguous (evicts this core's L1 and part of L2) or one line per 4 KiB page (the same
-/// lines spread over as many pages: evicts the TLBs too, and a TLB miss in a VM is a
-/// two-dimensional page walk). The program's own map lines (config, index chunks, counters;
-/// vmalloc'd 4 KiB pages, except small maps) then cost what they cost live; the packet and the
-/// skb are hot, as the stack has just touched them. `iters` runs per case, ours, the empty
-/// program and the lean reference interleaved; interquartile means of each and of the per-run
-/// differences (paired).
-fn cold(iters: u32) {
-    if iters == 0 {
-        return;
-    }
-    let kib = arg::<usize>("--thrash-kib", 64);
-    let mut dp = open(131_072);
-    let p = plan(1_000);
-    dp.sync(&p, &NoResolver).expect("sync");
-    let reference = lean(&p);
-    let masq = frame(&[], v4("10.244.1.5"), v4("8.8.8.8"));
-    let mesh_hit = frame(&[], v4("10.244.1.5"), v4("10.0.3.7"));
-    println!();
+/// Syncs `plan` and prints the time and the writes.
+fn timed(dp: &mut Datapath, label: &str, plan: &DatapathPlan) {
+    let t = Instant::now();
+    let w = dp.sync(plan, &NoResolver).unwrap();
     println!(
-        "# cold caches: {iters} single runs per case (1,000 entries), each after writing \
-         {kib} KiB of cache lines"
+        "{label:<27} {:>8.1} ms, {w}",
+        t.elapsed().as_secs_f64() * 1e3
     );
-    println!(
-        "{:<18} {:<16} {:>8} {:>8} {:>8} {:>12} {:>12} {:>14}",
-        "ns/packet",
-        "lines written",
-        "ours",
-        "empty",
-        "lean ref",
-        "ours - empty",
-        "lean - empty",
-        "ours - lean"
-    );
-    for (label, stride) in [("contiguous", 64usize), ("one per page", 4096)] {
-        let lines = (kib << 10) / 64;
-        let span = lines * stride;
-        let mut buf = vec![0u8; span];
-        // SAFETY: advice on memory this function owns (4 KiB pages, for the TLB case).
-        unsafe { libc::madvise(buf.as_mut_ptr().cast(), span, libc::MADV_NOHUGEPAGE) };
-        let mut thrash = |i: u32| {
-            for off in (0..span).step_by(stride) {
-                // SAFETY: in bounds; volatile so that the writes happen.
-                unsafe { std::ptr::write_volatile(buf.as_mut_ptr().add(off), i as u8) };
-            }
-        };
-        for (name, pkt) in [("masquerade (v4)", &masq), ("mesh hit (v4)", &mesh_hit)] {
-            // ours, empty, lean; ours - empty, lean - empty, ours - lean
-            let mut v: [Vec<f64>; 6] = Default::default();
-            for i in 0..iters {
-                thrash(i);
-                let x = time(dp.program(Framing::L2), pkt, 1);
-                thrash(i);
-                let y = time(dp.noop_program(), pkt, 1);
-                thrash(i);
-                let z = time(lean_prog(&reference), pkt, 1);
-                for (s, t) in v.iter_mut().zip([x, y, z, x - y, z - y, x - z]) {
-                    s.push(t);
-                }
-            }
-            let [a, b, c, d, e, f] = v.map(|mut s| iq_mean(&mut s));
-            println!(
-                "{name:<18} {label:<16} {a:>8.1} {b:>8.1} {c:>8.1} {d:>+12.1} {e:>+12.1} {f:>+14.1}"
-            );
-        }
-    }
 }
 
-/// The mean of the middle half: the clock ticks in steps of about 10 ns here, which this
-/// resolves finer than a median, and it leaves out the runs an interrupt spoilt.
-fn iq_mean(v: &mut [f64]) -> f64 {
-    v.sort_by(|p, q| p.partial_cmp(q).unwrap());
-    let kept = &v[v.len() / 4..v.len() * 3 / 4];
-    kept.iter().sum::<f64>() / kept.len() as f64
+/// CPU time of the calling thread.
+fn cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec for the kernel to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 fn main() {
     let repeat = arg::<u32>("--repeat", 1_000_000);
     let rounds = arg::<u32>("--rounds", 7);
-    if std::env::args().any(|a| a == "--cold-only") {
-        cold(arg::<u32>("--cold", 2_000));
-        return;
-    }
     println!(
         "# datapath benchmark (BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds)"
     );
@@ -218,14 +141,8 @@ fn main() {
         ("not IP (ARP)", &arp),
     ];
 
-    // The lean reference's cases: IPv4 on untagged Ethernet is all it parses.
-    let lean_cases: [(&str, &[u8]); 3] = [
-        ("lean: masq (v4)", &masq),
-        ("lean: mesh (v4)", &mesh_hit),
-        ("lean: no match", &pass),
-    ];
-
     let mut results: BTreeMap<(usize, &str), f64> = BTreeMap::new();
+    let empty = support::noop();
     let mut noop = Vec::new();
     for n in [10usize, 1_000, 100_000] {
         let mut dp = open(131_072);
@@ -237,11 +154,7 @@ fn main() {
         for (name, pkt) in cases {
             results.insert((n, name), ns(prog, pkt, repeat, rounds));
         }
-        noop.push(ns(dp.noop_program(), &masq, repeat, rounds));
-        let reference = lean(&p);
-        for (name, pkt) in lean_cases {
-            results.insert((n, name), ns(lean_prog(&reference), pkt, repeat, rounds));
-        }
+        noop.push(ns(support::noop_program(&empty), &masq, repeat, rounds));
         println!(
             "entries {n:>7}: filled in {:>8.1} ms ({} map writes)",
             fill.as_secs_f64() * 1e3,
@@ -256,48 +169,45 @@ fn main() {
         "ns/packet", "n=10", "n=1000", "n=100000", "100k/10", "over empty"
     );
     println!("{:<18} {:>10.1}", "empty program", noop);
-    let mut worst_ratio: f64 = 0.0;
-    for (i, (name, _)) in cases.iter().chain(&lean_cases).enumerate() {
-        let a = results[&(10, *name)];
-        let b = results[&(1_000, *name)];
-        let c = results[&(100_000, *name)];
-        if i < cases.len() {
-            worst_ratio = worst_ratio.max(c / a);
-        }
+    for (name, _) in cases {
+        let a = results[&(10, name)];
+        let b = results[&(1_000, name)];
+        let c = results[&(100_000, name)];
         println!(
             "{name:<18} {a:>10.1} {b:>10.1} {c:>10.1} {:>10.2} {:>+12.1}",
             c / a,
-            c - noop
+            b - noop
         );
     }
-    println!(
-        "worst 100k/10 ratio of ours: {worst_ratio:.2} (target <= 1.5: {})",
-        if worst_ratio <= 1.5 { "met" } else { "NOT met" }
-    );
-
-    cold(arg::<u32>("--cold", 2_000));
+    println!("(over empty: at 1,000 entries)");
 
     // sync: 10,000 entries from empty, then 1-entry changes into 10,000.
     println!();
     let mut dp = open(131_072);
-    // Syncs `plan` and prints the time and the writes.
-    let mut timed = |label: &str, plan: &DatapathPlan| {
-        let t = Instant::now();
-        let w = dp.sync(plan, &NoResolver).unwrap();
-        println!(
-            "{label:<27} {:>8.1} ms, {w}",
-            t.elapsed().as_secs_f64() * 1e3
-        );
-    };
     let p = plan(10_000);
-    timed("sync 10,000 from empty:", &p);
-    timed("sync again, no change:", &p);
+    timed(&mut dp, "sync 10,000 from empty:", &p);
+    timed(&mut dp, "sync again, no change:", &p);
+    // Idle resyncs: CPU time, with and without the periodic read-back.
+    let mut idle = Vec::new();
+    for _ in 0..READ_BACK_EVERY * 10 {
+        let t = cpu_time();
+        assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
+        idle.push((cpu_time() - t).as_secs_f64() * 1e3);
+    }
+    idle.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let mean = idle.iter().sum::<f64>() / idle.len() as f64;
+    println!(
+        "idle resync at 10,000:      {:>8.3} ms CPU median, {:>6.3} ms mean (a read-back every {READ_BACK_EVERY}: {:.3} ms)",
+        idle[idle.len() / 2],
+        mean,
+        idle[idle.len() - 1]
+    );
     let mut added = p.clone();
     added.mesh_destinations.insert(
         "10.255.255.0/24".parse().unwrap(),
         entry(EntryKind::Peer, 0),
     );
-    timed("1 entry added into 10,000:", &added);
+    timed(&mut dp, "1 entry added into 10,000:", &added);
     let mut replaced = added.clone();
     let first = *replaced.mesh_destinations.keys().next().unwrap();
     replaced.mesh_destinations.remove(&first);
@@ -305,8 +215,8 @@ fn main() {
         "10.255.254.0/24".parse().unwrap(),
         entry(EntryKind::Peer, 1),
     );
-    timed("1 entry replaced in 10,001:", &replaced);
+    timed(&mut dp, "1 entry replaced in 10,001:", &replaced);
     let mut changed = replaced.clone();
     changed.mesh_destinations.values_mut().next().unwrap().kind = EntryKind::Peer;
-    timed("1 entry changed in 10,001:", &changed);
+    timed(&mut dp, "1 entry changed in 10,001:", &changed);
 }

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod backend;
 pub mod datapath;
+pub mod effects;
 pub mod kgctl;
 pub mod mesh;
 pub mod plan;

@@ -9,9 +9,9 @@ use std::{sync::Arc, time::Duration};
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
     backend::file::FileBackend,
-    datapath::{Counter, Role},
+    datapath::{Counter, FakeDatapath, Role},
     mesh::{Key, Snapshot},
-    reconcile::{FakeDatapath, FakeKernel, Reconciler, wireguard::FakeWireGuard},
+    reconcile::{FakeKernel, Reconciler, wireguard::FakeWireGuard},
     telemetry::Metrics,
 };
 

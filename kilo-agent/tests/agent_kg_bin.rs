@@ -44,7 +44,6 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             "--datapath-log-level=debug",
             // Map sizes other than the defaults.
             "--datapath-counter-slots=64",
-            "--datapath-v4-chunks=8",
             "--datapath-max-entries=4096",
         ])
         .stdout(Stdio::null())
@@ -106,11 +105,7 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     }
     assert!(log.contains("seccomp filter installed"), "{log}");
     assert!(log.contains("datapath: maps ready"), "{log}");
-    for size in [
-        "table_capacity\":4096",
-        "counter_slots\":64",
-        "v4_chunks\":8",
-    ] {
+    for size in ["table_capacity\":4096", "counter_slots\":64"] {
         assert!(log.contains(size), "{size} in {log}");
     }
     assert!(log.contains("--iptables-forward-rules is ignored"), "{log}");

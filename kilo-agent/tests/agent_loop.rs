@@ -13,9 +13,10 @@ use std::{
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, LoopSettings},
     backend::file::FileBackend,
+    datapath::FakeDatapath,
     mesh::Key,
     reconcile::{
-        FakeDatapath, Reconciler, Settings,
+        Reconciler, Settings,
         netlink::{NetlinkKernel, watch},
         wireguard::{WgApi, WgControl},
     },

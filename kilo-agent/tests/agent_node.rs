@@ -8,10 +8,11 @@ mod support;
 use std::{collections::BTreeSet, time::Duration};
 
 use kilo_agent::{
+    datapath::FakeDatapath,
     mesh::Key,
     plan::{Device, KILO_TABLE, MAIN_TABLE, Plan, Route, Rule, WireGuardPeer, WireGuardPlan},
     reconcile::{
-        FakeDatapath, Reconciler, Report, Settings,
+        Reconciler, Report, Settings,
         netlink::{EventFilter, NetlinkKernel},
         wireguard::{WgApi, WgControl, WireGuard},
     },

@@ -485,3 +485,42 @@ fn raw_ip_device_traffic_is_classified_like_wireguard() {
     );
     assert_eq!(c.decision(Decision::Malformed).packets, 0, "{c:?}");
 }
+
+/// Services: the program decides at TC ingress, before kube-proxy's DNAT; Kilo's chains decide
+/// in POSTROUTING, after it. kube-proxy is emulated in the node by an nftables DNAT from
+/// ClusterIP 10.96.0.1 to the mesh host (a pod in another location) and from 10.96.0.2 to the
+/// internet host. Kilo leaves the first unmasqueraded and masquerades the second. Ours decides
+/// on the ClusterIP: with the service CIDR a mesh destination (`--service-cidr`) neither is
+/// masqueraded; without it, both are (see the README's differences from Kilo).
+#[test]
+fn services_are_decided_on_the_cluster_ip_before_kube_proxy_dnat() {
+    if !support::require_root("services_are_decided_on_the_cluster_ip_before_kube_proxy_dnat") {
+        return;
+    }
+    let lab = Lab::new();
+    let fs = BpfFs::new();
+    lab.node.sh("nft add table ip kp && \
+         nft add chain ip kp pre \"{ type nat hook prerouting priority dstnat; }\" && \
+         nft add rule ip kp pre ip daddr 10.96.0.1 dnat to 10.20.0.2 && \
+         nft add rule ip kp pre ip daddr 10.96.0.2 dnat to 192.0.2.2");
+    let sources = |port: u16| {
+        (
+            udp_source(&lab.pod, &lab.mesh, ip("10.96.0.1"), port),
+            udp_source(&lab.pod, &lab.inet, ip("10.96.0.2"), port + 1),
+        )
+    };
+    let (dp, _) = start(&lab, config(fs.pin_dir("kilo"), AttachMode::Tcx));
+    // With the service CIDR among the mesh destinations: the first as Kilo, the second not
+    // masqueraded (Kilo: the node's address).
+    assert_eq!(sources(7100), (Some(ip(POD)), Some(ip(POD))));
+    // Without it: the second as Kilo, the first masqueraded (Kilo: the pod's address).
+    let mut without = plan(None);
+    without.mesh_destinations.remove(&net("10.96.0.0/24"));
+    let dp = lab.node.run(move || {
+        let mut dp = dp;
+        dp.sync(&without, &NoResolver).unwrap();
+        dp
+    });
+    assert_eq!(sources(7110), (Some(ip("10.20.0.1")), Some(ip(NODE_INET))));
+    lab.node.run(move || dp.cleanup().expect("cleanup"));
+}

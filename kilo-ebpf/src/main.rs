@@ -1,23 +1,11 @@
-//! The kilo TC datapath: Kilo's masquerade decision (and an opt-in forwarding fast path) made
-//! with longest-prefix matches at TC ingress of the pod-facing devices and the WireGuard
-//! interface (plus the benchmarks' baselines: `kilo_noop`, `kilo_touch`, `kilo_lean`).
-//!
-//! Per packet: parse Ethernet (up to two VLAN tags, 802.1Q/802.1ad) or raw IP (the `_l3`
-//! entry point, for devices without a MAC header), IPv4 or IPv6; then, with longest-prefix
-//! matches (IPv4: a walk of the direct index, at most three array reads per address; IPv6 and
-//! IPv4 fallback regions: one hash probe per prefix length present, longest first, skipping the
-//! lengths the pre-filter rules out; see kilo-common)
-//! - destination in `KILO_MESH`: leave alone (or, with the fast path on and an egress in the
-//!   entry, not a service: redirect there);
-//! - otherwise, source in `KILO_NAT_SRC` (while there are few, the copy of them in the config
-//!   value) or destination in `KILO_MASQ_DST`: set the masquerade mark bits (the one
-//!   static nftables rule masquerades marked packets);
-//! - otherwise leave alone.
-//!
-//! Nothing is ever dropped; truncated or malformed packets pass untouched. The only map writes
-//! are this CPU's counters (and aya-log records, when the config asks for them: only on the rare
-//! paths, malformed packets, the fast path declining, IPv4 lookups sent to the hash tables).
-//! Map layouts live in `kilo-common`.
+//! The kilo TC datapath at ingress of the pod-facing devices and the WireGuard interface. It
+//! parses Ethernet (up to two VLAN tags) or raw IP (the `_l3` entry point), IPv4 or IPv6, and
+//! with one kernel LPM-trie lookup per role: destination in `KILO_MESH` → leave alone (or, fast
+//! path on, an egress in the entry, not a service: redirect); else source in `KILO_NAT_SRC` or
+//! destination in `KILO_MASQ_DST` → set our mark bits (the static nftables rule masquerades);
+//! else leave alone. Every other packet leaves with our mark bits clear (others' are kept).
+//! Nothing is dropped; malformed packets pass untouched. The only map writes are this CPU's
+//! counters (and aya-log records of malformed packets when asked). Layouts: `kilo-common`.
 #![no_std]
 #![no_main]
 
@@ -27,39 +15,23 @@ use aya_ebpf::{
     helpers::bpf_get_smp_processor_id,
     helpers::generated::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, map},
-    maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
+    maps::{Array, LpmTrie, lpm_trie::Key},
     programs::TcContext,
 };
-use aya_log_ebpf::{debug, trace};
+use aya_log_ebpf::debug;
 use kilo_common::{
-    CONFIG_FAST_PATH, Chunk, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
-    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, Decision, ENTRY_NEIGH,
-    ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6, FIELD_FALLBACK,
-    FILTER_BUCKETS, FILTER_ROLE_BITS, LEAN_ENTRIES, Lengths, MAX_LENGTHS, NAT4_INDEXED,
-    NAT6_INDEXED, SLOT_FALLBACK, SLOT_POINTER, counter_stride, filter_bucket4, filter_bucket6,
-    filter_class, slot_field,
+    CONFIG_FAST_PATH, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
+    Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4,
+    FAMILY_V6, LpmData, counter_stride,
 };
 
-const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
+type Trie = LpmTrie<LpmData, EntryValue>;
 #[map]
-static KILO_MESH: HashMap<EntryKey, EntryValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
+static KILO_MESH: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
-static KILO_NAT_SRC: HashMap<EntryKey, EntryValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
+static KILO_NAT_SRC: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
-static KILO_MASQ_DST: HashMap<EntryKey, EntryValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_ENTRIES, NO_PREALLOC);
-#[map]
-static KILO_LENGTHS: Array<Lengths> = Array::with_max_entries(3, 0);
-#[map]
-static KILO_FILTER: Array<u64> = Array::with_max_entries(FILTER_BUCKETS, 0);
-#[map]
-static KILO_V4_ROOT: Array<Chunk> = Array::with_max_entries(256, 0);
-#[map]
-static KILO_V4_L2: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
-#[map]
-static KILO_V4_L3: Array<Chunk> = Array::with_max_entries(DEFAULT_V4_CHUNKS, 0);
+static KILO_MASQ_DST: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 /// CPU by CPU: see kilo-common's `MAP_COUNTERS`. The loader sizes it for the possible CPUs.
@@ -74,25 +46,24 @@ const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
+const LOG_DEBUG: u32 = 4;
 
-/// For Ethernet devices (veth, bridges, NICs). An untagged IP frame (or one whose tag the
-/// device took off) is known by the skb's protocol, which the stack has set from the frame's
-/// ethertype already; other frames are walked (VLAN tags, other protocols).
+/// For Ethernet devices (veth, bridges, NICs). An untagged IP frame is known by the skb's
+/// protocol, which the stack has set from the frame's ethertype already; other frames are
+/// walked (VLAN tags, other protocols).
 #[classifier]
 pub fn kilo_ingress(ctx: TcContext) -> i32 {
     let Some(run) = Run::new(&ctx) else {
         return TC_ACT_OK as i32;
     };
-    // SAFETY: the context of a TC program is a __sk_buff.
-    let protocol = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).protocol };
+    let protocol = run.skb().protocol;
     let (verdict, decision) = if protocol == u32::from(ETH_P_IP.to_be()) {
-        ip4(&run, ETH_HLEN)
+        ip(&run, false, ETH_HLEN)
     } else if protocol == u32::from(ETH_P_IPV6.to_be()) {
-        ip6(&run, ETH_HLEN)
+        ip(&run, true, ETH_HLEN)
     } else {
         match l2(&ctx) {
-            Ok(Some((false, off))) => ip4(&run, off),
-            Ok(Some((true, off))) => ip6(&run, off),
+            Ok(Some((v6, off))) => ip(&run, v6, off),
             Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
             Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
         }
@@ -110,8 +81,8 @@ pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
     // The smallest IP header is 20 bytes (and `start + 1 > end` would compile to a `>=`
     // comparison the verifier does not turn into a packet range).
     let (verdict, decision) = match load::<[u8; 20]>(&ctx, 0).map(|h| h[0] >> 4) {
-        Some(4) => ip4(&run, 0),
-        Some(6) => ip6(&run, 0),
+        Some(4) => ip(&run, false, 0),
+        Some(6) => ip(&run, true, 0),
         Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
         None => (TC_ACT_OK as i32, Decision::Malformed),
     };
@@ -119,19 +90,16 @@ pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
     verdict
 }
 
-/// One run of the program: the packet, the config (one cache line, read once), and where this
-/// CPU's counters start.
+/// One run: the packet, the config, this CPU's region of KILO_COUNTERS, the packet's length.
 struct Run<'a> {
     ctx: &'a TcContext,
     cfg: &'static Config,
-    /// This CPU's region of KILO_COUNTERS.
     base: u32,
     len: u64,
 }
 
 impl<'a> Run<'a> {
-    /// None only without a config (a map that cannot be missing: the program then passes
-    /// everything untouched and uncounted).
+    /// None only without a config (which cannot be missing): then all passes, uncounted.
     #[inline(always)]
     fn new(ctx: &'a TcContext) -> Option<Self> {
         let cfg = KILO_CONFIG.get(0)?;
@@ -143,6 +111,12 @@ impl<'a> Run<'a> {
             base: cpu * cfg.counter_stride,
             len: ctx.len() as u64,
         })
+    }
+
+    #[inline(always)]
+    fn skb(&self) -> &__sk_buff {
+        // SAFETY: the context of a TC program is a __sk_buff.
+        unsafe { &*(self.ctx.as_ptr() as *const __sk_buff) }
     }
 
     /// Counts a packet in this CPU's counter `index` (a decision, or DECISION_SLOTS + an
@@ -159,82 +133,44 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Counts a packet in this CPU's counter of entry slot `slot` (none for NO_COUNTER or a
-    /// slot past the region).
+    /// Counts a packet in the counter of the entry `e` (none for NO_COUNTER or a slot past
+    /// the region).
     #[inline(always)]
-    fn count_entry(&self, slot: u32) {
-        if slot < self.cfg.counter_stride.wrapping_sub(DECISION_SLOTS) {
-            self.count(DECISION_SLOTS + slot);
+    fn count_entry(&self, e: &EntryValue) {
+        if e.counter < self.cfg.counter_stride.wrapping_sub(DECISION_SLOTS) {
+            self.count(DECISION_SLOTS + e.counter);
         }
     }
 
-    /// Counts the decision (and logs a malformed packet).
+    /// Sets our mark bits for a masquerade, clears them for every other decision (others'
+    /// bits are kept), counts the decision and logs a malformed packet.
     #[inline(always)]
     fn finish(&self, decision: Decision) {
+        let (mark, mask) = (self.skb().mark, self.cfg.mask);
+        let ours = if decision == Decision::Masquerade {
+            self.cfg.mark & mask
+        } else {
+            0
+        };
+        if mark & mask != ours {
+            set_mark(self.ctx.as_ptr() as *mut __sk_buff, (mark & !mask) | ours);
+        }
         self.count(decision as u32);
-        if decision == Decision::Malformed && self.logs(LOG_DEBUG) {
+        if decision == Decision::Malformed && self.cfg.log_level >= LOG_DEBUG {
             debug!(
                 self.ctx,
                 "malformed or truncated packet of {} bytes: passed untouched", self.len
             );
         }
     }
-
-    /// Whether the config asks for logs at `level`.
-    #[inline(always)]
-    fn logs(&self, level: u32) -> bool {
-        self.cfg.log_level >= level
-    }
 }
 
-const LOG_DEBUG: u32 = 4;
-const LOG_TRACE: u32 = 5;
-
-/// Returns at once (the benchmarks' baseline).
-#[classifier]
-pub fn kilo_noop(_ctx: TcContext) -> i32 {
-    TC_ACT_OK as i32
-}
-
-/// Reads the first byte of the IP header and returns: a benchmark baseline for the first touch
-/// of the packet's headers on this CPU (which the stack pays right after when no program does).
-#[classifier]
-pub fn kilo_touch(ctx: TcContext) -> i32 {
-    let start = ctx.data();
-    if start + ETH_HLEN + 1 <= ctx.data_end() {
-        // SAFETY: bounds checked above; volatile so that the read is not optimised away.
-        unsafe { core::ptr::read_volatile((start + ETH_HLEN) as *const u8) };
-    }
-    TC_ACT_OK as i32
-}
-
-/// The benchmarks' reference for "a lean program's parse, LPM lookup and mark" (the datapath
-/// issue's cost model): untagged Ethernet IPv4 only, kernel LPM tries of its own, the default
-/// mark, no config and no counters. Ours is measured against it as well as against the empty
-/// program.
-#[map]
-static KILO_LEAN_MESH: LpmTrie<[u8; 4], u32> = LpmTrie::with_max_entries(LEAN_ENTRIES, 0);
-#[map]
-static KILO_LEAN_NAT: LpmTrie<[u8; 4], u32> = LpmTrie::with_max_entries(LEAN_ENTRIES, 0);
-
-#[classifier]
-pub fn kilo_lean(ctx: TcContext) -> i32 {
-    let skb = ctx.as_ptr() as *const __sk_buff;
-    // SAFETY: the context of a TC program is a __sk_buff.
-    if unsafe { (*skb).protocol } == u32::from(ETH_P_IP.to_be())
-        && let Some(h) = load::<[u8; 20]>(&ctx, ETH_HLEN)
-        && KILO_LEAN_MESH
-            .get(&Key::new(32, [h[16], h[17], h[18], h[19]]))
-            .is_none()
-        && KILO_LEAN_NAT
-            .get(&Key::new(32, [h[12], h[13], h[14], h[15]]))
-            .is_some()
-    {
-        // SAFETY: as above.
-        let mark = unsafe { (*skb).mark };
-        ctx.set_mark((mark & !DEFAULT_MARK_MASK) | DEFAULT_MARK);
-    }
-    TC_ACT_OK as i32
+/// Writes the skb's mark. Not inlined: else LLVM reuses the load's modified context pointer
+/// for the store, which the verifier refuses.
+#[inline(never)]
+fn set_mark(skb: *mut __sk_buff, mark: u32) {
+    // SAFETY: the context of a TC program is a __sk_buff, whose mark it may write.
+    unsafe { (*skb).mark = mark };
 }
 
 /// Reads a `T` at `off` bytes into the packet, if the packet is long enough.
@@ -270,318 +206,59 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-/// An IPv4 address in the 16-byte key layout of the hash tables.
+/// The lookup key of the address of `N` bytes at `hdr[at..]`.
 #[inline(always)]
-fn v4(addr: u32) -> [u8; 16] {
-    let a = addr.to_be_bytes();
-    let mut out = [0u8; 16];
-    out[0] = a[0];
-    out[1] = a[1];
-    out[2] = a[2];
-    out[3] = a[3];
-    out
+fn key<const N: usize>(hdr: &[u8], at: usize) -> Key<LpmData> {
+    let mut addr = [0u8; 16];
+    addr[..N].copy_from_slice(&hdr[at..at + N]);
+    let family = if N == 16 { FAMILY_V6 } else { FAMILY_V4 };
+    Key::new(FAMILY_BITS + 8 * N as u32, LpmData { family, addr })
 }
 
-/// The pre-filter word of `addr` (see kilo-common's `MAP_FILTER`).
+/// The decision for an IP packet whose header starts at `off`.
 #[inline(always)]
-fn filter_word(v6: bool, addr: &[u8; 16]) -> u64 {
-    let first = [addr[0], addr[1], addr[2], addr[3]];
-    let bucket = if v6 {
-        filter_bucket6(first)
-    } else {
-        filter_bucket4(first)
-    };
-    match KILO_FILTER.get(bucket) {
-        Some(w) => *w,
-        None => u64::MAX,
-    }
-}
-
-/// The leaf slot of an IPv4 address in the direct index: the root chunk of its first octet,
-/// then (while the slot points on) the L2 and L3 chunks. A missing chunk reads as a fallback.
-#[inline(always)]
-fn leaf4(addr: u32) -> u64 {
-    let addr = addr.to_be_bytes();
-    let Some(root) = KILO_V4_ROOT.get(addr[0] as u32) else {
-        return SLOT_FALLBACK;
-    };
-    let slot = root.slots[addr[1] as usize];
-    if slot & SLOT_POINTER == 0 {
-        return slot;
-    }
-    let Some(l2) = KILO_V4_L2.get(slot as u32) else {
-        return SLOT_FALLBACK;
-    };
-    let slot = l2.slots[addr[2] as usize];
-    if slot & SLOT_POINTER == 0 {
-        return slot;
-    }
-    let Some(l3) = KILO_V4_L3.get(slot as u32) else {
-        return SLOT_FALLBACK;
-    };
-    let slot = l3.slots[addr[3] as usize];
-    if slot & SLOT_POINTER == 0 {
-        slot
-    } else {
-        SLOT_FALLBACK
-    }
-}
-
-/// A 128-bit address (or an IPv4 one in the first four bytes) as big-endian (hi, lo) halves.
-#[inline(always)]
-fn halves(addr: &[u8; 16]) -> (u64, u64) {
-    let hi = u64::from_be_bytes([
-        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
-    ]);
-    let lo = u64::from_be_bytes([
-        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
-    ]);
-    (hi, lo)
-}
-
-/// The masks of the first `l` bits (at most 128) of a 128-bit address held as (hi, lo) halves.
-#[inline(always)]
-fn masks(l: u32) -> (u64, u64) {
-    let hi = if l >= 64 {
-        u64::MAX
-    } else {
-        u64::MAX.checked_shl(64 - l).unwrap_or(0)
-    };
-    let lo = if l <= 64 {
-        0
-    } else {
-        u64::MAX.checked_shl(128 - l).unwrap_or(0)
-    };
-    (hi, lo)
-}
-
-/// The longest-prefix match of `addr` in one role's table: probe each prefix length present,
-/// longest first, skipping IPv4 lengths the pre-filter word `filter` rules out.
-#[inline(always)]
-fn find(
-    map: &'static HashMap<EntryKey, EntryValue>,
-    role: u32,
-    v6: bool,
-    addr: &[u8; 16],
-    filter: u64,
-) -> Option<&'static EntryValue> {
-    let lens = KILO_LENGTHS.get(role)?;
-    let bits = (filter >> (role * FILTER_ROLE_BITS)) as u32;
-    let (hi, lo) = halves(addr);
-    let (n, family, width) = if v6 {
-        (lens.n6, FAMILY_V6, 128)
-    } else {
-        (lens.n4, FAMILY_V4, 32)
-    };
-    let mut key = EntryKey {
-        family,
-        prefix_len: 0,
-        addr: [0; 16],
-    };
-    for i in 0..MAX_LENGTHS {
-        if i as u32 >= n {
-            break;
+fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
+    let ok = TC_ACT_OK as i32;
+    let (src, dst) = if v6 {
+        let Some(hdr) = load::<[u8; 40]>(run.ctx, off) else {
+            return (ok, Decision::Malformed);
+        };
+        if hdr[0] >> 4 != 6 {
+            return (ok, Decision::Malformed);
         }
-        let l = if v6 { lens.v6[i] } else { lens.v4[i] } as u32;
-        let l = if l > width { width } else { l };
-        if let Some(c) = filter_class(v6, l)
-            && (bits >> c) & 1 == 0
+        (key::<16>(&hdr, 8), key::<16>(&hdr, 24))
+    } else {
+        let Some(hdr) = load::<[u8; 20]>(run.ctx, off) else {
+            return (ok, Decision::Malformed);
+        };
+        if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
+            return (ok, Decision::Malformed);
+        }
+        (key::<4>(&hdr, 12), key::<4>(&hdr, 16))
+    };
+    if let Some(entry) = KILO_MESH.get(&dst) {
+        run.count_entry(entry);
+        if entry.flags & ENTRY_REDIRECT != 0
+            && entry.flags & ENTRY_SERVICE == 0
+            && run.cfg.flags & CONFIG_FAST_PATH != 0
         {
-            continue;
+            return redirect(run.ctx, v6, off, entry);
         }
-        // Keep the first l bits of the 128-bit (hi, lo) address (IPv4 lives in hi's top 32).
-        let (mh, ml) = masks(l);
-        key.prefix_len = l;
-        let h = (hi & mh).to_be_bytes();
-        let w = (lo & ml).to_be_bytes();
-        key.addr = [
-            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], w[0], w[1], w[2], w[3], w[4], w[5],
-            w[6], w[7],
-        ];
-        // SAFETY: the value is only read, and only while the program runs.
-        if let Some(v) = unsafe { map.get(&key) } {
-            return Some(v);
+        return (ok, Decision::Mesh);
+    }
+    let mut masquerade = false;
+    for (trie, k) in [(&KILO_NAT_SRC, &src), (&KILO_MASQ_DST, &dst)] {
+        if let Some(entry) = trie.get(k) {
+            run.count_entry(entry);
+            masquerade = true;
         }
     }
-    None
-}
-
-/// The decision for an IPv4 packet whose header starts at `off`: each role's match from the
-/// direct index (a counter slot + 1, 0 for none), or from the hash tables where the index
-/// says FIELD_FALLBACK (which it does, with the fast path on, for the mesh entries that may be
-/// redirected: their egress is in the hash table's value).
-#[inline(always)]
-fn ip4(run: &Run, off: usize) -> (i32, Decision) {
-    let ok = TC_ACT_OK as i32;
-    let Some(hdr) = load::<[u8; 20]>(run.ctx, off) else {
-        return (ok, Decision::Malformed);
-    };
-    if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
-        return (ok, Decision::Malformed);
-    }
-    // One register for the address, not a byte each (and the source read only past the mesh
-    // hit, which then keeps fewer values alive across the inlined lookups).
-    let dst = u32::from_be_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
-    let dst_leaf = leaf4(dst);
-    match slot_field(dst_leaf, 0) {
-        0 => {}
-        FIELD_FALLBACK => {
-            if run.logs(LOG_TRACE) {
-                trace!(run.ctx, "IPv4 lookup of {:i} sent to the hash tables", dst);
-            }
-            if let Some(r) = mesh_hashed(run, false, off, &v4(dst)) {
-                return r;
-            }
-        }
-        field => {
-            run.count_entry(field - 1);
-            return (ok, Decision::Mesh);
-        }
-    }
-    let Some(src) = load::<[u8; 4]>(run.ctx, off + 12) else {
-        return (ok, Decision::Malformed);
-    };
-    let src = u32::from_be_bytes(src);
-    let nat = if run.cfg.nat4_len == NAT4_INDEXED {
-        indexed(run, slot_field(leaf4(src), 1), &KILO_NAT_SRC, 1, src)
+    let decision = if masquerade {
+        Decision::Masquerade
     } else {
-        nat4_listed(run, src)
+        Decision::Pass
     };
-    let masq = indexed(run, slot_field(dst_leaf, 2), &KILO_MASQ_DST, 2, dst);
-    masquerade(run, nat | masq)
-}
-
-/// Whether `src` is one of the config's IPv4 NAT sources (counting the first, longest, match).
-#[inline(always)]
-fn nat4_listed(run: &Run, src: u32) -> bool {
-    for (i, n) in run.cfg.nat4.iter().enumerate() {
-        if i as u32 >= run.cfg.nat4_len {
-            break;
-        }
-        if src & n.mask == n.net {
-            run.count_entry(n.counter);
-            return true;
-        }
-    }
-    false
-}
-
-/// Whether `src` is one of the config's IPv6 NAT sources (counting the first, longest, match).
-#[inline(always)]
-fn nat6_listed(run: &Run, src: &[u8; 16]) -> bool {
-    let (hi, lo) = halves(src);
-    for (i, n) in run.cfg.nat6.iter().enumerate() {
-        if i as u32 >= run.cfg.nat6_len {
-            break;
-        }
-        let (mh, ml) = masks(n.prefix_len);
-        if hi & mh == n.hi && lo & ml == n.lo {
-            run.count_entry(n.counter);
-            return true;
-        }
-    }
-    false
-}
-
-/// The decision for an IPv6 packet whose header starts at `off` (hash tables only).
-#[inline(always)]
-fn ip6(run: &Run, off: usize) -> (i32, Decision) {
-    let ok = TC_ACT_OK as i32;
-    let Some(hdr) = load::<[u8; 40]>(run.ctx, off) else {
-        return (ok, Decision::Malformed);
-    };
-    if hdr[0] >> 4 != 6 {
-        return (ok, Decision::Malformed);
-    }
-    let mut src = [0u8; 16];
-    let mut dst = [0u8; 16];
-    src.copy_from_slice(&hdr[8..24]);
-    dst.copy_from_slice(&hdr[24..40]);
-    if let Some(r) = mesh_hashed(run, true, off, &dst) {
-        return r;
-    }
-    let nat = if run.cfg.nat6_len == NAT6_INDEXED {
-        hashed(run, &KILO_NAT_SRC, 1, true, &src)
-    } else {
-        nat6_listed(run, &src)
-    };
-    let masq = hashed(run, &KILO_MASQ_DST, 2, true, &dst);
-    masquerade(run, nat | masq)
-}
-
-/// A mesh destination from the hash table: left alone, or redirected by the fast path.
-#[inline(always)]
-fn mesh_hashed(run: &Run, v6: bool, off: usize, dst: &[u8; 16]) -> Option<(i32, Decision)> {
-    let entry = find(&KILO_MESH, 0, v6, dst, filter_word(v6, dst))?;
-    run.count_entry(entry.counter);
-    if entry.flags & ENTRY_REDIRECT != 0
-        && entry.flags & ENTRY_SERVICE == 0
-        && run.cfg.flags & CONFIG_FAST_PATH != 0
-    {
-        let r = redirect(run.ctx, v6, off, entry);
-        if r.1 == Decision::Mesh && run.logs(LOG_DEBUG) {
-            debug!(
-                run.ctx,
-                "fast path declined (TTL expiring or redirect to ifindex {} failed): left to the stack",
-                entry.ifindex
-            );
-        }
-        return Some(r);
-    }
-    Some((TC_ACT_OK as i32, Decision::Mesh))
-}
-
-/// Whether `addr` matches a NAT source or masquerade destination entry (counting it), from
-/// the direct index's `field` or, for FIELD_FALLBACK, the hash table.
-#[inline(always)]
-fn indexed(
-    run: &Run,
-    field: u32,
-    map: &'static HashMap<EntryKey, EntryValue>,
-    role: u32,
-    addr: u32,
-) -> bool {
-    match field {
-        0 => false,
-        FIELD_FALLBACK => hashed(run, map, role, false, &v4(addr)),
-        f => {
-            run.count_entry(f - 1);
-            true
-        }
-    }
-}
-
-/// Whether `addr` matches an entry of a NAT source or masquerade destination hash table
-/// (counting it).
-#[inline(always)]
-fn hashed(
-    run: &Run,
-    map: &'static HashMap<EntryKey, EntryValue>,
-    role: u32,
-    v6: bool,
-    addr: &[u8; 16],
-) -> bool {
-    match find(map, role, v6, addr, filter_word(v6, addr)) {
-        Some(entry) => {
-            run.count_entry(entry.counter);
-            true
-        }
-        None => false,
-    }
-}
-
-/// Sets the masquerade mark bits (keeping the others) if `yes`.
-#[inline(always)]
-fn masquerade(run: &Run, yes: bool) -> (i32, Decision) {
-    let ok = TC_ACT_OK as i32;
-    if !yes {
-        return (ok, Decision::Pass);
-    }
-    // SAFETY: the context of a TC program is a __sk_buff.
-    let mark = unsafe { (*(run.ctx.as_ptr() as *const __sk_buff)).mark };
-    run.ctx
-        .set_mark((mark & !run.cfg.mask) | (run.cfg.mark & run.cfg.mask));
-    (ok, Decision::Masquerade)
+    (ok, decision)
 }
 
 /// The fast path: decrement the TTL / hop limit like a router and redirect to the entry's
@@ -612,12 +289,9 @@ fn redirect(ctx: &TcContext, v6: bool, off: usize, entry: &EntryValue) -> (i32, 
         }
     }
     let ret = if entry.flags & ENTRY_NEIGH != 0 {
+        // SAFETY: a plain C struct of integers and byte arrays.
         let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
-        nh.nh_family = if entry.nh_family == FAMILY_V6 {
-            10 // AF_INET6
-        } else {
-            2 // AF_INET
-        };
+        nh.nh_family = if entry.nh_family == FAMILY_V6 { 10 } else { 2 }; // AF_INET6 / AF_INET
         // SAFETY: both union members are plain bytes.
         unsafe {
             core::ptr::copy_nonoverlapping(

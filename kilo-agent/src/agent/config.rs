@@ -251,19 +251,14 @@ pub struct Flags {
     #[arg(long, value_enum, default_value_t = LogLevel::None)]
     pub datapath_log_level: LogLevel,
     /// Capacity of each of the datapath's three tables (mesh destinations, NAT sources,
-    /// masquerade destinations). Changing it (like the two flags below) replaces the pinned maps
+    /// masquerade destinations). Changing it (like the flag below) replaces the pinned maps
     /// at start: entries are written again and counters start from zero.
     #[arg(long, default_value_t = kilo_common::DEFAULT_MAX_ENTRIES)]
     pub datapath_max_entries: u32,
     /// Per-entry traffic counter slots (16 bytes per slot and CPU); entries past them are not
-    /// counted per entry and are looked up in the hash tables rather than the IPv4 index.
+    /// counted per entry.
     #[arg(long, default_value_t = kilo_common::DEFAULT_COUNTER_SLOTS)]
     pub datapath_counter_slots: u32,
-    /// Chunks (2 KiB each) in each of the two lower levels of the IPv4 direct index: a /16
-    /// holding longer prefixes takes one, as does a /24 holding longer ones; regions beyond
-    /// them are looked up in the hash tables (slower, never wrong). 0 turns the index off.
-    #[arg(long, default_value_t = kilo_common::DEFAULT_V4_CHUNKS)]
-    pub datapath_v4_chunks: u32,
     /// Run without the eBPF datapath (no masquerading decisions: only WireGuard, routes and rules).
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub datapath: bool,
@@ -334,12 +329,8 @@ mod tests {
         assert!(f.seccomp && !f.dry_run);
         let dp = crate::datapath::DatapathConfig::default();
         assert_eq!(
-            (
-                f.datapath_max_entries,
-                f.datapath_counter_slots,
-                f.datapath_v4_chunks
-            ),
-            (dp.max_entries, dp.counter_slots, dp.v4_chunks)
+            (f.datapath_max_entries, f.datapath_counter_slots),
+            (dp.max_entries, dp.counter_slots)
         );
         assert_eq!(f.log_format, LogFormat::Json);
         assert!(f.warnings().is_empty());

@@ -56,7 +56,6 @@ fn datapath(flags: &Flags, devices: Devices) -> anyhow::Result<Box<dyn DatapathS
         log_level: flags.datapath_log_level.program_level(),
         max_entries: flags.datapath_max_entries,
         counter_slots: flags.datapath_counter_slots,
-        v4_chunks: flags.datapath_v4_chunks,
         ..DatapathConfig::default()
     })
     .context("loading the eBPF datapath")?;

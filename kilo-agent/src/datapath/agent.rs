@@ -1,7 +1,9 @@
 //! The datapath as the agent's reconciler drives it ([`DatapathSync`]): attaches the program to
 //! the WireGuard interface and the pod-facing interfaces as they appear, keeps the static
 //! masquerade rule and the fast-path flag, and syncs the maps with the plan. Each step writes
-//! only when the kernel differs, so an idle reconcile writes nothing.
+//! only when the kernel differs, so an idle reconcile writes nothing. The program is attached
+//! only to maps that have held a whole plan once: after a first sync that failed part-way it
+//! waits for one that completes. [`FakeDatapath`] is the same in memory, for fast tests.
 //!
 //! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (shared under
 //! a mutex that a sync holds while it writes and a scrape while it reads; nothing else waits on
@@ -12,12 +14,16 @@ use std::{
     sync::{Arc, Mutex, MutexGuard},
 };
 
-use super::{Datapath, DatapathError, DatapathMaps as _, Role, ifindex, sync::plan_role};
+use super::{
+    Counters, Datapath, DatapathError, DatapathMaps as _, FakeMaps, NoResolver, Role, ifindex,
+    read_counters, sync::plan_role, sync_maps,
+};
 use crate::{
-    plan::{DatapathPlan, Device},
-    reconcile::{
-        DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Writes, state::Devices,
+    effects::{
+        DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
+        Writes,
     },
+    plan::{DatapathPlan, Device, EntryKind},
 };
 
 /// What the reconciler and the metrics share.
@@ -53,7 +59,47 @@ impl DatapathStatsSource for Stats {
             .as_ref()
             .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))?;
         let counters = datapath.counters().map_err(failed)?;
-        Ok(DatapathStats::labelled(&counters, &shared.plan))
+        Ok(stats(&counters, &shared.plan))
+    }
+}
+
+/// The datapath's counters, labelled with the owners `plan` gives the entries.
+pub fn stats(counters: &Counters, plan: &DatapathPlan) -> DatapathStats {
+    let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
+    let entries = counters
+        .labelled(plan)
+        .map(|(e, owner)| {
+            *occupancy.entry(e.role).or_default() += 1;
+            EntryStats {
+                role: e.role.label(),
+                cidr: e.net,
+                kind: kind_label(e.kind),
+                owner: owner.to_string(),
+                counter: e.counter,
+            }
+        })
+        .collect();
+    DatapathStats {
+        decisions: counters
+            .decisions
+            .iter()
+            .map(|(d, c)| (d.name(), *c))
+            .collect(),
+        entries,
+        occupancy: occupancy.into_iter().map(|(r, n)| (r.label(), n)).collect(),
+    }
+}
+
+/// The metrics label of an entry kind.
+fn kind_label(kind: Option<EntryKind>) -> &'static str {
+    match kind {
+        Some(EntryKind::Node) => "node",
+        Some(EntryKind::WireGuardIp) => "wireguard_ip",
+        Some(EntryKind::Peer) => "peer",
+        Some(EntryKind::Service) => "service",
+        Some(EntryKind::LocalPods) => "local_pods",
+        Some(EntryKind::AllowedLocation) => "allowed_location",
+        None => "unknown",
     }
 }
 
@@ -119,12 +165,16 @@ impl DatapathSync for AgentDatapath {
         let datapath = loaded(&mut shared)?;
         writes += datapath.ensure_masquerade().map_err(failed)?;
         writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
-        let devices = &self.devices;
-        let resolver = |device: Device| devices.name(device).and_then(|n| ifindex(n).ok());
+        // Each device resolved once per sync, not once per entry.
+        let index = [Device::WireGuard, Device::Private, Device::Tunnel]
+            .map(|d| (d, self.devices.name(d).and_then(|n| ifindex(n).ok())));
+        let resolver = |device: Device| index.iter().find(|(d, _)| *d == device)?.1;
         let synced = datapath.sync(plan, &resolver).map_err(failed);
-        // Attached after the maps are filled (even partly, after a failure): a program bound to
-        // fresh maps (first start, or pins replaced by an upgrade) never decides on empty ones.
-        for name in &self.interfaces {
+        // Attached only to maps that have held a whole plan: a program bound to fresh maps
+        // (first start, or pins replaced by an upgrade) never decides on empty or half-written
+        // ones, and one already attached keeps its maps until then.
+        let ready = datapath.synced();
+        for name in self.interfaces.iter().filter(|_| ready) {
             match ifindex(name) {
                 Ok(index) if self.attached.get(name) != Some(&index) => {
                     writes += datapath.attach(name).map_err(failed)?;
@@ -180,5 +230,78 @@ impl DatapathSync for AgentDatapath {
 
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         Some(Arc::new(self.shared.clone()))
+    }
+}
+
+/// An in-memory datapath: the real map diff ([`sync_maps`]) over [`FakeMaps`], so it writes
+/// (and counts) what the kernel's maps would; its stats source reads those maps. Clones share
+/// the maps.
+#[derive(Debug, Clone, Default)]
+pub struct FakeDatapath(Arc<Mutex<FakeShared>>);
+
+#[derive(Debug)]
+struct FakeShared {
+    maps: FakeMaps,
+    /// The last plan synced (for the owner labels).
+    plan: DatapathPlan,
+}
+
+impl Default for FakeShared {
+    fn default() -> Self {
+        FakeShared {
+            maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
+            plan: DatapathPlan::default(),
+        }
+    }
+}
+
+impl FakeDatapath {
+    fn lock(&self) -> MutexGuard<'_, FakeShared> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy of the maps (to inspect, or to set counters through [`FakeDatapath::set_maps`]).
+    pub fn maps(&self) -> FakeMaps {
+        self.lock().maps.clone()
+    }
+
+    pub fn set_maps(&self, maps: FakeMaps) {
+        self.lock().maps = maps;
+    }
+
+    /// Entries in all three maps.
+    pub fn len(&self) -> usize {
+        self.lock().maps.tries.values().map(BTreeMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DatapathSync for FakeDatapath {
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        let mut shared = self.lock();
+        let writes = sync_maps(&mut shared.maps, plan, &NoResolver).map_err(failed);
+        if shared.plan != *plan {
+            shared.plan = plan.clone();
+        }
+        writes
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        let mut shared = self.lock();
+        shared.plan = DatapathPlan::default();
+        sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(failed)
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        Some(Arc::new(self.clone()))
+    }
+}
+
+impl DatapathStatsSource for FakeDatapath {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
+        let shared = self.lock();
+        let counters = read_counters(&shared.maps).map_err(failed)?;
+        Ok(stats(&counters, &shared.plan))
     }
 }

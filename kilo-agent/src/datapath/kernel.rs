@@ -15,7 +15,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, MapError},
+    maps::{Array, MapData, MapError, lpm_trie::LpmTrie},
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -25,23 +25,20 @@ use aya::{
 };
 use ipnet::IpNet;
 use kilo_common::{
-    CONFIG_FAST_PATH, Chunk, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
-    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, DEFAULT_V4_CHUNKS, EntryKey, EntryValue, FAMILY_V4,
-    FAMILY_V6, FILTER_V6_BASE, Lengths, MAP_CONFIG, MAP_COUNTERS, MAP_FILTER, MAP_LENGTHS,
-    MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, MAP_V4_L2, MAP_V4_L3, MAP_V4_ROOT, MAX_LENGTHS,
-    PROG_L2, PROG_L3, PROG_NOOP, counter_stride, filter_bit, filter_bucket4, filter_bucket6,
+    CONFIG_FAST_PATH, CONFIG_SYNCED, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
+    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, EntryValue, LAYOUT, LpmData, MAP_CONFIG, MAP_COUNTERS,
+    MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_L2, PROG_L3, counter_stride,
 };
 
 use super::{
     DatapathError, Role,
     counters::CounterArray,
-    direct::{self, DirectIndex, Level},
     keys,
     nft::{self, MasqueradeRule},
     qdisc,
-    sync::{self, Counters, DatapathMaps, Resolver},
+    sync::{self, Counters, DatapathMaps, MapSync, Resolver},
 };
-use crate::{plan::DatapathPlan, reconcile::Writes};
+use crate::{effects::Writes, plan::DatapathPlan};
 
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
@@ -93,13 +90,8 @@ pub struct DatapathConfig {
     pub fast_path: bool,
     /// Capacity of each table.
     pub max_entries: u32,
-    /// Per-entry counter slots (entries without one are not counted, and IPv4 ones are looked
-    /// up in the hash tables instead of the direct index).
+    /// Per-entry counter slots (entries without one are not counted).
     pub counter_slots: u32,
-    /// Chunks in each lower level of the IPv4 direct index (2 KiB each); regions beyond them
-    /// are looked up in the hash tables. 0 turns the index off: every IPv4 lookup goes to the
-    /// hash tables.
-    pub v4_chunks: u32,
     /// The private nftables table (family inet) holding the masquerade rule.
     pub nft_table: String,
     /// The program's log level (0 off, 1 error ... 5 trace; see [`super::logs`]).
@@ -116,7 +108,6 @@ impl Default for DatapathConfig {
             fast_path: false,
             max_entries: DEFAULT_MAX_ENTRIES,
             counter_slots: DEFAULT_COUNTER_SLOTS,
-            v4_chunks: DEFAULT_V4_CHUNKS,
             nft_table: "kilo".into(),
             log_level: 0,
         }
@@ -157,65 +148,30 @@ impl DatapathConfig {
             })
     }
 
-    /// The value of the program's config map.
-    pub fn map_config(&self) -> Config {
+    /// The value of the program's config map (`synced`: see [`CONFIG_SYNCED`]).
+    pub fn map_config(&self, synced: bool) -> Config {
+        let fast_path = if self.fast_path { CONFIG_FAST_PATH } else { 0 };
         Config {
+            layout: LAYOUT,
+            flags: fast_path | if synced { CONFIG_SYNCED } else { 0 },
+            log_level: self.log_level,
             mark: self.mark,
             mask: self.mask,
-            flags: if self.fast_path { CONFIG_FAST_PATH } else { 0 },
-            log_level: self.log_level,
             counter_stride: counter_stride(self.counter_slots),
-            ..Config::DEFAULT
         }
     }
 }
 
-type Table = HashMap<MapData, EntryKey, EntryValue>;
+type Trie = LpmTrie<MapData, LpmData, EntryValue>;
 
-/// The program's maps, opened from the loaded object.
-///
-/// Keeps a count of entries per (role, family, prefix length) so it can publish the lengths
-/// index ([`MAP_LENGTHS`]) in a safe order: a new length after its first entry is in, a
-/// vanished length after its last entry is gone (an extra length only costs a probe; a missing
-/// one would lose matches). Index writes are counted as `map_index`.
-///
-/// Likewise keeps a count of entries per (filter word, role, prefix length) for the
-/// pre-filter ([`MAP_FILTER`]): a bucket's bit is set before its first entry goes in and
-/// cleared after its last one is gone (a stray bit only costs a probe). Filter writes are
-/// counted as `map_filter`.
-///
-/// And keeps the IPv4 direct index ([`DirectIndex`]) in step with the IPv4 entries, publishing
-/// it after every insert or remove, or once per batch between [`DatapathMaps::hold_index`] and
-/// [`DatapathMaps::commit_index`]. Chunk writes are counted as `map_table`.
-///
-/// And keeps the config's copy of the NAT sources ([`Config::nat4`], [`Config::nat6`]) in step
-/// with that table, at the same moments as the direct index; its writes are counted as
-/// `map_config`.
-/// [`DatapathMaps::config`] and [`DatapathMaps::set_config`] deal in the settings only.
+/// The program's maps, opened from the loaded object: the three tries, the config and the
+/// counters.
 pub struct KernelMaps {
-    mesh: Table,
-    nat_src: Table,
-    masq_dst: Table,
-    lengths: Array<MapData, Lengths>,
-    counts: BTreeMap<(Role, u32, u32), usize>,
-    index_writes: u64,
-    filter: Array<MapData, u64>,
-    filter_counts: BTreeMap<(u32, u32, u32), usize>,
-    filter_writes: u64,
+    mesh: Trie,
+    nat_src: Trie,
+    masq_dst: Trie,
     config: Array<MapData, Config>,
-    /// The NAT sources and their counter slots.
-    nat: BTreeMap<IpNet, u32>,
-    /// `nat` changed in a held batch: publish at the commit.
-    nat_pending: bool,
-    config_writes: u64,
     counters: CounterArray,
-    v4_root: Array<MapData, Chunk>,
-    v4_l2: Array<MapData, Chunk>,
-    v4_l3: Array<MapData, Chunk>,
-    direct: DirectIndex,
-    /// The config's fast-path flag, as the direct index was built for.
-    fast_path: bool,
-    held: bool,
     capacity: usize,
 }
 
@@ -230,243 +186,20 @@ impl KernelMaps {
                 .ok_or_else(|| DatapathError::Config(format!("object has no map {name}")))?;
             T::try_from(map).map_err(|e| DatapathError::map(name, e))
         }
-        let (v4_l2, v4_l3): (Array<MapData, Chunk>, Array<MapData, Chunk>) =
-            (take(ebpf, MAP_V4_L2)?, take(ebpf, MAP_V4_L3)?);
-        let direct = if config.v4_chunks > 0 {
-            DirectIndex::new(v4_l2.len(), v4_l3.len())
-        } else {
-            DirectIndex::disabled()
-        };
-        let mut maps = KernelMaps {
+        Ok(KernelMaps {
             mesh: take(ebpf, MAP_MESH)?,
             nat_src: take(ebpf, MAP_NAT_SRC)?,
             masq_dst: take(ebpf, MAP_MASQ_DST)?,
-            lengths: take(ebpf, MAP_LENGTHS)?,
-            counts: BTreeMap::new(),
-            index_writes: 0,
-            filter: take(ebpf, MAP_FILTER)?,
-            filter_counts: BTreeMap::new(),
-            filter_writes: 0,
             config: take(ebpf, MAP_CONFIG)?,
-            nat: BTreeMap::new(),
-            nat_pending: false,
-            config_writes: 0,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
                 counter_stride(config.counter_slots),
             )?,
-            v4_root: take(ebpf, MAP_V4_ROOT)?,
-            v4_l2,
-            v4_l3,
-            direct,
-            fast_path: false,
-            held: false,
             capacity: config.max_entries as usize,
-        };
-        // Adopted tables: count what is there and make sure the indexes cover it.
-        let adopted = maps.all_entries()?;
-        for (role, entries) in Role::ALL.into_iter().zip(&adopted) {
-            for (net, _) in entries {
-                let k = keys::entry_key(net);
-                *maps
-                    .counts
-                    .entry((role, k.family, k.prefix_len))
-                    .or_default() += 1;
-                if let Some((slot, _)) = filter_slot(role, net) {
-                    *maps.filter_counts.entry(slot).or_default() += 1;
-                }
-            }
-            maps.publish(role)?;
-        }
-        let buckets: std::collections::BTreeSet<u32> =
-            maps.filter_counts.keys().map(|k| k.0).collect();
-        for bucket in buckets {
-            maps.publish_filter(bucket)?;
-        }
-        maps.fast_path = maps.config()?.flags & CONFIG_FAST_PATH != 0;
-        maps.reload_direct(&adopted)?;
-        maps.nat = Self::nat_record(&adopted[Role::NatSource.index() as usize]);
-        maps.publish_nat()?;
-        maps.index_writes = 0;
-        maps.filter_writes = 0;
-        maps.config_writes = 0;
-        Ok(maps)
+        })
     }
 
-    /// Rebuilds the direct index from what the kernel holds (the chunks, and `entries`, the
-    /// hash tables' entries by [`Role::index`]) and writes what is missing or stale; returns the
-    /// writes. A consistent kernel is not written.
-    fn reload_direct(
-        &mut self,
-        entries: &[Vec<(IpNet, EntryValue)>; 3],
-    ) -> Result<u64, DatapathError> {
-        let mut index = self.direct.fresh();
-        let root = (0..256)
-            .map(|i| self.v4_root.get(&i, 0))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| DatapathError::map(MAP_V4_ROOT, e))?;
-        let (l2, l3) = (&self.v4_l2, &self.v4_l3);
-        index.adopt(root, |level, i| match level {
-            Level::L3 => l3.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L3, e)),
-            _ => l2.get(&i, 0).map_err(|e| DatapathError::map(MAP_V4_L2, e)),
-        })?;
-        for (r, entries) in entries.iter().enumerate() {
-            for (net, value) in entries {
-                if let IpNet::V4(n) = net {
-                    index.set(r, *n, Some(direct::field(r, value, self.fast_path)));
-                }
-            }
-        }
-        self.direct = index;
-        self.publish_direct()
-    }
-
-    /// The NAT sources and counter slots of `entries` (the NAT source table's).
-    fn nat_record(entries: &[(IpNet, EntryValue)]) -> BTreeMap<IpNet, u32> {
-        entries.iter().map(|(net, v)| (*net, v.counter)).collect()
-    }
-
-    /// Notes a NAT source change and, unless a batch is held, publishes the lists.
-    fn update_nat(&mut self, net: IpNet, value: Option<&EntryValue>) -> Result<(), DatapathError> {
-        match value {
-            Some(v) => self.nat.insert(net.trunc(), v.counter),
-            None => self.nat.remove(&net.trunc()),
-        };
-        if self.held {
-            self.nat_pending = true;
-            return Ok(());
-        }
-        self.publish_nat()
-    }
-
-    /// `config` (the settings) with the NAT source lists of `nat`.
-    fn with_nat(&self, config: Config) -> Config {
-        keys::with_nat_sources(config, self.nat.iter().map(|(n, c)| (n, *c)))
-    }
-
-    /// Writes the config's NAT source lists if they differ from `nat` (one write).
-    fn publish_nat(&mut self) -> Result<(), DatapathError> {
-        self.nat_pending = false;
-        let have = self.raw_config()?;
-        let want = self.with_nat(have);
-        if want != have {
-            self.write_raw_config(&want)?;
-            self.config_writes += 1;
-        }
-        Ok(())
-    }
-
-    fn raw_config(&self) -> Result<Config, DatapathError> {
-        self.config
-            .get(&0, 0)
-            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
-    }
-
-    fn write_raw_config(&mut self, config: &Config) -> Result<(), DatapathError> {
-        self.config
-            .set(0, config, 0)
-            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
-    }
-
-    /// Writes the direct index's pending chunk writes, in order; returns how many.
-    fn publish_direct(&mut self) -> Result<u64, DatapathError> {
-        let writes = self.direct.plan();
-        for w in &writes {
-            let (map, name) = match w.level {
-                Level::Root => (&mut self.v4_root, MAP_V4_ROOT),
-                Level::L2 => (&mut self.v4_l2, MAP_V4_L2),
-                Level::L3 => (&mut self.v4_l3, MAP_V4_L3),
-            };
-            map.set(w.index, &*w.chunk, 0)
-                .map_err(|e| DatapathError::map(name, e))?;
-            self.direct.applied(w);
-        }
-        self.direct.done();
-        Ok(writes.len() as u64)
-    }
-
-    /// Tells the direct index about an IPv4 entry change and, unless a batch is held,
-    /// publishes it.
-    fn update_direct(
-        &mut self,
-        role: Role,
-        net: IpNet,
-        value: Option<&EntryValue>,
-    ) -> Result<(), DatapathError> {
-        if let IpNet::V4(n) = net {
-            let r = role.index() as usize;
-            let field = value.map(|v| direct::field(r, v, self.fast_path));
-            self.direct.set(r, n.trunc(), field);
-            if !self.held {
-                self.publish_direct()?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes the pre-filter word of `bucket` if it differs from what the counts say.
-    fn publish_filter(&mut self, bucket: u32) -> Result<(), DatapathError> {
-        let mut want = 0u64;
-        for ((_, role, len), n) in self
-            .filter_counts
-            .range((bucket, 0, 0)..=(bucket, u32::MAX, u32::MAX))
-        {
-            if *n > 0
-                && let Some(bit) = filter_bit(*role, bucket >= FILTER_V6_BASE, *len)
-            {
-                want |= bit;
-            }
-        }
-        let have = self
-            .filter
-            .get(&bucket, 0)
-            .map_err(|e| DatapathError::map(MAP_FILTER, e))?;
-        if have != want {
-            self.filter
-                .set(bucket, &want, 0)
-                .map_err(|e| DatapathError::map(MAP_FILTER, e))?;
-            self.filter_writes += 1;
-        }
-        Ok(())
-    }
-
-    /// The lengths index of `role` as the counts say it should be.
-    fn wanted_lengths(&self, role: Role) -> Lengths {
-        let mut out = Lengths::EMPTY;
-        for ((r, family, len), n) in self.counts.iter().rev() {
-            if *r != role || *n == 0 {
-                continue;
-            }
-            let (count, slots) = if *family == FAMILY_V4 {
-                (&mut out.n4, &mut out.v4)
-            } else {
-                (&mut out.n6, &mut out.v6)
-            };
-            if (*count as usize) < MAX_LENGTHS {
-                slots[*count as usize] = *len as u8;
-                *count += 1;
-            }
-        }
-        out
-    }
-
-    /// Writes the lengths index of `role` if it differs from what the map holds.
-    fn publish(&mut self, role: Role) -> Result<(), DatapathError> {
-        let want = self.wanted_lengths(role);
-        let have = self
-            .lengths
-            .get(&role.index(), 0)
-            .map_err(|e| DatapathError::map(MAP_LENGTHS, e))?;
-        if have != want {
-            self.lengths
-                .set(role.index(), &want, 0)
-                .map_err(|e| DatapathError::map(MAP_LENGTHS, e))?;
-            self.index_writes += 1;
-        }
-        Ok(())
-    }
-
-    fn trie(&self, role: Role) -> &Table {
+    fn trie(&self, role: Role) -> &Trie {
         match role {
             Role::Mesh => &self.mesh,
             Role::NatSource => &self.nat_src,
@@ -474,28 +207,13 @@ impl KernelMaps {
         }
     }
 
-    fn trie_mut(&mut self, role: Role) -> &mut Table {
+    fn trie_mut(&mut self, role: Role) -> &mut Trie {
         match role {
             Role::Mesh => &mut self.mesh,
             Role::NatSource => &mut self.nat_src,
             Role::MasqueradeDestination => &mut self.masq_dst,
         }
     }
-}
-
-/// The pre-filter count key of an entry, and its bit, if its length is filtered.
-fn filter_slot(role: Role, net: &IpNet) -> Option<((u32, u32, u32), u64)> {
-    let net = net.trunc();
-    let len = u32::from(net.prefix_len());
-    let (bucket, v6) = match net {
-        IpNet::V4(n) => (filter_bucket4(n.addr().octets()), false),
-        IpNet::V6(n) => {
-            let o = n.addr().octets();
-            (filter_bucket6([o[0], o[1], o[2], o[3]]), true)
-        }
-    };
-    let bit = filter_bit(role.index(), v6, len)?;
-    Some(((bucket, role.index(), len), bit))
 }
 
 fn errno(e: &MapError) -> Option<i32> {
@@ -518,8 +236,8 @@ impl DatapathMaps for KernelMaps {
             };
             let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
                 name,
-                prefix_len: key.prefix_len,
-                family: key.family,
+                prefix_len: key.prefix_len(),
+                family: key.data().family,
             })?;
             out.push((net, value));
         }
@@ -529,163 +247,23 @@ impl DatapathMaps for KernelMaps {
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
         let capacity = self.capacity;
         let name = role.map_name();
-        let key = keys::entry_key(&net);
-        let exists = match self.trie(role).get(&key, 0) {
-            Ok(_) => true,
-            Err(MapError::KeyNotFound) => false,
-            Err(e) if errno(&e) == Some(libc::ENOENT) => false,
-            Err(e) => return Err(DatapathError::map(name, e)),
-        };
-        let slot = (role, key.family, key.prefix_len);
-        let new_length = !exists && self.counts.get(&slot).copied().unwrap_or(0) == 0;
-        if new_length {
-            let lens = self.wanted_lengths(role);
-            let n = if key.family == FAMILY_V6 {
-                lens.n6
-            } else {
-                lens.n4
-            };
-            if n as usize >= MAX_LENGTHS {
-                return Err(DatapathError::TooManyLengths {
-                    name,
-                    family: if key.family == FAMILY_V6 { 6 } else { 4 },
-                    max: MAX_LENGTHS,
-                });
-            }
-        }
-        // The pre-filter bit goes in before the entry (a missing bit would lose the match).
-        let filter = if exists {
-            None
-        } else {
-            filter_slot(role, &net)
-        };
-        if let Some((fslot, _)) = filter {
-            let n = self.filter_counts.entry(fslot).or_default();
-            *n += 1;
-            if *n == 1 {
-                self.publish_filter(fslot.0)?;
-            }
-        }
-        let inserted = self
-            .trie_mut(role)
-            .insert(&key, value, 0)
+        self.trie_mut(role)
+            .insert(&keys::entry_key(&net), value, 0)
             .map_err(|e| match errno(&e) {
                 Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
                     DatapathError::Full { name, capacity }
                 }
                 _ => DatapathError::map(name, e),
-            });
-        if let Err(e) = inserted {
-            // Not in: uncount it (its bit, if it was the first, stays until the bucket's next
-            // publish; a stray bit only costs a probe).
-            if let Some((fslot, _)) = filter
-                && let Some(n) = self.filter_counts.get_mut(&fslot)
-            {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.filter_counts.remove(&fslot);
-                }
-            }
-            return Err(e);
-        }
-        if !exists {
-            *self.counts.entry(slot).or_default() += 1;
-        }
-        if new_length {
-            self.publish(role)?;
-        }
-        self.update_direct(role, net, Some(value))?;
-        if role == Role::NatSource {
-            self.update_nat(net, Some(value))?;
-        }
-        Ok(())
+            })
     }
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
         let name = role.map_name();
-        let key = keys::entry_key(&net);
-        match self.trie_mut(role).remove(&key) {
-            Ok(()) => {}
-            Err(e) if errno(&e) == Some(libc::ENOENT) => return Ok(()),
-            Err(MapError::KeyNotFound) => return Ok(()),
-            Err(e) => return Err(DatapathError::map(name, e)),
+        match self.trie_mut(role).remove(&keys::entry_key(&net)) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(DatapathError::map(name, e)),
         }
-        let slot = (role, key.family, key.prefix_len);
-        let n = self.counts.entry(slot).or_default();
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            self.counts.remove(&slot);
-            self.publish(role)?;
-        }
-        // The pre-filter bit goes after the entry's last one is gone.
-        if let Some((fslot, _)) = filter_slot(role, &net) {
-            let n = self.filter_counts.entry(fslot).or_default();
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.filter_counts.remove(&fslot);
-                self.publish_filter(fslot.0)?;
-            }
-        }
-        self.update_direct(role, net, None)?;
-        if role == Role::NatSource {
-            self.update_nat(net, None)?;
-        }
-        Ok(())
-    }
-
-    fn hold_index(&mut self) {
-        self.held = true;
-    }
-
-    fn verify_index(
-        &mut self,
-        current: &[Vec<(IpNet, EntryValue)>; 3],
-    ) -> Result<u64, DatapathError> {
-        let same = Role::ALL.iter().all(|role| {
-            let v4 = current[role.index() as usize]
-                .iter()
-                .filter_map(|(net, v)| match net {
-                    IpNet::V4(n) => {
-                        Some((*n, direct::field(role.index() as usize, v, self.fast_path)))
-                    }
-                    IpNet::V6(_) => None,
-                });
-            self.direct.holds(role.index() as usize, v4)
-        });
-        // NAT sources changed behind the agent's back (IPv6 ones too, which `same` does not see).
-        let nat = Self::nat_record(&current[Role::NatSource.index() as usize]);
-        if nat != self.nat {
-            self.nat = nat;
-            self.publish_nat()?;
-        }
-        if same {
-            return Ok(0);
-        }
-        tracing::info!(
-            "datapath: IPv4 entries changed behind the agent's back; rebuilding the direct index"
-        );
-        self.reload_direct(current)
-    }
-
-    fn commit_index(&mut self) -> Result<u64, DatapathError> {
-        self.held = false;
-        let writes = self.publish_direct()?;
-        if self.nat_pending {
-            self.publish_nat()?;
-        }
-        Ok(writes)
-    }
-
-    fn take_index_writes(&mut self) -> u64 {
-        std::mem::take(&mut self.index_writes)
-    }
-
-    fn take_filter_writes(&mut self) -> u64 {
-        std::mem::take(&mut self.filter_writes)
-    }
-
-    fn take_config_writes(&mut self) -> u64 {
-        std::mem::take(&mut self.config_writes)
     }
 
     fn counter_slots(&self) -> u32 {
@@ -705,28 +283,15 @@ impl DatapathMaps for KernelMaps {
     }
 
     fn config(&self) -> Result<Config, DatapathError> {
-        // The settings: the lists as an empty NAT table makes them.
-        Ok(keys::with_nat_sources(self.raw_config()?, []))
+        self.config
+            .get(&0, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
     }
 
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError> {
-        let value = self.with_nat(*config);
-        self.write_raw_config(&value)?;
-        // The fast path changes which mesh entries the index sends to the hash table.
-        let fast_path = config.flags & CONFIG_FAST_PATH != 0;
-        if fast_path != self.fast_path {
-            self.fast_path = fast_path;
-            for (net, value) in self.entries(Role::Mesh)? {
-                if let IpNet::V4(n) = net {
-                    self.direct
-                        .set(0, n, Some(direct::field(0, &value, fast_path)));
-                }
-            }
-            if !self.held {
-                self.publish_direct()?;
-            }
-        }
-        Ok(())
+        self.config
+            .set(0, config, 0)
+            .map_err(|e| DatapathError::map(MAP_CONFIG, e))
     }
 }
 
@@ -741,6 +306,9 @@ pub struct Datapath {
     config: DatapathConfig,
     ebpf: Ebpf,
     maps: KernelMaps,
+    sync: MapSync,
+    /// The tries have held a whole plan once ([`CONFIG_SYNCED`]).
+    synced: bool,
     held: BTreeMap<String, Held>,
 }
 
@@ -753,79 +321,77 @@ impl Datapath {
     }
 
     /// Like [`Datapath::open`], also returning the writes (the config map).
+    ///
+    /// Pins are replaced rather than adopted when a map's definition differs (the kernel's
+    /// check) or when the pinned config was written for another [`LAYOUT`] (what the maps
+    /// mean changed); programs still attached keep the old maps until `attach` moves them.
     pub fn open_counted(config: DatapathConfig) -> Result<(Self, Writes), DatapathError> {
         config.validate()?;
-        let mut loader = EbpfLoader::new();
-        for role in Role::ALL {
-            loader.map_max_entries(role.map_name(), config.max_entries);
-        }
-        loader.map_max_entries(MAP_COUNTERS, config.counters_len()?);
-        loader.map_max_entries(MAP_V4_L2, config.v4_chunks.max(1));
-        loader.map_max_entries(MAP_V4_L3, config.v4_chunks.max(1));
-        if let Some(dir) = &config.pin_dir {
-            let maps = dir.join("maps");
+        let pins = config.pin_dir.as_ref().map(|d| d.join("maps"));
+        if let (Some(dir), Some(maps)) = (&config.pin_dir, &pins) {
             ensure_bpffs(dir)?;
-            fs::create_dir_all(&maps).map_err(|source| DatapathError::Io {
+            fs::create_dir_all(maps).map_err(|source| DatapathError::Io {
                 path: maps.clone(),
                 source,
             })?;
-            for name in PINNED_MAPS {
-                loader.map_pin_path(name, Cow::Owned(maps.join(name)));
-            }
         }
-        let mut ebpf = match loader.load(OBJECT) {
-            Err(aya::EbpfError::MapError(MapError::IncompatiblePinnedMap {
-                name,
-                property,
-                expected,
-                actual,
-            })) if config.pin_dir.is_some() => {
-                // Pins of another layout (an upgrade that changed a map): start a fresh set.
-                // Programs still attached keep the old maps until `attach` moves them to ours.
-                let maps = config.pin_dir.as_ref().expect("checked").join("maps");
-                tracing::warn!(
-                    map = %name, property, expected, actual,
-                    "datapath: pinned maps have another layout; replacing them (entries are \
-                     written again, counters start from zero)"
-                );
-                for pin in list_dir(&maps)? {
-                    let path = maps.join(pin);
-                    fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+        let adopted = pins.as_ref().is_some_and(|m| m.join(MAP_CONFIG).exists());
+        let (mut ebpf, mut maps) = match load(&config) {
+            Err(DatapathError::Load(e)) if pins.is_some() => match *e {
+                aya::EbpfError::MapError(MapError::IncompatiblePinnedMap {
+                    name,
+                    property,
+                    expected,
+                    actual,
+                }) => {
+                    tracing::warn!(
+                        map = %name, property, expected, actual,
+                        "datapath: pinned maps have another definition; replacing them \
+                         (entries are written again, counters start from zero)"
+                    );
+                    remove_pins(pins.as_deref().expect("checked"))?;
+                    load(&config)?
                 }
-                loader.load(OBJECT).map_err(Box::new)?
-            }
-            loaded => loaded.map_err(Box::new)?,
+                e => return Err(DatapathError::Load(Box::new(e))),
+            },
+            loaded => loaded?,
         };
-        if let Some(dir) = &config.pin_dir {
-            remove_stale_pins(&dir.join("maps"))?;
+        let found = maps.config()?;
+        if adopted && found.layout != LAYOUT {
+            tracing::warn!(
+                found = found.layout,
+                ours = LAYOUT,
+                "datapath: pinned maps of another layout; replacing them (entries are written \
+                 again, counters start from zero)"
+            );
+            drop((ebpf, maps));
+            remove_pins(pins.as_deref().expect("adopted pins"))?;
+            (ebpf, maps) = load(&config)?;
         }
-        for name in [PROG_L2, PROG_L3, PROG_NOOP] {
+        if let Some(maps) = &pins {
+            remove_stale_pins(maps)?;
+        }
+        for name in [PROG_L2, PROG_L3] {
             program_mut(&mut ebpf, name)?
                 .load()
                 .map_err(|e| DatapathError::program(name, e))?;
         }
-        let mut maps = KernelMaps::take(&mut ebpf, &config)?;
         tracing::info!(
             table_capacity = config.max_entries,
             counter_slots = maps.counter_slots(),
-            v4_chunks = config.v4_chunks,
             "datapath: maps ready"
         );
-        let mut writes = Writes::default();
-        let want = config.map_config();
-        if maps.config()? != want {
-            maps.set_config(&want)?;
-            writes.add("map_config", 1);
-        }
-        Ok((
-            Datapath {
-                config,
-                ebpf,
-                maps,
-                held: BTreeMap::new(),
-            },
-            writes,
-        ))
+        let synced = maps.config()?.layout == LAYOUT && maps.config()?.flags & CONFIG_SYNCED != 0;
+        let mut datapath = Datapath {
+            config,
+            ebpf,
+            maps,
+            sync: MapSync::default(),
+            synced,
+            held: BTreeMap::new(),
+        };
+        let writes = datapath.write_config()?;
+        Ok((datapath, writes))
     }
 
     pub fn config(&self) -> &DatapathConfig {
@@ -842,11 +408,6 @@ impl Datapath {
         self.program_named(framing.program())
     }
 
-    /// The empty program (benchmark baseline).
-    pub fn noop_program(&self) -> &SchedClassifier {
-        self.program_named(PROG_NOOP)
-    }
-
     fn program_named(&self, name: &str) -> &SchedClassifier {
         self.ebpf
             .program(name)
@@ -854,13 +415,25 @@ impl Datapath {
             .expect("programs are loaded in open")
     }
 
-    /// Makes the maps equal to `plan` (see [`sync::sync_maps`]).
+    /// Makes the maps equal to `plan` (see [`MapSync`]); the first sync to complete marks
+    /// the maps [`CONFIG_SYNCED`] (one config write).
     pub fn sync(
         &mut self,
         plan: &DatapathPlan,
         resolver: &dyn Resolver,
     ) -> Result<Writes, DatapathError> {
-        sync::sync_maps(&mut self.maps, plan, resolver)
+        let mut writes = self.sync.sync(&mut self.maps, plan, resolver)?;
+        if !self.synced {
+            self.synced = true;
+            writes += self.write_config()?;
+        }
+        Ok(writes)
+    }
+
+    /// Whether the maps have held a whole plan once: until then a program attached to them
+    /// could decide on a half-written topology.
+    pub fn synced(&self) -> bool {
+        self.synced
     }
 
     pub fn counters(&self) -> Result<Counters, DatapathError> {
@@ -905,7 +478,7 @@ impl Datapath {
     }
 
     fn write_config(&mut self) -> Result<Writes, DatapathError> {
-        let want = self.config.map_config();
+        let want = self.config.map_config(self.synced);
         let mut writes = Writes::default();
         if self.maps.config()? != want {
             self.maps.set_config(&want)?;
@@ -1126,19 +699,41 @@ fn program_mut<'a>(
 }
 
 /// The maps pinned under `maps/`.
-const PINNED_MAPS: [&str; 11] = [
+const PINNED_MAPS: [&str; 6] = [
     MAP_MESH,
     MAP_NAT_SRC,
     MAP_MASQ_DST,
-    MAP_LENGTHS,
-    MAP_FILTER,
     MAP_CONFIG,
     MAP_COUNTERS,
-    MAP_V4_ROOT,
-    MAP_V4_L2,
-    MAP_V4_L3,
     MAP_LOGS,
 ];
+
+/// Loads the object (pinning its maps under `config`'s directory, adopting pins there) and
+/// takes its maps; loads no program.
+fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelMaps), DatapathError> {
+    let mut loader = EbpfLoader::new();
+    for role in Role::ALL {
+        loader.map_max_entries(role.map_name(), config.max_entries);
+    }
+    loader.map_max_entries(MAP_COUNTERS, config.counters_len()?);
+    if let Some(dir) = &config.pin_dir {
+        for name in PINNED_MAPS {
+            loader.map_pin_path(name, Cow::Owned(dir.join("maps").join(name)));
+        }
+    }
+    let mut ebpf = loader.load(OBJECT).map_err(Box::new)?;
+    let maps = KernelMaps::take(&mut ebpf, config)?;
+    Ok((ebpf, maps))
+}
+
+/// Removes every pin under `maps`.
+fn remove_pins(maps: &Path) -> Result<(), DatapathError> {
+    for pin in list_dir(maps)? {
+        let path = maps.join(pin);
+        fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+    }
+    Ok(())
+}
 
 /// Removes pins of maps this object no longer has (an upgrade renamed or dropped them; a
 /// program still attached keeps its maps until `attach` moves its link to ours).

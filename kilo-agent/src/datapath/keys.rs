@@ -1,17 +1,18 @@
 //! Conversions between plan entries and map keys/values (pure).
 use std::net::IpAddr;
 
+use aya::maps::lpm_trie::Key;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_common::{
-    Config, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryKey, EntryValue, FAMILY_V4, FAMILY_V6,
-    NAT4_INDEXED, NAT4_LIST, NAT6_INDEXED, NAT6_LIST, Nat4, Nat6,
+    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4, FAMILY_V6,
+    LpmData,
 };
 
 use super::sync::Resolver;
 use crate::plan::{DatapathEntry, Device, EntryKind, NextHop};
 
-/// The map key of a CIDR (host bits cleared).
-pub fn entry_key(net: &IpNet) -> EntryKey {
+/// The trie key of a CIDR (host bits cleared).
+pub fn entry_key(net: &IpNet) -> Key<LpmData> {
     let net = net.trunc();
     let mut addr = [0u8; 16];
     let family = match net {
@@ -24,25 +25,25 @@ pub fn entry_key(net: &IpNet) -> EntryKey {
             FAMILY_V6
         }
     };
-    EntryKey {
-        family,
-        prefix_len: u32::from(net.prefix_len()),
-        addr,
-    }
+    Key::new(
+        FAMILY_BITS + u32::from(net.prefix_len()),
+        LpmData { family, addr },
+    )
 }
 
 /// The CIDR of a key read back from a map, if it is one this module writes.
-pub fn net_from_key(key: &EntryKey) -> Option<IpNet> {
-    let bits = u8::try_from(key.prefix_len).ok()?;
-    let net = match key.family {
+pub fn net_from_key(key: &Key<LpmData>) -> Option<IpNet> {
+    let bits = u8::try_from(key.prefix_len().checked_sub(FAMILY_BITS)?).ok()?;
+    let LpmData { family, addr } = key.data();
+    let net = match family {
         FAMILY_V4 => {
-            if key.addr[4..].iter().any(|b| *b != 0) {
+            if addr[4..].iter().any(|b| *b != 0) {
                 return None;
             }
-            let a: [u8; 4] = key.addr[..4].try_into().ok()?;
+            let a: [u8; 4] = addr[..4].try_into().ok()?;
             IpNet::V4(Ipv4Net::new(a.into(), bits).ok()?)
         }
-        FAMILY_V6 => IpNet::V6(Ipv6Net::new(key.addr.into(), bits).ok()?),
+        FAMILY_V6 => IpNet::V6(Ipv6Net::new(addr.into(), bits).ok()?),
         _ => return None,
     };
     // Host bits set: not a key we write (and one the program would never find).
@@ -115,52 +116,6 @@ pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver)
     value
 }
 
-/// `config` with its NAT source lists ([`Config::nat4`], [`Config::nat6`]) made from
-/// `nat_sources` (each NAT source and its counter slot): per family longest prefix first, or
-/// [`NAT4_INDEXED`] / [`NAT6_INDEXED`] when there are more than fit.
-pub fn with_nat_sources<'a>(
-    config: Config,
-    nat_sources: impl IntoIterator<Item = (&'a IpNet, u32)>,
-) -> Config {
-    let mut list: Vec<(IpNet, u32)> = nat_sources
-        .into_iter()
-        .map(|(n, c)| (n.trunc(), c))
-        .collect();
-    list.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
-    let (mut v4, mut v6) = (Vec::new(), Vec::new());
-    for (net, counter) in list {
-        match net {
-            IpNet::V4(n) => v4.push(Nat4 {
-                net: u32::from(n.addr()),
-                mask: u32::from(n.netmask()),
-                counter,
-            }),
-            IpNet::V6(n) => v6.push(Nat6 {
-                hi: (u128::from(n.addr()) >> 64) as u64,
-                lo: u128::from(n.addr()) as u64,
-                prefix_len: u32::from(n.prefix_len()),
-                counter,
-            }),
-        }
-    }
-    let mut out = Config {
-        nat4_len: NAT4_INDEXED,
-        nat4: [Nat4::default(); NAT4_LIST],
-        nat6_len: NAT6_INDEXED,
-        nat6: [Nat6::default(); NAT6_LIST],
-        ..config
-    };
-    if v4.len() <= NAT4_LIST {
-        out.nat4_len = v4.len() as u32;
-        out.nat4[..v4.len()].copy_from_slice(&v4);
-    }
-    if v6.len() <= NAT6_LIST {
-        out.nat6_len = v6.len() as u32;
-        out.nat6[..v6.len()].copy_from_slice(&v6);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,8 +136,8 @@ mod tests {
         }
         let v4 = entry_key(&"0.0.0.0/0".parse().unwrap());
         let v6 = entry_key(&"::/0".parse().unwrap());
-        assert_eq!(v4.prefix_len, 0);
-        assert_ne!(v4, v6);
+        assert_eq!(v4.prefix_len(), FAMILY_BITS);
+        assert_ne!(v4.data(), v6.data());
         // Host bits are cleared.
         let k = entry_key(&"10.1.2.3/16".parse().unwrap());
         assert_eq!(net_from_key(&k), Some("10.1.0.0/16".parse().unwrap()));
@@ -190,14 +145,20 @@ mod tests {
 
     #[test]
     fn bad_keys_are_rejected() {
-        let key = |family, prefix_len, addr| EntryKey {
-            family,
-            prefix_len,
-            addr,
-        };
+        let key = |family, len, addr| Key::new(FAMILY_BITS + len, LpmData { family, addr });
         assert_eq!(net_from_key(&key(FAMILY_V4, 33, [0; 16])), None);
         assert_eq!(net_from_key(&key(FAMILY_V6, 129, [0; 16])), None);
         assert_eq!(net_from_key(&key(7, 0, [0; 16])), None);
+        assert_eq!(
+            net_from_key(&Key::new(
+                8,
+                LpmData {
+                    family: FAMILY_V4,
+                    addr: [0; 16]
+                }
+            )),
+            None
+        );
         let mut host_bits = [0u8; 16];
         host_bits[3] = 1;
         assert_eq!(net_from_key(&key(FAMILY_V4, 24, host_bits)), None);
@@ -238,66 +199,5 @@ mod tests {
         e.kind = EntryKind::Service;
         e.next_hop = None;
         assert_eq!(entry_value(&e, 5, &resolver).flags, ENTRY_SERVICE);
-    }
-
-    #[test]
-    fn nat_lists_are_longest_first_per_family_until_they_overflow() {
-        let nets: Vec<IpNet> = [
-            "10.244.0.0/16",
-            "10.4.0.1/32",
-            "fd00:244::/48",
-            "10.244.1.0/24",
-            "fd00:4::1/128",
-            "10.9.0.0/8",
-            "fd00:9::/32",
-        ]
-        .iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
-        let base = Config {
-            mark: 0x1000,
-            ..Config::DEFAULT
-        };
-        let c = with_nat_sources(base, nets[..5].iter().zip([1, 2, 3, 4, 5]));
-        assert_eq!(c.mark, 0x1000, "the settings are kept");
-        assert_eq!((c.nat4_len, c.nat6_len), (3, 2));
-        let got: Vec<(u32, u32, u32)> = c.nat4.iter().map(|n| (n.net, n.mask, n.counter)).collect();
-        assert_eq!(
-            got,
-            [
-                (0x0a04_0001, 0xffff_ffff, 2),
-                (0x0af4_0100, 0xffff_ff00, 4),
-                (0x0af4_0000, 0xffff_0000, 1),
-            ]
-        );
-        assert_eq!(
-            c.nat6,
-            [
-                Nat6 {
-                    hi: 0xfd00_0004_0000_0000,
-                    lo: 1,
-                    prefix_len: 128,
-                    counter: 5
-                },
-                Nat6 {
-                    hi: 0xfd00_0244_0000_0000,
-                    lo: 0,
-                    prefix_len: 48,
-                    counter: 3
-                },
-            ]
-        );
-        // Host bits are cleared.
-        let host: IpNet = "10.9.8.7/8".parse().unwrap();
-        assert_eq!(
-            with_nat_sources(base, [(&host, 9)]).nat4[0].net,
-            0x0a00_0000
-        );
-        let empty = with_nat_sources(base, []);
-        assert_eq!((empty.nat4_len, empty.nat6_len), (0, 0));
-        let over = with_nat_sources(base, nets.iter().zip(0..));
-        assert_eq!((over.nat4_len, over.nat6_len), (NAT4_INDEXED, NAT6_INDEXED));
-        assert_eq!(over.nat4, [Nat4::default(); NAT4_LIST]);
-        assert_eq!(over.nat6, [Nat6::default(); NAT6_LIST]);
     }
 }

@@ -1,18 +1,24 @@
-//! The eBPF datapath from userspace: loads, attaches, pins and adopts the TC program, syncs its
-//! maps, reads its counters, and installs the one static masquerade rule.
+//! The eBPF datapath from userspace, one of the reconcilers: loads, attaches, pins and adopts
+//! the TC program, syncs its LPM tries, reads its counters, and installs the one static
+//! masquerade rule. It uses what the reconcilers share ([`crate::effects`]) and nothing else of
+//! `reconcile`.
 //!
 //! - [`Datapath`] (kernel.rs): loads the embedded `kilo-ebpf` object, attaches it at ingress of
 //!   named interfaces (TCX on kernels >= 6.6, clsact + netlink below), pins maps and links under
 //!   a bpffs directory and adopts them on start, so forwarding goes on while the agent is down.
-//! - [`sync_maps`] (sync.rs): the diff between a [`DatapathPlan`](crate::plan::DatapathPlan)
-//!   and the maps, behind the [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory).
+//! - [`MapSync`] (sync.rs): the diff between a [`DatapathPlan`](crate::plan::DatapathPlan)
+//!   and the tries, one write per changed entry, behind the [`DatapathMaps`] trait (kernel maps,
+//!   or [`FakeMaps`] in memory); idle resyncs compare the plan with its record of what it wrote
+//!   and read the tries back only at start, after a failed write and every
+//!   [`READ_BACK_EVERY`] syncs.
+//! - [`AgentDatapath`] and [`FakeDatapath`] (agent.rs): the datapath behind the reconcilers'
+//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory.
 //! - [`logs`]: the program's aya-log records as `tracing` events.
 //! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
 //!
 //! Nothing here starts a process.
 mod agent;
 mod counters;
-mod direct;
 mod kernel;
 mod keys;
 pub mod logs;
@@ -25,13 +31,14 @@ use std::{io, path::PathBuf};
 use ipnet::IpNet;
 pub use kilo_common::{Counter, Decision};
 
-pub use agent::AgentDatapath;
+pub use agent::{AgentDatapath, FakeDatapath, stats};
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, KernelMaps, OBJECT, framing, ifindex,
 };
 pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{
-    Counters, DatapathMaps, EntryCounter, FakeMaps, NoResolver, Resolver, read_counters, sync_maps,
+    Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, READ_BACK_EVERY, Resolver,
+    read_counters, sync_maps,
 };
 
 /// A netlink socket of `protocol`, bound, whose reads give up after 5 s (a reply never comes
@@ -83,15 +90,6 @@ impl Role {
         }
     }
 
-    /// Index in the lengths map.
-    pub const fn index(self) -> u32 {
-        match self {
-            Role::Mesh => 0,
-            Role::NatSource => 1,
-            Role::MasqueradeDestination => 2,
-        }
-    }
-
     /// A metrics label.
     pub const fn label(self) -> &'static str {
         match self {
@@ -129,12 +127,6 @@ pub enum DatapathError {
         name: &'static str,
         prefix_len: u32,
         family: u32,
-    },
-    #[error("map {name} has {max} distinct IPv{family} prefix lengths already")]
-    TooManyLengths {
-        name: &'static str,
-        family: u8,
-        max: usize,
     },
     #[error("map {name} is full ({capacity} entries)")]
     Full { name: &'static str, capacity: usize },

@@ -1,9 +1,16 @@
-//! The map diff: make the three tables equal to a [`DatapathPlan`] writing only the
-//! difference, behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
+//! The map diff: make the three tries equal to a [`DatapathPlan`] writing only the
+//! difference (one write per changed entry, none when nothing changed), behind the
+//! [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
-//! Order keeps the previous topology until the new one is in: new and changed entries are
-//! written first, stale ones deleted last, so a failure part-way (a full map) leaves the maps
-//! holding everything they held before plus some of the new entries. Per-entry counter slots
+//! Order: new and changed entries go in mesh destinations first, stale ones go NAT sources and
+//! masquerade destinations first, mesh destinations last. So while a topology grows or shrinks
+//! a packet is never marked that neither the old nor the new topology would mark, and a failure
+//! part-way (a full trie) leaves everything the old topology had plus some of the new.
+//!
+//! Idle resyncs: [`MapSync`] keeps a record of what it wrote and compares the plan with that
+//! record, not with the kernel. It reads every entry back only at its first sync, after a failed
+//! write, and every [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our
+//! pinned maps; the kernel sends no notification about map contents). Per-entry counter slots
 //! are stored in the entry values, so they survive syncs and adoption by a new agent; a slot is
 //! reused only once its entry is gone, and zeroed (only if non-zero) before reuse.
 use std::collections::{BTreeMap, BTreeSet};
@@ -13,8 +20,8 @@ use kilo_common::{Config, Counter, Decision, EntryValue, NO_COUNTER};
 
 use super::{DatapathError, Role, keys};
 use crate::{
+    effects::Writes,
     plan::{DatapathEntry, DatapathPlan, Device, EntryKind},
-    reconcile::Writes,
 };
 
 /// Maps a plan's devices to interface indices (for the fast path's egress).
@@ -41,14 +48,6 @@ impl Resolver for NoResolver {
 pub trait DatapathMaps {
     /// Every entry of one trie.
     fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError>;
-    /// Every entry of the three tables, by [`Role::index`].
-    fn all_entries(&self) -> Result<[Vec<(IpNet, EntryValue)>; 3], DatapathError> {
-        Ok([
-            self.entries(Role::Mesh)?,
-            self.entries(Role::NatSource)?,
-            self.entries(Role::MasqueradeDestination)?,
-        ])
-    }
     /// Inserts or overwrites (atomically) one entry.
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError>;
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError>;
@@ -61,34 +60,6 @@ pub trait DatapathMaps {
     fn decision_counters(&self) -> Result<Vec<Counter>, DatapathError>;
     fn config(&self) -> Result<Config, DatapathError>;
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError>;
-    /// Writes made to auxiliary structures (the prefix-lengths index) since the last call.
-    fn take_index_writes(&mut self) -> u64 {
-        0
-    }
-    /// Writes made to the IPv4 pre-filter since the last call.
-    fn take_filter_writes(&mut self) -> u64 {
-        0
-    }
-    /// Writes made to the config's copy of the NAT sources since the last call.
-    fn take_config_writes(&mut self) -> u64 {
-        0
-    }
-    /// Defers derived structures (the IPv4 direct index) until [`DatapathMaps::commit_index`]:
-    /// a batch of changes is then published at once.
-    fn hold_index(&mut self) {}
-    /// Checks derived structures against the entries the tables hold (`current`, by
-    /// [`Role::index`]), repairing them if someone else changed the tables; returns the writes.
-    fn verify_index(
-        &mut self,
-        current: &[Vec<(IpNet, EntryValue)>; 3],
-    ) -> Result<u64, DatapathError> {
-        let _ = current;
-        Ok(0)
-    }
-    /// Publishes the deferred changes and stops deferring; returns the writes made.
-    fn commit_index(&mut self) -> Result<u64, DatapathError> {
-        Ok(0)
-    }
 }
 
 pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
@@ -99,99 +70,149 @@ pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, Dat
     }
 }
 
-/// Makes the maps equal to `plan`, writing only the difference (see the module doc).
-/// Writes are counted as `map_insert`, `map_update`, `map_delete`, `counter_reset`, and for
-/// derived structures `map_table` (IPv4 direct index chunks), `map_index`, `map_filter` and
-/// `map_config` (the config's NAT source lists).
+/// Syncs between full read-backs of the maps.
+pub const READ_BACK_EVERY: u32 = 10;
+
+/// What the maps hold, per role.
+type Record = BTreeMap<Role, BTreeMap<IpNet, EntryValue>>;
+
+/// The diff with its record of what the maps hold (see the module doc).
+#[derive(Debug, Default)]
+pub struct MapSync {
+    /// `None` until the maps are read back (first sync, after a failure).
+    record: Option<Record>,
+    /// Syncs since the last read-back.
+    since_read: u32,
+}
+
+impl MapSync {
+    /// Makes the maps equal to `plan`, writing only the difference. Writes are counted as
+    /// `map_insert`, `map_update`, `map_delete` and `counter_reset`.
+    pub fn sync<M: DatapathMaps + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        plan: &DatapathPlan,
+        resolver: &dyn Resolver,
+    ) -> Result<Writes, DatapathError> {
+        self.since_read += 1;
+        let record = match self.record.take() {
+            Some(r) if self.since_read < READ_BACK_EVERY => r,
+            _ => {
+                self.since_read = 0;
+                read_back(maps)?
+            }
+        };
+        if Role::ALL
+            .iter()
+            .all(|r| unchanged(plan_role(plan, *r), &record[r], resolver))
+        {
+            self.record = Some(record);
+            return Ok(Writes::default());
+        }
+        let mut diff = Diff {
+            maps,
+            record,
+            writes: Writes::default(),
+            free: None,
+        };
+        let done = diff.apply(plan, resolver);
+        // A failed write leaves the kernel unknown: read it back next time.
+        if done.is_ok() {
+            self.record = Some(diff.record);
+        }
+        done.map(|()| diff.writes)
+    }
+}
+
+/// Makes the maps equal to `plan` after reading them all back (see [`MapSync::sync`]).
 pub fn sync_maps<M: DatapathMaps + ?Sized>(
     maps: &mut M,
     plan: &DatapathPlan,
     resolver: &dyn Resolver,
 ) -> Result<Writes, DatapathError> {
-    let read = maps.all_entries()?;
-    let mut writes = Writes::default();
-    writes.add("map_table", maps.verify_index(&read)?);
-    let mut current: BTreeMap<Role, BTreeMap<IpNet, EntryValue>> = BTreeMap::new();
-    let mut used = BTreeSet::new();
-    for (role, read) in Role::ALL.into_iter().zip(read) {
-        let entries: BTreeMap<_, _> = read.into_iter().collect();
-        used.extend(
-            entries
-                .values()
-                .map(|v| v.counter)
-                .filter(|&c| c != NO_COUNTER),
-        );
-        current.insert(role, entries);
-    }
-    let slots = maps.counter_slots();
-    let mut free = (0..slots).filter(move |s| !used.contains(s));
-
-    batched(maps, &mut writes, |maps, writes| {
-        upsert(maps, plan, resolver, &current, &mut free, writes)
-    })?;
-    batched(maps, &mut writes, |maps, writes| {
-        delete_stale(maps, plan, &current, writes)
-    })?;
-    take_derived_writes(maps, &mut writes);
-    Ok(writes)
+    MapSync::default().sync(maps, plan, resolver)
 }
 
-/// Adds the writes the maps made to derived structures since the last call.
-fn take_derived_writes<M: DatapathMaps + ?Sized>(maps: &mut M, writes: &mut Writes) {
-    writes.add("map_index", maps.take_index_writes());
-    writes.add("map_filter", maps.take_filter_writes());
-    writes.add("map_config", maps.take_config_writes());
+fn read_back<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Record, DatapathError> {
+    Role::ALL
+        .into_iter()
+        .map(|role| Ok((role, maps.entries(role)?.into_iter().collect())))
+        .collect()
 }
 
-/// Runs `step` with the derived structures held, then publishes what it changed, even after a
-/// failure part-way (what went in must be findable).
-fn batched<M: DatapathMaps + ?Sized>(
-    maps: &mut M,
-    writes: &mut Writes,
-    step: impl FnOnce(&mut M, &mut Writes) -> Result<(), DatapathError>,
-) -> Result<(), DatapathError> {
-    maps.hold_index();
-    let done = step(maps, writes);
-    let committed = maps.commit_index();
-    done?;
-    writes.add("map_table", committed?);
-    Ok(())
-}
-
-/// Writes the new and changed entries of `plan`.
-fn upsert<M: DatapathMaps + ?Sized>(
-    maps: &mut M,
-    plan: &DatapathPlan,
+/// Whether `have` holds exactly `want`'s entries and values: one ordered pass, no lookups
+/// (a plan CIDR with host bits set compares unequal and takes the diff's slower path).
+fn unchanged(
+    want: &BTreeMap<IpNet, DatapathEntry>,
+    have: &BTreeMap<IpNet, EntryValue>,
     resolver: &dyn Resolver,
-    current: &BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
-    free: &mut impl Iterator<Item = u32>,
-    writes: &mut Writes,
-) -> Result<(), DatapathError> {
-    let slots = maps.counter_slots();
-    let mut warned_slots = false;
-    for role in Role::ALL {
-        let have = &current[&role];
-        for (net, entry) in plan_role(plan, role) {
+) -> bool {
+    want.len() == have.len()
+        && want.iter().zip(have).all(|((net, entry), (hn, hv))| {
+            net == hn && keys::entry_value(entry, hv.counter, resolver) == *hv
+        })
+}
+
+struct Diff<'a, M: ?Sized> {
+    maps: &'a mut M,
+    record: Record,
+    writes: Writes,
+    /// The counter slots no entry holds, made on the first need.
+    free: Option<std::vec::IntoIter<u32>>,
+}
+
+impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
+    fn apply(&mut self, plan: &DatapathPlan, resolver: &dyn Resolver) -> Result<(), DatapathError> {
+        for role in Role::ALL {
+            self.upsert(role, plan_role(plan, role), resolver)?;
+        }
+        for role in [Role::NatSource, Role::MasqueradeDestination, Role::Mesh] {
+            self.delete_stale(role, plan_role(plan, role))?;
+        }
+        Ok(())
+    }
+
+    fn free_slot(&mut self) -> Option<u32> {
+        let record = &self.record;
+        let slots = self.maps.counter_slots();
+        self.free
+            .get_or_insert_with(|| {
+                let used: BTreeSet<u32> = record
+                    .values()
+                    .flat_map(|t| t.values().map(|v| v.counter))
+                    .collect();
+                let free: Vec<u32> = (0..slots).filter(|s| !used.contains(s)).collect();
+                if free.is_empty() {
+                    tracing::warn!(
+                        slots,
+                        "datapath: per-entry counter slots exhausted; new entries are not counted"
+                    );
+                }
+                free.into_iter()
+            })
+            .next()
+    }
+
+    /// Writes the new and changed entries of one role.
+    fn upsert(
+        &mut self,
+        role: Role,
+        want: &BTreeMap<IpNet, DatapathEntry>,
+        resolver: &dyn Resolver,
+    ) -> Result<(), DatapathError> {
+        let slots = self.maps.counter_slots();
+        for (net, entry) in want {
             let net = net.trunc();
-            let old = have.get(&net);
+            let old = self.record[&role].get(&net).copied();
             let (counter, fresh) = match old.map(|v| v.counter) {
                 Some(c) if c != NO_COUNTER && c < slots => (c, false),
-                _ => match free.next() {
+                _ => match self.free_slot() {
                     Some(c) => (c, true),
-                    None => {
-                        if !warned_slots {
-                            tracing::warn!(
-                                slots,
-                                "datapath: per-entry counter slots exhausted; new entries are not counted"
-                            );
-                            warned_slots = true;
-                        }
-                        (NO_COUNTER, false)
-                    }
+                    None => (NO_COUNTER, false),
                 },
             };
             let value = keys::entry_value(entry, counter, resolver);
-            if old == Some(&value) {
+            if old == Some(value) {
                 continue;
             }
             let wrap = |source| DatapathError::Entry {
@@ -200,49 +221,50 @@ fn upsert<M: DatapathMaps + ?Sized>(
                 owner: entry.owner.clone(),
                 source: Box::new(source),
             };
-            if fresh && maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
-                maps.reset_entry_counter(counter).map_err(wrap)?;
-                writes.add("counter_reset", 1);
+            if fresh && self.maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
+                self.maps.reset_entry_counter(counter).map_err(wrap)?;
+                self.writes.add("counter_reset", 1);
             }
-            let inserted = maps.insert(role, net, &value);
-            take_derived_writes(maps, writes);
-            inserted.map_err(wrap)?;
-            writes.add(
-                if old.is_some() {
-                    "map_update"
-                } else {
-                    "map_insert"
-                },
-                1,
-            );
+            self.maps.insert(role, net, &value).map_err(wrap)?;
+            self.record
+                .get_mut(&role)
+                .expect("all roles")
+                .insert(net, value);
+            let kind = if old.is_some() {
+                "map_update"
+            } else {
+                "map_insert"
+            };
+            self.writes.add(kind, 1);
         }
+        Ok(())
     }
-    Ok(())
-}
 
-/// Deletes the entries `plan` no longer has.
-fn delete_stale<M: DatapathMaps + ?Sized>(
-    maps: &mut M,
-    plan: &DatapathPlan,
-    current: &BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
-    writes: &mut Writes,
-) -> Result<(), DatapathError> {
-    for role in Role::ALL {
-        let want = plan_role(plan, role);
+    /// Deletes the entries of one role that `want` no longer has.
+    fn delete_stale(
+        &mut self,
+        role: Role,
+        want: &BTreeMap<IpNet, DatapathEntry>,
+    ) -> Result<(), DatapathError> {
         let want: BTreeSet<IpNet> = want.keys().map(IpNet::trunc).collect();
-        for net in current[&role].keys() {
-            if !want.contains(net) {
-                maps.remove(role, *net)
-                    .map_err(|source| DatapathError::Stale {
-                        role,
-                        net: *net,
-                        source: Box::new(source),
-                    })?;
-                writes.add("map_delete", 1);
-            }
+        let stale: Vec<IpNet> = self.record[&role]
+            .keys()
+            .filter(|n| !want.contains(n))
+            .copied()
+            .collect();
+        for net in stale {
+            self.maps
+                .remove(role, net)
+                .map_err(|source| DatapathError::Stale {
+                    role,
+                    net,
+                    source: Box::new(source),
+                })?;
+            self.record.get_mut(&role).expect("all roles").remove(&net);
+            self.writes.add("map_delete", 1);
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Traffic counters: per decision and per map entry.
@@ -317,6 +339,7 @@ pub fn read_counters<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Counters, Dat
 }
 
 /// In-memory maps for fast tests of the diff, with a per-trie capacity like the kernel's.
+/// Every insert and remove is logged in `log`, in order.
 #[derive(Debug, Clone)]
 pub struct FakeMaps {
     pub tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
@@ -324,6 +347,8 @@ pub struct FakeMaps {
     pub counters: Vec<Counter>,
     pub decisions: Vec<Counter>,
     pub config: Config,
+    /// `(role, net, inserted)` per write.
+    pub log: Vec<(Role, IpNet, bool)>,
 }
 
 impl FakeMaps {
@@ -334,6 +359,7 @@ impl FakeMaps {
             counters: vec![Counter::default(); counter_slots as usize],
             decisions: vec![Counter::default(); Decision::COUNT as usize],
             config: Config::DEFAULT,
+            log: Vec::new(),
         }
     }
 }
@@ -352,11 +378,13 @@ impl DatapathMaps for FakeMaps {
             });
         }
         trie.insert(net, *value);
+        self.log.push((role, net, true));
         Ok(())
     }
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
         self.tries.get_mut(&role).expect("all roles").remove(&net);
+        self.log.push((role, net, false));
         Ok(())
     }
 
@@ -459,6 +487,56 @@ mod tests {
         assert_eq!(slot(&maps, Role::Mesh, "10.0.2.0/24"), keep);
         // The new entry did not take the slot of the one deleted in the same sync.
         assert_ne!(slot(&maps, Role::Mesh, "10.0.3.0/24"), keep);
+    }
+
+    /// Inserts go mesh destinations first, deletes go mesh destinations last: in between, no
+    /// packet is marked that neither topology marks.
+    #[test]
+    fn mesh_destinations_go_in_first_and_out_last() {
+        let mut maps = FakeMaps::new(100, 100);
+        let full = plan(&["10.1.0.0/16"], &["10.244.0.0/24"], &["192.168.0.0/24"]);
+        sync_maps(&mut maps, &full, &NoResolver).unwrap();
+        let roles: Vec<(Role, bool)> = maps.log.iter().map(|(r, _, i)| (*r, *i)).collect();
+        assert_eq!(roles[0], (Role::Mesh, true), "{roles:?}");
+        maps.log.clear();
+        sync_maps(&mut maps, &plan(&[], &[], &[]), &NoResolver).unwrap();
+        let roles: Vec<(Role, bool)> = maps.log.iter().map(|(r, _, i)| (*r, *i)).collect();
+        assert_eq!(roles.len(), 3);
+        assert_eq!(roles[2], (Role::Mesh, false), "{roles:?}");
+    }
+
+    /// An idle sync compares the plan with the record; a change behind the agent's back is
+    /// repaired at the next read-back.
+    #[test]
+    fn idle_syncs_trust_the_record_until_the_next_read_back() {
+        let mut maps = FakeMaps::new(100, 100);
+        let p = plan(&["10.1.0.0/16"], &["10.244.0.0/24"], &[]);
+        let mut sync = MapSync::default();
+        assert_eq!(sync.sync(&mut maps, &p, &NoResolver).unwrap().total(), 2);
+        maps.tries.get_mut(&Role::Mesh).unwrap().clear();
+        let mut repaired_at = None;
+        for i in 1..=READ_BACK_EVERY {
+            let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
+            if !w.is_empty() {
+                assert_eq!(w.get("map_insert"), 1, "{w}");
+                repaired_at = Some(i);
+                break;
+            }
+        }
+        assert_eq!(repaired_at, Some(READ_BACK_EVERY));
+        assert!(maps.tries[&Role::Mesh].contains_key(&"10.1.0.0/16".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_failed_write_reads_back_at_the_next_sync() {
+        let mut maps = FakeMaps::new(1, 100);
+        let mut sync = MapSync::default();
+        let p = plan(&["10.1.0.0/16", "10.2.0.0/16"], &[], &[]);
+        assert!(sync.sync(&mut maps, &p, &NoResolver).is_err());
+        maps.capacity = 2;
+        maps.tries.get_mut(&Role::Mesh).unwrap().clear();
+        let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
+        assert_eq!(w.get("map_insert"), 2, "{w}");
     }
 
     #[test]

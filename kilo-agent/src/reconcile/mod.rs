@@ -2,7 +2,8 @@
 //! Each effect sits behind a small trait with a real implementation and an in-memory fake:
 //! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
 //! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule, implemented by the
-//! datapath module). [`Reconciler`] runs them in order and returns the [`Writes`] it made.
+//! datapath module, which this module never imports: what both use lives in
+//! [`crate::effects`]). [`Reconciler`] runs them in order and returns the [`Writes`] it made.
 //!
 //! Write kinds counted in [`Writes`]: `link_add`, `link_set`, `link_del`, `address_add`,
 //! `address_del`, `route_add`, `route_replace`, `route_del`, `rule_add`, `rule_del`,
@@ -17,26 +18,21 @@ pub mod cni;
 pub mod netlink;
 pub mod state;
 pub mod wireguard;
-mod writes;
 
-use std::{
-    collections::BTreeMap,
-    sync::{Arc, Mutex, MutexGuard},
-};
+use std::collections::BTreeMap;
 
-use ipnet::IpNet;
 pub use kilo_common::Counter;
-pub use writes::Writes;
+
+pub use crate::effects::{
+    DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, NoDatapath,
+    Writes,
+};
 
 use self::{
     state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
     wireguard::{Resolver, WgDiff, WireGuard},
 };
-use crate::{
-    datapath::{Counters, FakeMaps, NoResolver, Role, read_counters, sync_maps},
-    mesh::Key,
-    plan::{DatapathPlan, EntryKind, Plan},
-};
+use crate::{mesh::Key, plan::Plan};
 
 /// The `rtm_protocol` / `FRA_PROTOCOL` value marking routes and rules as ours.
 pub const RTPROT_KILO: u8 = 107;
@@ -60,209 +56,6 @@ pub trait Kernel {
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError>;
     /// Applies every change it can; one failure does not stop the others.
     async fn apply(&mut self, diff: &KernelDiff) -> (Writes, Vec<KernelError>);
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum DatapathSyncError {
-    #[error("datapath: {0}")]
-    Failed(String),
-    #[error(transparent)]
-    Other(#[from] Box<dyn std::error::Error + Send + Sync>),
-}
-
-/// The eBPF datapath as the agent sees it; the datapath module provides the real one.
-pub trait DatapathSync {
-    /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError>;
-    /// Lines describing what `sync` would change (for `--dry-run`).
-    fn describe(&mut self, _plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
-        Ok(Vec::new())
-    }
-    /// Removes map entries, programs, pins and the NAT rule.
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
-    /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
-    /// scrape time, never writing). `None` when there is nothing to read.
-    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
-        None
-    }
-}
-
-/// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
-pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
-}
-
-/// Traffic counters and map occupancy, labelled for the metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DatapathStats {
-    /// Per decision (`kilo_common::Decision::name`), every decision present.
-    pub decisions: Vec<(&'static str, Counter)>,
-    /// Per map entry.
-    pub entries: Vec<EntryStats>,
-    /// Entries per role (`datapath::Role::label`), every role present.
-    pub occupancy: Vec<(&'static str, u64)>,
-}
-
-impl DatapathStats {
-    /// The datapath's counters, labelled with the owners `plan` gives the entries.
-    pub fn labelled(counters: &Counters, plan: &DatapathPlan) -> Self {
-        let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
-        let entries = counters
-            .labelled(plan)
-            .map(|(e, owner)| {
-                *occupancy.entry(e.role).or_default() += 1;
-                EntryStats {
-                    role: e.role.label(),
-                    cidr: e.net,
-                    kind: kind_label(e.kind),
-                    owner: owner.to_string(),
-                    counter: e.counter,
-                }
-            })
-            .collect();
-        DatapathStats {
-            decisions: counters
-                .decisions
-                .iter()
-                .map(|(d, c)| (d.name(), *c))
-                .collect(),
-            entries,
-            occupancy: occupancy.into_iter().map(|(r, n)| (r.label(), n)).collect(),
-        }
-    }
-}
-
-/// The metrics label of an entry kind.
-fn kind_label(kind: Option<EntryKind>) -> &'static str {
-    match kind {
-        Some(EntryKind::Node) => "node",
-        Some(EntryKind::WireGuardIp) => "wireguard_ip",
-        Some(EntryKind::Peer) => "peer",
-        Some(EntryKind::Service) => "service",
-        Some(EntryKind::LocalPods) => "local_pods",
-        Some(EntryKind::AllowedLocation) => "allowed_location",
-        None => "unknown",
-    }
-}
-
-/// One map entry's traffic.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EntryStats {
-    /// `datapath::Role::label`.
-    pub role: &'static str,
-    pub cidr: IpNet,
-    /// The plan's entry kind (`node`, `local_pods`, ...), `unknown` for a code the agent does
-    /// not know.
-    pub kind: &'static str,
-    /// The node, segment, peer or flag the plan gives the entry ("" for an entry it does not
-    /// know, e.g. left over from an adopted topology).
-    pub owner: String,
-    pub counter: Counter,
-}
-
-impl DatapathSync for Box<dyn DatapathSync> {
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
-        (**self).sync(plan)
-    }
-    fn describe(&mut self, plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
-        (**self).describe(plan)
-    }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
-        (**self).clean_up()
-    }
-    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
-        (**self).stats_source()
-    }
-}
-
-/// A datapath that does nothing (no eBPF available, or tests of the other reconcilers).
-#[derive(Debug, Default)]
-pub struct NoDatapath;
-
-impl DatapathSync for NoDatapath {
-    fn sync(&mut self, _: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
-        Ok(Writes::default())
-    }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
-        Ok(Writes::default())
-    }
-}
-
-/// An in-memory datapath: the real map diff ([`sync_maps`]) over [`FakeMaps`], so it writes
-/// (and counts) what the kernel's maps would; its stats source reads those maps. Clones share
-/// the maps.
-#[derive(Debug, Clone, Default)]
-pub struct FakeDatapath(Arc<Mutex<FakeShared>>);
-
-#[derive(Debug)]
-struct FakeShared {
-    maps: FakeMaps,
-    /// The last plan synced (for the owner labels).
-    plan: DatapathPlan,
-}
-
-impl Default for FakeShared {
-    fn default() -> Self {
-        FakeShared {
-            maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
-            plan: DatapathPlan::default(),
-        }
-    }
-}
-
-impl FakeDatapath {
-    fn lock(&self) -> MutexGuard<'_, FakeShared> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A copy of the maps (to inspect, or to set counters through [`FakeDatapath::set_maps`]).
-    pub fn maps(&self) -> FakeMaps {
-        self.lock().maps.clone()
-    }
-
-    pub fn set_maps(&self, maps: FakeMaps) {
-        self.lock().maps = maps;
-    }
-
-    /// Entries in all three maps.
-    pub fn len(&self) -> usize {
-        self.lock().maps.tries.values().map(BTreeMap::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-fn boxed(e: crate::datapath::DatapathError) -> DatapathSyncError {
-    DatapathSyncError::Other(Box::new(e))
-}
-
-impl DatapathSync for FakeDatapath {
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
-        let mut shared = self.lock();
-        let writes = sync_maps(&mut shared.maps, plan, &NoResolver).map_err(boxed);
-        if shared.plan != *plan {
-            shared.plan = plan.clone();
-        }
-        writes
-    }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
-        let mut shared = self.lock();
-        shared.plan = DatapathPlan::default();
-        sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(boxed)
-    }
-    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
-        Some(Arc::new(self.clone()))
-    }
-}
-
-impl DatapathStatsSource for FakeDatapath {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
-        let shared = self.lock();
-        let counters = read_counters(&shared.maps).map_err(boxed)?;
-        Ok(DatapathStats::labelled(&counters, &shared.plan))
-    }
 }
 
 /// An in-memory kernel: links, addresses, our routes and rules, with write counting.
@@ -616,7 +409,9 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
 #[cfg(test)]
 mod tests {
     use super::{wireguard::FakeWireGuard, *};
-    use crate::plan::{Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan};
+    use crate::plan::{
+        DatapathPlan, Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan,
+    };
 
     fn plan() -> Plan {
         Plan {
@@ -650,11 +445,11 @@ mod tests {
         }
     }
 
-    fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, FakeDatapath> {
+    fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, NoDatapath> {
         Reconciler::new(
             FakeKernel::default(),
             FakeWireGuard::default(),
-            FakeDatapath::default(),
+            NoDatapath,
             Settings {
                 devices: Devices {
                     wireguard: "kilo0".into(),

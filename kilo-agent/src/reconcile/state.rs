@@ -11,7 +11,8 @@ use std::{
 
 use ipnet::IpNet;
 
-use crate::plan::{Device, Plan};
+pub use crate::effects::Devices;
+use crate::plan::Plan;
 
 /// The state of one link, as far as the agent cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,30 +68,6 @@ pub struct LinkWant {
     pub up: bool,
     /// `None` leaves the MTU alone.
     pub mtu: Option<u32>,
-}
-
-/// The names of the devices the plan refers to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Devices {
-    pub wireguard: String,
-    pub private: Option<String>,
-    pub tunnel: Option<String>,
-}
-
-impl Devices {
-    pub fn name(&self, device: Device) -> Option<&str> {
-        match device {
-            Device::WireGuard => Some(&self.wireguard),
-            Device::Private => self.private.as_deref(),
-            Device::Tunnel => self.tunnel.as_deref(),
-        }
-    }
-
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        std::iter::once(self.wireguard.as_str())
-            .chain(self.private.as_deref())
-            .chain(self.tunnel.as_deref())
-    }
 }
 
 /// The desired routes, rules and addresses, resolved against the observed links.
@@ -313,7 +290,7 @@ impl fmt::Display for KernelDiff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{KILO_TABLE, MAIN_TABLE, Route, Rule};
+    use crate::plan::{Device, KILO_TABLE, MAIN_TABLE, Route, Rule};
 
     fn devices() -> Devices {
         Devices {

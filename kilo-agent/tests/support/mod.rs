@@ -6,9 +6,32 @@ pub mod agent;
 pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
-pub mod lean;
 pub mod netns;
 pub mod packets;
+
+/// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
+/// classifier), embedded only by the tests and benchmarks.
+pub static BENCH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf-bench"));
+
+/// The empty classifier, loaded (keep the `Ebpf` alive while using it).
+pub fn noop() -> aya::Ebpf {
+    let mut ebpf = aya::Ebpf::load(BENCH_OBJECT).expect("load the bench object");
+    let prog: &mut aya::programs::SchedClassifier = ebpf
+        .program_mut(kilo_common::PROG_NOOP)
+        .expect("kilo_noop in the bench object")
+        .try_into()
+        .expect("a classifier");
+    prog.load().expect("load kilo_noop");
+    ebpf
+}
+
+/// The loaded empty classifier of `noop()`.
+pub fn noop_program(ebpf: &aya::Ebpf) -> &aya::programs::SchedClassifier {
+    ebpf.program(kilo_common::PROG_NOOP)
+        .and_then(|p| p.try_into().ok())
+        .expect("kilo_noop loaded")
+}
 
 /// True when the test may create namespaces and load BPF programs. Elsewhere root-only tests
 /// print why they skip and pass.

@@ -1,0 +1,164 @@
+//! What the reconcilers share, below all of them (`reconcile` and `datapath` import it, it
+//! imports neither): the write counts ([`Writes`]), the devices by name ([`Devices`]), and the
+//! datapath as the reconciler drives it ([`DatapathSync`], its stats for the metrics).
+use std::{collections::BTreeMap, fmt, ops::AddAssign, sync::Arc};
+
+use ipnet::IpNet;
+use kilo_common::Counter;
+
+use crate::plan::{DatapathPlan, Device};
+
+/// Writes made to the kernel (or a backend), counted by kind (`map_insert`, `route_add`, ...).
+/// A reconcile with nothing to do returns an empty `Writes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Writes(BTreeMap<&'static str, u64>);
+
+impl Writes {
+    pub fn add(&mut self, kind: &'static str, n: u64) {
+        if n > 0 {
+            *self.0.entry(kind).or_default() += n;
+        }
+    }
+
+    pub fn get(&self, kind: &str) -> u64 {
+        self.0.get(kind).copied().unwrap_or(0)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.0.iter().map(|(k, v)| (*k, *v))
+    }
+}
+
+impl AddAssign for Writes {
+    fn add_assign(&mut self, rhs: Self) {
+        for (k, v) in rhs.0 {
+            self.add(k, v);
+        }
+    }
+}
+
+impl fmt::Display for Writes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no writes");
+        }
+        let parts: Vec<String> = self.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        f.write_str(&parts.join(" "))
+    }
+}
+
+/// The names of the devices a plan refers to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Devices {
+    pub wireguard: String,
+    pub private: Option<String>,
+    pub tunnel: Option<String>,
+}
+
+impl Devices {
+    pub fn name(&self, device: Device) -> Option<&str> {
+        match device {
+            Device::WireGuard => Some(&self.wireguard),
+            Device::Private => self.private.as_deref(),
+            Device::Tunnel => self.tunnel.as_deref(),
+        }
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.wireguard.as_str())
+            .chain(self.private.as_deref())
+            .chain(self.tunnel.as_deref())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathSyncError {
+    #[error("datapath: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Other(#[from] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// The eBPF datapath as the agent sees it; the datapath module provides the real one.
+pub trait DatapathSync {
+    /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError>;
+    /// Lines describing what `sync` would change (for `--dry-run`).
+    fn describe(&mut self, _plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+        Ok(Vec::new())
+    }
+    /// Removes map entries, programs, pins and the NAT rule.
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
+    /// scrape time, never writing). `None` when there is nothing to read.
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        None
+    }
+}
+
+impl DatapathSync for Box<dyn DatapathSync> {
+    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        (**self).sync(plan)
+    }
+    fn describe(&mut self, plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+        (**self).describe(plan)
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        (**self).clean_up()
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        (**self).stats_source()
+    }
+}
+
+/// A datapath that does nothing (no eBPF available, or tests of the other reconcilers).
+#[derive(Debug, Default)]
+pub struct NoDatapath;
+
+impl DatapathSync for NoDatapath {
+    fn sync(&mut self, _: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+}
+
+/// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
+pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
+}
+
+/// Traffic counters and map occupancy, labelled for the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatapathStats {
+    /// Per decision (`kilo_common::Decision::name`), every decision present.
+    pub decisions: Vec<(&'static str, Counter)>,
+    /// Per map entry.
+    pub entries: Vec<EntryStats>,
+    /// Entries per role (`datapath::Role::label`), every role present.
+    pub occupancy: Vec<(&'static str, u64)>,
+}
+
+/// One map entry's traffic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStats {
+    /// `datapath::Role::label`.
+    pub role: &'static str,
+    pub cidr: IpNet,
+    /// The plan's entry kind (`node`, `local_pods`, ...), `unknown` for a code the agent does
+    /// not know.
+    pub kind: &'static str,
+    /// The node, segment, peer or flag the plan gives the entry ("" for an entry it does not
+    /// know, e.g. left over from an adopted topology).
+    pub owner: String,
+    pub counter: Counter,
+}
