@@ -984,7 +984,7 @@ pub(crate) mod testing {
         let reconciler = Reconciler::new(
             crate::reconcile::FakeKernel::default(),
             crate::reconcile::wireguard::FakeWireGuard::default(),
-            crate::reconcile::FakeDatapath::default(),
+            crate::datapath::FakeDatapath::default(),
             crate::reconcile::Settings {
                 devices: crate::reconcile::state::Devices {
                     wireguard: "kilo0".into(),

@@ -877,7 +877,8 @@ pub fn framing(ifname: &str) -> Result<Framing, DatapathError> {
         for (d, s) in ifr.ifr_name.iter_mut().zip(ifname.bytes()) {
             *d = s as libc::c_char;
         }
-        let rc = libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr);
+        // The request number's C type differs between glibc and musl.
+        let rc = libc::ioctl(fd, libc::SIOCGIFHWADDR as _, &mut ifr);
         let e = io::Error::last_os_error();
         libc::close(fd);
         if rc < 0 {
