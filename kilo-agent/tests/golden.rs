@@ -463,29 +463,150 @@ fn plan_is_none_when_local_node_missing_or_not_ready() {
     assert_eq!(p.ready_nodes, 0);
 }
 
+/// A bad node annotation is ignored (the node stays); a Peer failing Kilo's validation is skipped.
 #[test]
 fn bad_objects_are_reported_and_skipped() {
     let mut snap = fixture();
-    let b = snap.nodes.get_mut("b").unwrap();
-    b.metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert("kilo.squat.ai/internal-ip".into(), "x".into());
+    set_annotation(&mut snap, "b", mesh::annotations::INTERNAL_IP, Some("x"));
     snap.peers.get_mut("b").unwrap().spec.public_key = "nope".into();
     let p = plan::plan_for(&snap, &settings(Granularity::Location, "a"));
     let errs: Vec<String> = p.errors.iter().map(ToString::to_string).collect();
     assert_eq!(errs.len(), 2, "{errs:?}");
     assert!(errs.contains(
-        &r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#.to_string()
+        &r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x"; the node has no internal IP"#
+            .to_string()
     ));
     assert!(
         errs.iter()
             .any(|e| e.starts_with(r#"peer "b": spec.publicKey: "#))
     );
     let t = p.topology.unwrap();
-    assert_eq!(t.node_count(), 3);
+    assert_eq!(t.node_count(), 4);
     assert_eq!(t.peers.len(), 1);
+}
+
+/// Sets (or, with `None`, removes) an annotation of a fixture node.
+fn set_annotation(snap: &mut mesh::Snapshot, node: &str, key: &str, value: Option<&str>) {
+    let ann = snap
+        .nodes
+        .get_mut(node)
+        .unwrap()
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap();
+    match value {
+        Some(v) => ann.insert(key.into(), v.into()),
+        None => ann.remove(key),
+    };
+}
+
+/// Kilo's `translateNode` ignores a bad optional annotation with a fallback. For each one, the
+/// fixture with the bad value plans exactly as the fixture with the fallback (the topology,
+/// the WireGuard configuration and every route, seen from every node at both granularities),
+/// and the bad value is reported once, naming the node, the annotation and the value.
+#[test]
+fn bad_optional_annotations_fall_back_like_kilo() {
+    use mesh::annotations as ann;
+    // Node, annotation, bad value, the value Kilo reads instead (`None`: as if absent).
+    let cases: &[(&str, &str, &str, Option<&str>)] = &[
+        ("a", ann::PERSISTENT_KEEPALIVE, "25s", None),
+        ("a", ann::PERSISTENT_KEEPALIVE, "-3", None),
+        ("b", ann::FORCE_ENDPOINT, "10.1.0.9", None),
+        ("b", ann::FORCE_INTERNAL_IP, "192.168.0.300/32", None),
+        ("d", ann::FORCE_INTERNAL_IP, "not-an-ip", None),
+        (
+            "a",
+            ann::DISCOVERED_ENDPOINTS,
+            r#"{"a2V5MgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=":{"IP":"10.9.9","Port":1}}"#,
+            None,
+        ),
+        (
+            "b",
+            ann::ALLOWED_LOCATION_IPS,
+            "192.168.178.3/32,192.168.178.300/32",
+            Some("192.168.178.3/32"),
+        ),
+        ("c", ann::ALLOWED_LOCATION_IPS, "bad", None),
+        ("c", ann::GRANULARITY, "mesh", None),
+        ("b", ann::INTERNAL_IP, "192.168.0.1", None),
+        ("b", ann::WIREGUARD_IP, "10.4.0.300/16", None),
+        ("c", ann::CNI_COMPATIBILITY_IP, "1.2.3", None),
+    ];
+    for &(node, key, bad, fallback) in cases {
+        let mut with_bad = fixture();
+        set_annotation(&mut with_bad, node, key, Some(bad));
+        let mut with_fallback = fixture();
+        set_annotation(&mut with_fallback, node, key, fallback);
+        let what = format!("{node} {key}={bad:?}");
+        for g in GRANULARITIES {
+            for h in HOSTS {
+                for local in [false, true] {
+                    let s = Settings {
+                        local,
+                        persistent_keepalive: KeepaliveSource::LocalNode,
+                        encapsulate: Encapsulation::CrossSubnet,
+                        ..settings(g, h)
+                    };
+                    let got = plan::plan_for(&with_bad, &s);
+                    let want = plan::plan_for(&with_fallback, &s);
+                    assert!(want.errors.is_empty(), "{what}: {:?}", want.errors);
+                    let errs: Vec<String> = got.errors.iter().map(ToString::to_string).collect();
+                    assert_eq!(errs.len(), 1, "{what}: {errs:?}");
+                    let prefix = format!("node \"{node}\": annotation {key}: ");
+                    assert!(errs[0].starts_with(&prefix), "{what}: {}", errs[0]);
+                    // allowed-location-ips names the bad item.
+                    let value = match key {
+                        ann::ALLOWED_LOCATION_IPS => bad.split(',').next_back().unwrap(),
+                        _ => bad,
+                    };
+                    assert!(
+                        errs[0].contains(&format!("{value:?}")),
+                        "{what}: {}",
+                        errs[0]
+                    );
+                    let (t, w) = (got.topology.unwrap(), want.topology.unwrap());
+                    assert_eq!(t.node_count(), 4, "{what}: the node stays");
+                    assert_eq!(t.dump(), w.dump(), "{what}: topology from {h} ({g})");
+                    assert_eq!(
+                        kgctl::render_wireguard(None, &t.conf()),
+                        kgctl::render_wireguard(None, &w.conf()),
+                        "{what}: WireGuard from {h} ({g})"
+                    );
+                    let (p, q) = (got.plan.unwrap(), want.plan.unwrap());
+                    assert_eq!(p.routes, q.routes, "{what}: routes from {h} ({g})");
+                    assert_eq!(p.rules, q.rules, "{what}: rules from {h} ({g})");
+                    assert_eq!(p, q, "{what}: plan from {h} ({g}, local={local})");
+                }
+            }
+        }
+    }
+}
+
+/// Annotations that cannot be bad: `leader` counts by presence (any value), `location` by any
+/// string, as in Kilo.
+#[test]
+fn presence_and_free_text_annotations_take_any_value() {
+    use mesh::annotations as ann;
+    for (key, a, b) in [(ann::LEADER, "", "no"), (ann::LOCATION, "2", "2")] {
+        let mut x = fixture();
+        set_annotation(&mut x, "c", key, Some(a));
+        let mut y = fixture();
+        set_annotation(&mut y, "c", key, Some(b));
+        let s = settings(Granularity::Location, "c");
+        let (p, q) = (plan::plan_for(&x, &s), plan::plan_for(&y, &s));
+        assert!(p.errors.is_empty() && q.errors.is_empty());
+        assert_eq!(p.plan, q.plan, "{key}");
+    }
+    let mut x = fixture();
+    set_annotation(&mut x, "c", ann::LEADER, Some("false"));
+    let t = plan::plan_for(&x, &settings(Granularity::Location, "c"))
+        .topology
+        .unwrap();
+    assert!(
+        t.leader,
+        "a leader annotation with any value makes c its location's leader"
+    );
 }
 
 /// Kilo's IPIP encapsulator rules: `KILO-IPIP -s <ip>/32 -j ACCEPT` for the private IPs of the

@@ -66,8 +66,10 @@ pub const OWN_ANNOTATIONS: [&str; 7] = [
 pub struct PlanOutcome {
     /// `None` when no plan can be made yet (e.g. the local node is not in the snapshot).
     pub plan: Option<Plan>,
-    /// Invalid nodes or peers (each named), left out of the plan.
+    /// Invalid fields (each naming its object) and topology errors.
     pub errors: Vec<String>,
+    /// The invalid fields among `errors`: a node's was ignored, a peer's left the peer out.
+    pub invalid: Vec<crate::mesh::ObjectError>,
     pub ready_nodes: usize,
     pub ready_peers: usize,
     pub leader: bool,
@@ -345,7 +347,12 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {
             self.metrics.error("validate");
-            tracing::warn!(error = %e, "left out of the plan");
+            tracing::warn!(error = %e, "invalid value in the mesh's objects");
+        }
+        for e in &outcome.invalid {
+            if !self.invalid.contains(&e.to_string()) {
+                self.metrics.invalid_field(&e.kind.to_string(), &e.field);
+            }
         }
         self.invalid = now;
         outcome
@@ -442,9 +449,6 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
         let snapshot = self.alive(&update);
         let mut outcome = self.plan(&snapshot);
-        self.metrics
-            .invalid_objects
-            .set((update.errors.len() + outcome.errors.len()) as i64);
         let Some(plan) = outcome.plan.take() else {
             self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;

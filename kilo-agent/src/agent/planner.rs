@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use super::{PlanOutcome, Planner};
 use crate::{
     mesh::Snapshot,
-    plan::{Planned, Settings, plan_for},
+    plan::{PlanError, Planned, Settings, plan_for},
 };
 
 /// Plans with `settings`.
@@ -36,6 +36,14 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
         plan: planned.plan,
         errors: planned.errors.iter().map(ToString::to_string).collect(),
+        invalid: planned
+            .errors
+            .iter()
+            .filter_map(|e| match e {
+                PlanError::Object(o) => Some(o.clone()),
+                PlanError::Topology(_) => None,
+            })
+            .collect(),
         ready_nodes: planned.ready_nodes,
         ready_peers: planned.ready_peers,
         leader,

@@ -123,7 +123,7 @@ fn run(cli: Cli) -> Result<()> {
     };
     let cluster = kgctl::cluster(&snapshot, &opts).context("failed to read the cluster")?;
     for e in &cluster.errors {
-        writeln!(stderr, "warning: skipped {e}")?;
+        writeln!(stderr, "warning: {e}")?;
     }
     let mut stdout = std::io::stdout().lock();
     match cli.command {

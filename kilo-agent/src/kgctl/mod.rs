@@ -93,7 +93,7 @@ pub struct Cluster {
     pub granularity: Granularity,
     pub subnet: IpNet,
     pub port: u16,
-    /// Objects that did not parse (skipped).
+    /// Invalid fields: a node's was ignored, a peer's left the peer out.
     pub errors: Vec<ObjectError>,
 }
 

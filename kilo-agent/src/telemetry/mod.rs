@@ -3,8 +3,8 @@
 //!
 //! Metrics: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
 //! `kilo_errors_total{event}` (Kilo's), and `kilo_writes_total{kind}` (kernel writes by kind:
-//! with nothing changing it stays flat), `kilo_invalid_objects` (objects the backend could not
-//! read). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
+//! with nothing changing it stays flat), `kilo_invalid_objects_total{kind,field}` (invalid
+//! fields of Nodes and Peers, each counted when it appears). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
 //! reconcile succeeded, 503 before).
 //!
 //! Datapath metrics, read from the eBPF maps at scrape time (see [`Metrics::set_datapath`]):
@@ -38,6 +38,12 @@ use crate::reconcile::{DatapathStats, DatapathStatsSource, Writes};
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventLabel {
     pub event: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FieldLabel {
+    pub kind: String,
+    pub field: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -153,7 +159,7 @@ pub struct Metrics {
     pub reconciles: Counter,
     pub errors: Family<EventLabel, Counter>,
     pub writes: Family<KindLabel, Counter>,
-    pub invalid_objects: Gauge,
+    pub invalid_objects: Family<FieldLabel, Counter>,
     ready: Arc<AtomicBool>,
     datapath: SourceSlot,
 }
@@ -175,7 +181,7 @@ impl Metrics {
             reconciles: Counter::default(),
             errors: Family::default(),
             writes: Family::default(),
-            invalid_objects: Gauge::default(),
+            invalid_objects: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
             datapath: SourceSlot::default(),
         };
@@ -207,7 +213,7 @@ impl Metrics {
         );
         r.register(
             "kilo_invalid_objects",
-            "Nodes and peers the backend could not read",
+            "Invalid fields of nodes and peers, by kind and field",
             m.invalid_objects.clone(),
         );
         r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
@@ -226,6 +232,18 @@ impl Metrics {
         self.errors
             .get_or_create(&EventLabel {
                 event: event.into(),
+            })
+            .inc();
+    }
+
+    /// Counts an invalid field; indices are dropped from the label (`spec.allowedIPs[1]` counts
+    /// as `spec.allowedIPs`).
+    pub fn invalid_field(&self, kind: &str, field: &str) {
+        let field = field.split('[').next().unwrap_or(field);
+        self.invalid_objects
+            .get_or_create(&FieldLabel {
+                kind: kind.into(),
+                field: field.into(),
             })
             .inc();
     }
