@@ -70,6 +70,8 @@ pub struct PlanOutcome {
     pub errors: Vec<String>,
     /// The invalid fields among `errors`: a node's was ignored, a peer's left the peer out.
     pub invalid: Vec<crate::mesh::ObjectError>,
+    /// The topology as DOT, served on `/graph`.
+    pub graph: Option<String>,
     pub ready_nodes: usize,
     pub ready_peers: usize,
     pub leader: bool,
@@ -343,6 +345,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             self.metrics.nodes.set(outcome.ready_nodes as i64);
             self.metrics.peers.set(outcome.ready_peers as i64);
             self.metrics.leader.set(i64::from(outcome.leader));
+            self.metrics.set_graph(outcome.graph.clone());
         }
         let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {

@@ -34,6 +34,7 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
         .unwrap_or_default();
     PlanOutcome {
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
+        graph: topology.map(crate::kgctl::render_dot),
         plan: planned.plan,
         errors: planned.errors.iter().map(ToString::to_string).collect(),
         invalid: planned

@@ -50,10 +50,17 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Print a Graphviz (DOT) graph of the Kilo network.
-    Graph,
+    /// Print a graph of the Kilo network (Graphviz DOT, or SVG laid out in-process).
+    Graph(Graph),
     /// Show the WireGuard configuration of a node or peer.
     Showconf(Showconf),
+}
+
+#[derive(clap::Args, Debug)]
+struct Graph {
+    /// Output format: dot or svg.
+    #[arg(short, long, default_value = "dot", value_parser = ["dot", "svg"])]
+    output: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -127,9 +134,14 @@ fn run(cli: Cli) -> Result<()> {
     }
     let mut stdout = std::io::stdout().lock();
     match cli.command {
-        Command::Graph => {
+        Command::Graph(g) => {
+            let dot = kgctl::graph(&cluster)?;
+            let out = match g.output.as_str() {
+                "svg" => kgctl::render_svg(&dot)?,
+                _ => dot,
+            };
             // Kilo prints the graph with Println: one extra newline.
-            writeln!(stdout, "{}", kgctl::graph(&cluster)?)?;
+            writeln!(stdout, "{out}")?;
         }
         Command::Showconf(s) => {
             let o = ShowOptions {

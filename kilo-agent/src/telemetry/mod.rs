@@ -162,6 +162,8 @@ pub struct Metrics {
     pub invalid_objects: Family<FieldLabel, Counter>,
     ready: Arc<AtomicBool>,
     datapath: SourceSlot,
+    /// The latest plan's graph (DOT), for `/graph`.
+    graph: Arc<Mutex<Option<String>>>,
 }
 
 impl Default for Metrics {
@@ -184,6 +186,7 @@ impl Metrics {
             invalid_objects: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
             datapath: SourceSlot::default(),
+            graph: Arc::default(),
         };
         r.register(
             "kilo_nodes",
@@ -264,6 +267,11 @@ impl Metrics {
         self.ready.load(Ordering::Relaxed)
     }
 
+    /// The graph `/graph` serves (DOT); `None` until a plan exists.
+    pub fn set_graph(&self, dot: Option<String>) {
+        *self.graph.lock().unwrap_or_else(|e| e.into_inner()) = dot;
+    }
+
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut s = String::new();
@@ -280,6 +288,11 @@ impl Metrics {
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 self.encode(),
             ),
+            "/graph" => {
+                let query = path.split_once('?').map_or("", |(_, q)| q);
+                let graph = self.graph.lock().unwrap_or_else(|e| e.into_inner());
+                graph_response(graph.as_deref(), query)
+            }
             "/health" | "/healthz" => (200, "text/plain", "ok\n".into()),
             "/ready" | "/readyz" if self.is_ready() => (200, "text/plain", "ready\n".into()),
             "/ready" | "/readyz" => (
@@ -289,6 +302,40 @@ impl Metrics {
             ),
             _ => (404, "text/plain", "not found\n".into()),
         }
+    }
+}
+
+/// Kilo's `/graph` answers for `query`: 500 for an unknown format or layout, as Kilo answers.
+/// Graphviz's raster formats, which Kilo renders by exec, are unsupported here.
+fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, String) {
+    let param = |k: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find_map(|(key, v)| (key == k).then_some(v))
+            .unwrap_or("")
+    };
+    let Some(dot) = dot else {
+        return (
+            500,
+            "text/plain",
+            "did not find any valid Kilo nodes in the cluster\n".into(),
+        );
+    };
+    match param("format") {
+        "dot" | "gv" => return (200, "text/plain; charset=utf-8", dot.into()),
+        "" | "svg" => {}
+        _ => return (500, "text/plain", "unsupported format\n".into()),
+    }
+    if !matches!(
+        param("layout"),
+        "" | "circo" | "dot" | "neato" | "twopi" | "fdp"
+    ) {
+        return (500, "text/plain", "unsupported layout\n".into());
+    }
+    match crate::kgctl::render_svg(dot) {
+        Ok(svg) => (200, "image/svg+xml", svg),
+        Err(e) => (500, "text/plain", format!("unable to render graph: {e}\n")),
     }
 }
 
@@ -343,6 +390,7 @@ pub async fn serve(
                     200 => "OK",
                     404 => "Not Found",
                     405 => "Method Not Allowed",
+                    500 => "Internal Server Error",
                     _ => "Service Unavailable",
                 };
                 let mut resp = format!(
@@ -389,6 +437,25 @@ mod tests {
         assert_eq!(m.respond("/ready").0, 200);
         assert_eq!(m.respond("/health").0, 200);
         assert_eq!(m.respond("/nope").0, 404);
+    }
+
+    #[test]
+    fn graph_like_kilo() {
+        let m = Metrics::new();
+        assert_eq!(m.respond("/graph").0, 500, "no graph before a plan");
+        m.set_graph(Some(
+            "digraph kilo {\n\t\"n1\" [ label=\"n1\" ];\n}\n".into(),
+        ));
+        let (status, ctype, body) = m.respond("/graph");
+        assert_eq!((status, ctype), (200, "image/svg+xml"));
+        roxmltree::Document::parse(&body).unwrap();
+        assert!(body.contains(">n1<"), "{body}");
+        assert_eq!(m.respond("/graph?layout=circo&format=svg").0, 200);
+        let (status, _, body) = m.respond("/graph?format=dot");
+        assert_eq!((status, body.starts_with("digraph kilo")), (200, true));
+        assert_eq!(m.respond("/graph?format=gv").0, 200);
+        assert_eq!(m.respond("/graph?format=png").0, 500);
+        assert_eq!(m.respond("/graph?layout=sideways").0, 500);
     }
 
     #[derive(Debug)]
