@@ -14,6 +14,19 @@ use support::{
     netns::{NetNs, veth},
 };
 
+/// `kg version` and `kgctl version` print the version, as Kilo's do.
+#[test]
+fn version_subcommands() {
+    for bin in [env!("CARGO_BIN_EXE_kg"), env!("CARGO_BIN_EXE_kgctl")] {
+        let out = Command::new(bin).arg("version").output().unwrap();
+        assert!(out.status.success(), "{bin}: {out:?}");
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            format!("{}\n", env!("CARGO_PKG_VERSION"))
+        );
+    }
+}
+
 #[test]
 fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     if !support::require_root("kg_starts_publishes_serves_and_cleans_up_on_sigterm") {
@@ -49,7 +62,8 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             &format!("--backend-dir={}", objects.display()),
             "--hostname=kgtest",
             &format!("--private-key={}", key.display()),
-            "--listen=127.0.0.1:1107",
+            // Go's form: every address, IPv6 and IPv4.
+            "--listen=:1107",
             "--iptables-forward-rules",
             "--log-level=debug",
             // The program's own log records are forwarded (starting fails if they cannot be).
@@ -97,6 +111,23 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     eventually("/health answers", || get("/health").status.success());
     let metrics = String::from_utf8(get("/metrics").stdout).unwrap();
     assert!(metrics.contains("kilo_reconciles_total"), "{metrics}");
+    // The process metrics Kilo's dashboard reads, from /proc under the seccomp filter.
+    for name in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            metrics.contains(&format!("\n{name} ")),
+            "{name} in {metrics}"
+        );
+    }
+    let v6 = ns.try_sh("busybox wget -q -O - 'http://[::1]:1107/health'");
+    assert!(
+        v6.status.success(),
+        "--listen=:1107 answers on IPv6: {v6:?}"
+    );
     // Kilo's /graph: SVG by default (rendered in-process: kg may not exec), DOT on request.
     let mut svg = String::new();
     eventually("/graph answers", || {

@@ -433,7 +433,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         match self.backend.publish(&self.local.hostname, &changes).await {
             Ok(wrote) => self.stats.publishes += u64::from(wrote),
             Err(e) => {
-                self.metrics.error("local");
+                self.metrics.error("checkin");
                 tracing::warn!(error = %e, "publishing the heartbeat failed");
             }
         }
@@ -713,6 +713,8 @@ mod tests {
     struct Driven {
         tx: tokio::sync::watch::Sender<Update>,
         published: Mutex<Vec<Annotations>>,
+        /// Publishing fails while set.
+        failing: std::sync::atomic::AtomicBool,
     }
 
     impl Backend for Driven {
@@ -725,6 +727,11 @@ mod tests {
             _node: &'a str,
             annotations: &'a Annotations,
         ) -> futures::future::BoxFuture<'a, Result<bool, crate::backend::BackendError>> {
+            if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+                return Box::pin(async {
+                    Err(crate::backend::BackendError::Kube("unreachable".into()))
+                });
+            }
             self.published.lock().unwrap().push(annotations.clone());
             Box::pin(async { Ok(true) })
         }
@@ -740,6 +747,7 @@ mod tests {
         let backend = Arc::new(Driven {
             tx,
             published: Mutex::default(),
+            failing: Default::default(),
         });
         let settings = LoopSettings {
             resync: Some(Duration::from_secs(8)),
@@ -887,6 +895,34 @@ mod tests {
         );
         agent.stop.send(()).unwrap();
         agent.run.await.unwrap();
+    }
+
+    /// A heartbeat that cannot be published counts as Kilo's `checkin` error.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_heartbeat_is_a_checkin_error() {
+        let begin = tokio::time::Instant::now();
+        let (backend, agent) = start(
+            Update {
+                snapshot: nodes(&["me"]),
+                generation: 1,
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        at(begin, 1_000).await;
+        backend
+            .failing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // Two check-ins (every 10 s) fail.
+        at(begin, 25_000).await;
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
+        let text = agent.metrics.encode();
+        assert!(
+            text.contains("kilo_errors_total{event=\"checkin\"} 2"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -9,7 +9,7 @@ use clap::Parser as _;
 use kilo_agent::{
     agent::{
         Agent, Local, LoopSettings,
-        config::{BackendKind, Encapsulate, Flags, LogFormat, LogLevel, Mtu},
+        config::{BackendKind, Encapsulate, Flags, KgCommand, LogFormat, LogLevel, Mtu},
         detect, key,
         planner::planner,
         seccomp,
@@ -244,6 +244,10 @@ fn init_logging(flags: &Flags) {
 
 fn main() -> ExitCode {
     let flags = Flags::parse();
+    if let Some(KgCommand::Version) = flags.command {
+        println!("{}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     init_logging(&flags);
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");

@@ -52,6 +52,8 @@ struct Cli {
 enum Command {
     /// Print a graph of the Kilo network (Graphviz DOT, or SVG laid out in-process).
     Graph(Graph),
+    /// Print the version and exit.
+    Version,
     /// Show the WireGuard configuration of a node or peer.
     Showconf(Showconf),
 }
@@ -104,6 +106,10 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if let Command::Version = cli.command {
+        println!("{}", env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
     let (snapshot, errors) = match cli.backend {
         Backend::File => {
             let Some(dir) = &cli.backend_dir else {
@@ -156,6 +162,7 @@ fn run(cli: Cli) -> Result<()> {
             stdout.write_all(shown.stdout.as_bytes())?;
             stderr.write_all(shown.stderr.as_bytes())?;
         }
+        Command::Version => unreachable!("answered before reading the backend"),
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Telemetry: Prometheus metrics (Kilo's names plus ours), health and readiness, over a minimal
 //! HTTP/1.1 server on `--listen`.
 //!
-//! Metrics: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
+//! Metrics: the process metrics of Prometheus' Go client ([`process`]), `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
 //! `kilo_errors_total{event}` (Kilo's), and `kilo_writes_total{kind}` (kernel writes by kind:
 //! with nothing changing it stays flat), `kilo_invalid_objects_total{kind,field}` (invalid
 //! fields of Nodes and Peers, each counted when it appears). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
@@ -34,6 +34,9 @@ use prometheus_client::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::reconcile::{DatapathStats, DatapathStatsSource, Writes};
+
+mod process;
+pub use process::ProcessStats;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventLabel {
@@ -220,6 +223,7 @@ impl Metrics {
             m.invalid_objects.clone(),
         );
         r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
+        r.register_collector(Box::new(process::ProcessCollector));
         Metrics {
             registry: Arc::new(r),
             ..m
@@ -346,14 +350,33 @@ pub struct ServeError {
     source: std::io::Error,
 }
 
+/// A listening socket on `addr`; the unspecified IPv6 address (`[::]`, Go's `:PORT`) accepts
+/// IPv4 as well, and falls back to `0.0.0.0` where the kernel has no IPv6.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let dual = addr.is_ipv6() && addr.ip().is_unspecified();
+    let socket = match Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)) {
+        Err(e) if dual && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+            return listen(SocketAddr::from(([0, 0, 0, 0], addr.port())));
+        }
+        s => s?,
+    };
+    if dual {
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    socket.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(socket.into())
+}
+
 /// Binds `addr` and serves until the task is dropped. Returns the bound address (port 0 = any).
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ServeError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError { addr, source })?;
+    let listener = listen(addr).map_err(|source| ServeError { addr, source })?;
     let bound = listener
         .local_addr()
         .map_err(|source| ServeError { addr, source })?;
@@ -429,6 +452,10 @@ mod tests {
             "kilo_reconciles_total 1",
             "kilo_errors_total{event=\"apply\"} 1",
             "kilo_writes_total{kind=\"route_add\"} 2",
+            "\nprocess_cpu_seconds_total ",
+            "\nprocess_resident_memory_bytes ",
+            "\nprocess_open_fds ",
+            "\nprocess_start_time_seconds ",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
