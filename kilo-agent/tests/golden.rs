@@ -648,3 +648,95 @@ fn ipip_sources_match_golden() {
         assert_eq!(plan::tunnel_address(&t, &never), None);
     }
 }
+
+/// `kgctl connect`'s plan for a new Peer "laptop": Kilo's `PeerConf` as its WireGuard peers and
+/// Kilo's `PeerRoutes` (every segment's pod CIDRs, private IPs and allowed location IPs via
+/// the segment's WireGuard IP, the WireGuard IPs, the other peers' allowed IPs, and
+/// `--allowed-ips` via the first segment) through the WireGuard interface.
+#[test]
+fn connect_plan_is_kilo_peer_conf_and_peer_routes() {
+    let mut snap = fixture();
+    let c = kgctl::Connect {
+        name: "laptop".into(),
+        allowed_ip: "10.5.9.9/32".parse().unwrap(),
+        allowed_ips: vec!["10.96.0.0/12".parse().unwrap()],
+        persistent_keepalive: 10,
+        port: 51820,
+    };
+    let key: Key = "bGFwdG9wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+        .parse()
+        .unwrap();
+    snap.peers.insert("laptop".into(), c.peer(key));
+    let opts = kgctl::Options {
+        granularity: kgctl::GranularityArg::Fixed(Granularity::Location),
+        now: Some(NOW),
+        ..kgctl::Options::default()
+    };
+    let cluster = kgctl::cluster(&snap, &opts).unwrap();
+    let p = c.plan(&cluster).unwrap();
+    assert_eq!(p.addresses, vec![c.allowed_ip]);
+    assert_eq!(p.wireguard.listen_port, 51820);
+    let t = cluster.topology("d", 10).unwrap();
+    let mut with_extra = cluster.clone();
+    with_extra
+        .nodes
+        .get_mut("a")
+        .unwrap()
+        .allowed_location_ips
+        .push("10.96.0.0/12".parse().unwrap());
+    let t_extra = with_extra.topology("d", 10).unwrap();
+    assert_eq!(
+        p.wireguard.peers,
+        plan::normalize_wireguard(t_extra.peer_conf("laptop"))
+    );
+    assert!(
+        p.wireguard
+            .peers
+            .iter()
+            .all(|w| w.persistent_keepalive == 10)
+    );
+    let routes: Vec<String> = p.routes.iter().map(ToString::to_string).collect();
+    let mut want: Vec<String> = [
+        ("10.2.1.0/24", Some("10.4.0.1")),
+        ("10.2.2.0/24", Some("10.4.0.2")),
+        ("10.2.3.0/24", Some("10.4.0.2")),
+        ("10.2.4.0/24", Some("10.4.0.3")),
+        ("192.168.0.1/32", Some("10.4.0.1")),
+        ("192.168.0.2/32", Some("10.4.0.2")),
+        ("192.168.178.3/32", Some("10.4.0.2")),
+        ("10.4.0.1/32", None),
+        ("10.4.0.2/32", None),
+        ("10.4.0.3/32", None),
+        ("10.5.0.0/24", None),
+        ("10.96.0.0/12", Some("10.4.0.1")),
+    ]
+    .iter()
+    .map(|(dst, gw)| {
+        plan::Route {
+            dst: dst.parse().unwrap(),
+            gateway: gw.map(|g| g.parse().unwrap()),
+            src: None,
+            device: plan::Device::WireGuard,
+            onlink: gw.is_some(),
+            table: plan::MAIN_TABLE,
+        }
+        .to_string()
+    })
+    .collect();
+    want.sort();
+    let mut got = routes.clone();
+    got.sort();
+    assert_eq!(got, want, "{}", t.dump());
+    assert!(
+        !routes.iter().any(|r| r.contains("10.5.9.9")),
+        "no route to itself"
+    );
+    let missing = kgctl::Connect {
+        name: "nobody".into(),
+        ..c
+    };
+    assert_eq!(
+        missing.plan(&cluster).unwrap_err(),
+        kgctl::KgctlError::PeerNotFound("nobody".into())
+    );
+}

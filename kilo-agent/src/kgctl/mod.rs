@@ -9,8 +9,10 @@
 //!   WireGuard peers, so a Peer sharing a non-leader's key made Kilo treat it as a leader.
 //! - `--mesh-granularity` also accepts `cross`; `auto` accepts a `cross` annotation.
 //! - Names containing `"` are escaped in DOT.
+mod connect;
 mod svg;
 
+pub use connect::Connect;
 pub use svg::{SvgError, render_svg};
 
 use std::{
