@@ -740,3 +740,63 @@ fn connect_plan_is_kilo_peer_conf_and_peer_routes() {
         kgctl::KgctlError::PeerNotFound("nobody".into())
     );
 }
+
+/// Kilo's flannel and cilium encapsulators (`--compatibility`): inside a location, a node is
+/// reached through the first address of its pod CIDR (flannel), or its `cni-compatibility-ip`
+/// when it has one (cilium), on the CNI's device; between locations nothing changes. Seen from
+/// c (not a leader: everything goes to its leader b) and from b (the leader, `--local`).
+#[test]
+fn compatibility_routes_like_kilo_encapsulators() {
+    use plan::Compatibility;
+    let mut snap = fixture();
+    set_annotation(
+        &mut snap,
+        "b",
+        mesh::annotations::CNI_COMPATIBILITY_IP,
+        Some("10.0.2.9/32"),
+    );
+    let routes = |compatibility, host| {
+        let s = Settings {
+            compatibility,
+            ..settings(Granularity::Location, host)
+        };
+        let mut r: Vec<String> = plan_of(&snap, &s)
+            .routes
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        r.sort();
+        r
+    };
+    // From c every route goes to its leader b: through b's private IP (IPIP), b's pod CIDR
+    // (flannel) or b's cni-compatibility-ip (cilium); `tunl0` names the tunnel device.
+    let ipip = routes(Compatibility::None, "c");
+    assert!(
+        ipip.iter()
+            .all(|r| r.contains(" via 192.168.0.1 dev tunl0 "))
+    );
+    let swap = |gw: &str| -> Vec<String> {
+        ipip.iter()
+            .map(|r| r.replace(" via 192.168.0.1 ", &format!(" via {gw} ")))
+            .collect()
+    };
+    assert_eq!(routes(Compatibility::Flannel, "c"), swap("10.2.2.0"));
+    assert_eq!(routes(Compatibility::Cilium, "c"), swap("10.0.2.9"));
+    // From the leader b: its location's other node c (no cni-compatibility-ip) through c's pod
+    // CIDR in both modes, including the table-1107 route to c's private IP; other locations
+    // through WireGuard as always.
+    let want = [
+        "route 10.2.1.0/24 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
+        "route 10.2.3.0/24 via 10.2.3.0 dev tunl0 src 192.168.0.1 onlink",
+        "route 10.2.4.0/24 via 10.4.0.3 dev kilo0 src 192.168.0.1 onlink",
+        "route 10.5.0.0/24 dev kilo0 src 192.168.0.1",
+        "route 192.168.0.1/32 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
+        "route 192.168.0.2/32 via 10.2.3.0 dev tunl0 src 192.168.0.1 table 1107 onlink",
+    ];
+    assert_eq!(routes(Compatibility::Flannel, "b"), want);
+    assert_eq!(routes(Compatibility::Cilium, "b"), want);
+    let ipip_b = routes(Compatibility::None, "b");
+    assert!(ipip_b.contains(
+        &"route 10.2.3.0/24 via 192.168.0.2 dev tunl0 src 192.168.0.1 onlink".to_string()
+    ));
+}

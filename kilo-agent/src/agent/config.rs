@@ -6,7 +6,10 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{ArgAction, Parser, ValueEnum};
 use ipnet::IpNet;
 
-pub use crate::{mesh::Granularity, plan::Encapsulation as Encapsulate};
+pub use crate::{
+    mesh::Granularity,
+    plan::{Compatibility, Encapsulation as Encapsulate},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
@@ -168,9 +171,10 @@ pub struct Flags {
     /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
     #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
     pub cni_path: PathBuf,
-    /// `flannel` or `cilium` add-on mode.
-    #[arg(long, default_value = "")]
-    pub compatibility: String,
+    /// `flannel` or `cilium`: Kilo's encapsulators for running on top of that CNI (a node of
+    /// the location is reached through its pod CIDR, or Cilium's address, on the CNI's device).
+    #[arg(long, default_value = "", value_parser = str::parse::<Compatibility>)]
+    pub compatibility: Compatibility,
     /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub create_interface: bool,
@@ -304,12 +308,6 @@ impl Flags {
         if self.backend == BackendKind::File && self.backend_dir.is_none() {
             return Err("--backend=file needs --backend-dir".into());
         }
-        if !matches!(self.compatibility.as_str(), "" | "flannel" | "cilium") {
-            return Err(format!(
-                "--compatibility={:?}: expected flannel or cilium",
-                self.compatibility
-            ));
-        }
         self.interface
             .parse::<wireguard_control::InterfaceName>()
             .map_err(|e| format!("--interface={:?}: {e}", self.interface))?;
@@ -399,6 +397,9 @@ mod tests {
         assert_eq!(f.service_cidr.len(), 3);
         assert_eq!(f.internal_cidr.len(), 2);
         assert_eq!(f.datapath_interfaces, ["cni0", "kube-bridge"]);
+        let f = Flags::try_parse_from(["kg", "--compatibility=flannel"]).unwrap();
+        assert_eq!(f.compatibility, Compatibility::Flannel);
+        assert!(Flags::try_parse_from(["kg", "--compatibility=calico"]).is_err());
         assert!(matches!(
             Flags::try_parse_from(["kg", "version"]).unwrap().command,
             Some(KgCommand::Version)
