@@ -1,6 +1,6 @@
 //! The `kg` binary end to end in a network namespace with the file backend: it generates its
-//! key (0600), publishes its annotations, serves /health and /metrics under its seccomp filter,
-//! and on SIGTERM removes its annotations and exits 0.
+//! key (0600), publishes its annotations, serves /health, /metrics and /graph (SVG laid out
+//! in-process) under its seccomp filter, and on SIGTERM removes its annotations and exits 0.
 mod support;
 
 use std::{
@@ -9,9 +9,23 @@ use std::{
 };
 
 use support::{
+    agent::peer_yaml,
     eventually,
     netns::{NetNs, veth},
 };
+
+/// `kg version` and `kgctl version` print the version, as Kilo's do.
+#[test]
+fn version_subcommands() {
+    for bin in [env!("CARGO_BIN_EXE_kg"), env!("CARGO_BIN_EXE_kgctl")] {
+        let out = Command::new(bin).arg("version").output().unwrap();
+        assert!(out.status.success(), "{bin}: {out:?}");
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            format!("{}\n", env!("CARGO_PKG_VERSION"))
+        );
+    }
+}
 
 #[test]
 fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
@@ -25,6 +39,21 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let objects = dir.path().join("objects");
     std::fs::create_dir(&objects).unwrap();
+    std::fs::write(
+        objects.join("laptop.yaml"),
+        peer_yaml(
+            "laptop",
+            "a2V5OQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+            "10.5.0.1/32",
+        ),
+    )
+    .unwrap();
+    // The node's pod CIDR, which Kubernetes would assign: it makes the node ready (a graph).
+    std::fs::write(
+        objects.join("kgtest.yaml"),
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: kgtest\nspec:\n  podCIDR: 10.42.1.0/24\n",
+    )
+    .unwrap();
     let key = dir.path().join("state/key");
     let mut kg = Command::new("ip")
         .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
@@ -33,7 +62,8 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             &format!("--backend-dir={}", objects.display()),
             "--hostname=kgtest",
             &format!("--private-key={}", key.display()),
-            "--listen=127.0.0.1:1107",
+            // Go's form: every address, IPv6 and IPv4.
+            "--listen=:1107",
             "--iptables-forward-rules",
             &format!(
                 "--cni-path={}",
@@ -84,6 +114,44 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     eventually("/health answers", || get("/health").status.success());
     let metrics = String::from_utf8(get("/metrics").stdout).unwrap();
     assert!(metrics.contains("kilo_reconciles_total"), "{metrics}");
+    // The process metrics Kilo's dashboard reads, from /proc under the seccomp filter.
+    for name in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            metrics.contains(&format!("\n{name} ")),
+            "{name} in {metrics}"
+        );
+    }
+    let v6 = ns.try_sh("busybox wget -q -O - 'http://[::1]:1107/health'");
+    assert!(
+        v6.status.success(),
+        "--listen=:1107 answers on IPv6: {v6:?}"
+    );
+    // Kilo's /graph: SVG by default (rendered in-process: kg may not exec), DOT on request.
+    let mut svg = String::new();
+    eventually("/graph answers", || {
+        let out = get("/graph");
+        svg = String::from_utf8_lossy(&out.stdout).into_owned();
+        out.status.success()
+    });
+    let doc = roxmltree::Document::parse(&svg).unwrap_or_else(|e| panic!("{e}: {svg}"));
+    let texts: Vec<&str> = doc.descendants().filter_map(|n| n.text()).collect();
+    for name in ["kgtest", "laptop"] {
+        assert!(
+            texts.iter().any(|t| t.trim() == name),
+            "{name} in {texts:?}"
+        );
+    }
+    let dot = String::from_utf8(get("/graph?format=dot&layout=circo").stdout).unwrap();
+    assert!(
+        dot.starts_with("digraph kilo {") && dot.contains("\"laptop\""),
+        "{dot}"
+    );
+    assert!(!get("/graph?format=png").status.success());
 
     // SIGTERM (to kg itself, the child of `ip netns exec`, which execs it).
     let pid = kg.id();

@@ -193,7 +193,10 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
         "the invalid objects are counted",
         &mut || {
             let text = metrics.encode();
-            metric(&text, "kilo_invalid_objects") == 2
+            metric(
+                &text,
+                "kilo_invalid_objects_total{kind=\"peer\",field=\"spec.publicKey\"}",
+            ) == 1
                 && metric(&text, "kilo_errors_total{event=\"validate\"}") == validate_before + 1
                 && metric(&text, "kilo_errors_total{event=\"backend\"}") == 1
         },

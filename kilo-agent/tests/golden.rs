@@ -463,29 +463,150 @@ fn plan_is_none_when_local_node_missing_or_not_ready() {
     assert_eq!(p.ready_nodes, 0);
 }
 
+/// A bad node annotation is ignored (the node stays); a Peer failing Kilo's validation is skipped.
 #[test]
 fn bad_objects_are_reported_and_skipped() {
     let mut snap = fixture();
-    let b = snap.nodes.get_mut("b").unwrap();
-    b.metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert("kilo.squat.ai/internal-ip".into(), "x".into());
+    set_annotation(&mut snap, "b", mesh::annotations::INTERNAL_IP, Some("x"));
     snap.peers.get_mut("b").unwrap().spec.public_key = "nope".into();
     let p = plan::plan_for(&snap, &settings(Granularity::Location, "a"));
     let errs: Vec<String> = p.errors.iter().map(ToString::to_string).collect();
     assert_eq!(errs.len(), 2, "{errs:?}");
     assert!(errs.contains(
-        &r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#.to_string()
+        &r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x"; the node has no internal IP"#
+            .to_string()
     ));
     assert!(
         errs.iter()
             .any(|e| e.starts_with(r#"peer "b": spec.publicKey: "#))
     );
     let t = p.topology.unwrap();
-    assert_eq!(t.node_count(), 3);
+    assert_eq!(t.node_count(), 4);
     assert_eq!(t.peers.len(), 1);
+}
+
+/// Sets (or, with `None`, removes) an annotation of a fixture node.
+fn set_annotation(snap: &mut mesh::Snapshot, node: &str, key: &str, value: Option<&str>) {
+    let ann = snap
+        .nodes
+        .get_mut(node)
+        .unwrap()
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap();
+    match value {
+        Some(v) => ann.insert(key.into(), v.into()),
+        None => ann.remove(key),
+    };
+}
+
+/// Kilo's `translateNode` ignores a bad optional annotation with a fallback. For each one, the
+/// fixture with the bad value plans exactly as the fixture with the fallback (the topology,
+/// the WireGuard configuration and every route, seen from every node at both granularities),
+/// and the bad value is reported once, naming the node, the annotation and the value.
+#[test]
+fn bad_optional_annotations_fall_back_like_kilo() {
+    use mesh::annotations as ann;
+    // Node, annotation, bad value, the value Kilo reads instead (`None`: as if absent).
+    let cases: &[(&str, &str, &str, Option<&str>)] = &[
+        ("a", ann::PERSISTENT_KEEPALIVE, "25s", None),
+        ("a", ann::PERSISTENT_KEEPALIVE, "-3", None),
+        ("b", ann::FORCE_ENDPOINT, "10.1.0.9", None),
+        ("b", ann::FORCE_INTERNAL_IP, "192.168.0.300/32", None),
+        ("d", ann::FORCE_INTERNAL_IP, "not-an-ip", None),
+        (
+            "a",
+            ann::DISCOVERED_ENDPOINTS,
+            r#"{"a2V5MgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=":{"IP":"10.9.9","Port":1}}"#,
+            None,
+        ),
+        (
+            "b",
+            ann::ALLOWED_LOCATION_IPS,
+            "192.168.178.3/32,192.168.178.300/32",
+            Some("192.168.178.3/32"),
+        ),
+        ("c", ann::ALLOWED_LOCATION_IPS, "bad", None),
+        ("c", ann::GRANULARITY, "mesh", None),
+        ("b", ann::INTERNAL_IP, "192.168.0.1", None),
+        ("b", ann::WIREGUARD_IP, "10.4.0.300/16", None),
+        ("c", ann::CNI_COMPATIBILITY_IP, "1.2.3", None),
+    ];
+    for &(node, key, bad, fallback) in cases {
+        let mut with_bad = fixture();
+        set_annotation(&mut with_bad, node, key, Some(bad));
+        let mut with_fallback = fixture();
+        set_annotation(&mut with_fallback, node, key, fallback);
+        let what = format!("{node} {key}={bad:?}");
+        for g in GRANULARITIES {
+            for h in HOSTS {
+                for local in [false, true] {
+                    let s = Settings {
+                        local,
+                        persistent_keepalive: KeepaliveSource::LocalNode,
+                        encapsulate: Encapsulation::CrossSubnet,
+                        ..settings(g, h)
+                    };
+                    let got = plan::plan_for(&with_bad, &s);
+                    let want = plan::plan_for(&with_fallback, &s);
+                    assert!(want.errors.is_empty(), "{what}: {:?}", want.errors);
+                    let errs: Vec<String> = got.errors.iter().map(ToString::to_string).collect();
+                    assert_eq!(errs.len(), 1, "{what}: {errs:?}");
+                    let prefix = format!("node \"{node}\": annotation {key}: ");
+                    assert!(errs[0].starts_with(&prefix), "{what}: {}", errs[0]);
+                    // allowed-location-ips names the bad item.
+                    let value = match key {
+                        ann::ALLOWED_LOCATION_IPS => bad.split(',').next_back().unwrap(),
+                        _ => bad,
+                    };
+                    assert!(
+                        errs[0].contains(&format!("{value:?}")),
+                        "{what}: {}",
+                        errs[0]
+                    );
+                    let (t, w) = (got.topology.unwrap(), want.topology.unwrap());
+                    assert_eq!(t.node_count(), 4, "{what}: the node stays");
+                    assert_eq!(t.dump(), w.dump(), "{what}: topology from {h} ({g})");
+                    assert_eq!(
+                        kgctl::render_wireguard(None, &t.conf()),
+                        kgctl::render_wireguard(None, &w.conf()),
+                        "{what}: WireGuard from {h} ({g})"
+                    );
+                    let (p, q) = (got.plan.unwrap(), want.plan.unwrap());
+                    assert_eq!(p.routes, q.routes, "{what}: routes from {h} ({g})");
+                    assert_eq!(p.rules, q.rules, "{what}: rules from {h} ({g})");
+                    assert_eq!(p, q, "{what}: plan from {h} ({g}, local={local})");
+                }
+            }
+        }
+    }
+}
+
+/// Annotations that cannot be bad: `leader` counts by presence (any value), `location` by any
+/// string, as in Kilo.
+#[test]
+fn presence_and_free_text_annotations_take_any_value() {
+    use mesh::annotations as ann;
+    for (key, a, b) in [(ann::LEADER, "", "no"), (ann::LOCATION, "2", "2")] {
+        let mut x = fixture();
+        set_annotation(&mut x, "c", key, Some(a));
+        let mut y = fixture();
+        set_annotation(&mut y, "c", key, Some(b));
+        let s = settings(Granularity::Location, "c");
+        let (p, q) = (plan::plan_for(&x, &s), plan::plan_for(&y, &s));
+        assert!(p.errors.is_empty() && q.errors.is_empty());
+        assert_eq!(p.plan, q.plan, "{key}");
+    }
+    let mut x = fixture();
+    set_annotation(&mut x, "c", ann::LEADER, Some("false"));
+    let t = plan::plan_for(&x, &settings(Granularity::Location, "c"))
+        .topology
+        .unwrap();
+    assert!(
+        t.leader,
+        "a leader annotation with any value makes c its location's leader"
+    );
 }
 
 /// Kilo's IPIP encapsulator rules: `KILO-IPIP -s <ip>/32 -j ACCEPT` for the private IPs of the
@@ -526,4 +647,156 @@ fn ipip_sources_match_golden() {
         );
         assert_eq!(plan::tunnel_address(&t, &never), None);
     }
+}
+
+/// `kgctl connect`'s plan for a new Peer "laptop": Kilo's `PeerConf` as its WireGuard peers and
+/// Kilo's `PeerRoutes` (every segment's pod CIDRs, private IPs and allowed location IPs via
+/// the segment's WireGuard IP, the WireGuard IPs, the other peers' allowed IPs, and
+/// `--allowed-ips` via the first segment) through the WireGuard interface.
+#[test]
+fn connect_plan_is_kilo_peer_conf_and_peer_routes() {
+    let mut snap = fixture();
+    let c = kgctl::Connect {
+        name: "laptop".into(),
+        allowed_ip: "10.5.9.9/32".parse().unwrap(),
+        allowed_ips: vec!["10.96.0.0/12".parse().unwrap()],
+        persistent_keepalive: 10,
+        port: 51820,
+    };
+    let key: Key = "bGFwdG9wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+        .parse()
+        .unwrap();
+    snap.peers.insert("laptop".into(), c.peer(key));
+    let opts = kgctl::Options {
+        granularity: kgctl::GranularityArg::Fixed(Granularity::Location),
+        now: Some(NOW),
+        ..kgctl::Options::default()
+    };
+    let cluster = kgctl::cluster(&snap, &opts).unwrap();
+    let p = c.plan(&cluster).unwrap();
+    assert_eq!(p.addresses, vec![c.allowed_ip]);
+    assert_eq!(p.wireguard.listen_port, 51820);
+    let t = cluster.topology("d", 10).unwrap();
+    let mut with_extra = cluster.clone();
+    with_extra
+        .nodes
+        .get_mut("a")
+        .unwrap()
+        .allowed_location_ips
+        .push("10.96.0.0/12".parse().unwrap());
+    let t_extra = with_extra.topology("d", 10).unwrap();
+    assert_eq!(
+        p.wireguard.peers,
+        plan::normalize_wireguard(t_extra.peer_conf("laptop"))
+    );
+    assert!(
+        p.wireguard
+            .peers
+            .iter()
+            .all(|w| w.persistent_keepalive == 10)
+    );
+    let routes: Vec<String> = p.routes.iter().map(ToString::to_string).collect();
+    let mut want: Vec<String> = [
+        ("10.2.1.0/24", Some("10.4.0.1")),
+        ("10.2.2.0/24", Some("10.4.0.2")),
+        ("10.2.3.0/24", Some("10.4.0.2")),
+        ("10.2.4.0/24", Some("10.4.0.3")),
+        ("192.168.0.1/32", Some("10.4.0.1")),
+        ("192.168.0.2/32", Some("10.4.0.2")),
+        ("192.168.178.3/32", Some("10.4.0.2")),
+        ("10.4.0.1/32", None),
+        ("10.4.0.2/32", None),
+        ("10.4.0.3/32", None),
+        ("10.5.0.0/24", None),
+        ("10.96.0.0/12", Some("10.4.0.1")),
+    ]
+    .iter()
+    .map(|(dst, gw)| {
+        plan::Route {
+            dst: dst.parse().unwrap(),
+            gateway: gw.map(|g| g.parse().unwrap()),
+            src: None,
+            device: plan::Device::WireGuard,
+            onlink: gw.is_some(),
+            table: plan::MAIN_TABLE,
+        }
+        .to_string()
+    })
+    .collect();
+    want.sort();
+    let mut got = routes.clone();
+    got.sort();
+    assert_eq!(got, want, "{}", t.dump());
+    assert!(
+        !routes.iter().any(|r| r.contains("10.5.9.9")),
+        "no route to itself"
+    );
+    let missing = kgctl::Connect {
+        name: "nobody".into(),
+        ..c
+    };
+    assert_eq!(
+        missing.plan(&cluster).unwrap_err(),
+        kgctl::KgctlError::PeerNotFound("nobody".into())
+    );
+}
+
+/// Kilo's flannel and cilium encapsulators (`--compatibility`): inside a location, a node is
+/// reached through the first address of its pod CIDR (flannel), or its `cni-compatibility-ip`
+/// when it has one (cilium), on the CNI's device; between locations nothing changes. Seen from
+/// c (not a leader: everything goes to its leader b) and from b (the leader, `--local`).
+#[test]
+fn compatibility_routes_like_kilo_encapsulators() {
+    use plan::Compatibility;
+    let mut snap = fixture();
+    set_annotation(
+        &mut snap,
+        "b",
+        mesh::annotations::CNI_COMPATIBILITY_IP,
+        Some("10.0.2.9/32"),
+    );
+    let routes = |compatibility, host| {
+        let s = Settings {
+            compatibility,
+            ..settings(Granularity::Location, host)
+        };
+        let mut r: Vec<String> = plan_of(&snap, &s)
+            .routes
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        r.sort();
+        r
+    };
+    // From c every route goes to its leader b: through b's private IP (IPIP), b's pod CIDR
+    // (flannel) or b's cni-compatibility-ip (cilium); `tunl0` names the tunnel device.
+    let ipip = routes(Compatibility::None, "c");
+    assert!(
+        ipip.iter()
+            .all(|r| r.contains(" via 192.168.0.1 dev tunl0 "))
+    );
+    let swap = |gw: &str| -> Vec<String> {
+        ipip.iter()
+            .map(|r| r.replace(" via 192.168.0.1 ", &format!(" via {gw} ")))
+            .collect()
+    };
+    assert_eq!(routes(Compatibility::Flannel, "c"), swap("10.2.2.0"));
+    assert_eq!(routes(Compatibility::Cilium, "c"), swap("10.0.2.9"));
+    // From the leader b: its location's other node c (no cni-compatibility-ip) through c's pod
+    // CIDR in both modes, including the table-1107 route to c's private IP; other locations
+    // through WireGuard as always.
+    let want = [
+        "route 10.2.1.0/24 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
+        "route 10.2.3.0/24 via 10.2.3.0 dev tunl0 src 192.168.0.1 onlink",
+        "route 10.2.4.0/24 via 10.4.0.3 dev kilo0 src 192.168.0.1 onlink",
+        "route 10.5.0.0/24 dev kilo0 src 192.168.0.1",
+        "route 192.168.0.1/32 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
+        "route 192.168.0.2/32 via 10.2.3.0 dev tunl0 src 192.168.0.1 table 1107 onlink",
+    ];
+    assert_eq!(routes(Compatibility::Flannel, "b"), want);
+    assert_eq!(routes(Compatibility::Cilium, "b"), want);
+    let ipip_b = routes(Compatibility::None, "b");
+    assert!(ipip_b.contains(
+        &"route 10.2.3.0/24 via 192.168.0.2 dev tunl0 src 192.168.0.1 onlink".to_string()
+    ));
 }

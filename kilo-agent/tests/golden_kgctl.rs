@@ -152,6 +152,39 @@ fn graph_matches_golden() {
     }
 }
 
+/// `kgctl graph -o svg`: an SVG document naming every node and peer of the fixture; `-o dot`
+/// is the default.
+#[test]
+fn graph_svg_names_every_node_and_peer() {
+    let dir = fixture_dir();
+    std::fs::write(
+        dir.path().join("99-phone.yaml"),
+        "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata: {name: phone}\nspec:\n  allowedIPs: [10.5.9.1/32]\n  publicKey: a2V5OQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\n",
+    )
+    .unwrap();
+    for g in ["location", "full"] {
+        let dot = kgctl(dir.path(), &["--mesh-granularity", g, "graph", "-o", "dot"]);
+        let plain = kgctl(dir.path(), &["--mesh-granularity", g, "graph"]);
+        assert_eq!(stdout(&dot), stdout(&plain));
+        let out = kgctl(dir.path(), &["--mesh-granularity", g, "graph", "-o", "svg"]);
+        let svg = stdout(&out);
+        let doc = roxmltree::Document::parse(&svg).unwrap_or_else(|e| panic!("{e}: {svg}"));
+        assert_eq!(doc.root_element().tag_name().name(), "svg");
+        let texts: Vec<&str> = doc.descendants().filter_map(|n| n.text()).collect();
+        // Nodes a..d; peers a, b and phone.
+        for name in ["a", "b", "c", "d", "phone"] {
+            assert!(
+                texts.iter().any(|t| t.trim() == name),
+                "{g}: {name} in {texts:?}"
+            );
+        }
+        // Every label line of the DOT graph is drawn (locations, CIDRs, endpoints).
+        for needle in ["10.2.3.0/24", "192.168.0.2"] {
+            assert!(texts.iter().any(|t| t.contains(needle)), "{g}: {needle}");
+        }
+    }
+}
+
 #[test]
 fn as_peer_yaml_is_a_peer_object() {
     let dir = fixture_dir();

@@ -6,7 +6,10 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{ArgAction, Parser, ValueEnum};
 use ipnet::IpNet;
 
-pub use crate::{mesh::Granularity, plan::Encapsulation as Encapsulate};
+pub use crate::{
+    mesh::Granularity,
+    plan::{Compatibility, Encapsulation as Encapsulate},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
@@ -122,15 +125,23 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(total))
 }
 
-/// `--listen`: Go's `:1107` (all addresses) or `host:port`.
+/// `--listen`: Go's `:1107` (all addresses, IPv6 and IPv4: `[::]:1107`, which
+/// `telemetry::serve` binds dual-stack) or `host:port`.
 pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     let s2 = if s.starts_with(':') {
-        format!("0.0.0.0{s}")
+        format!("[::]{s}")
     } else {
         s.to_string()
     };
     s2.parse()
         .map_err(|_| format!("{s:?}: expected :PORT or HOST:PORT"))
+}
+
+/// kg's subcommands (Kilo's; `webhook` is not one here).
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum KgCommand {
+    /// Print the version and exit.
+    Version,
 }
 
 #[derive(Debug, Clone, Parser)]
@@ -140,6 +151,8 @@ pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     about = "kilo-rs agent: keeps this node's WireGuard mesh, routes and eBPF datapath equal to the topology"
 )]
 pub struct Flags {
+    #[command(subcommand)]
+    pub command: Option<KgCommand>,
     /// Where nodes and peers come from.
     #[arg(long, value_enum, default_value = "kubernetes")]
     pub backend: BackendKind,
@@ -158,9 +171,10 @@ pub struct Flags {
     /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
     #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
     pub cni_path: PathBuf,
-    /// `flannel` or `cilium` add-on mode.
-    #[arg(long, default_value = "")]
-    pub compatibility: String,
+    /// `flannel` or `cilium`: Kilo's encapsulators for running on top of that CNI (a node of
+    /// the location is reached through its pod CIDR, or Cilium's address, on the CNI's device).
+    #[arg(long, default_value = "", value_parser = str::parse::<Compatibility>)]
+    pub compatibility: Compatibility,
     /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     pub create_interface: bool,
@@ -197,11 +211,11 @@ pub struct Flags {
     /// WireGuard listen port.
     #[arg(long, default_value_t = 51820)]
     pub port: u16,
-    /// A service CIDR (repeatable): traffic to it is never masqueraded.
-    #[arg(long)]
+    /// A service CIDR (repeatable, or comma-separated): traffic to it is never masqueraded.
+    #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<IpNet>,
-    /// Restrict private-IP auto-detection to these CIDRs (repeatable).
-    #[arg(long)]
+    /// Restrict private-IP auto-detection to these CIDRs (repeatable, or comma-separated).
+    #[arg(long, value_delimiter = ',')]
     pub internal_cidr: Vec<IpNet>,
     /// The WireGuard overlay CIDR.
     #[arg(long, default_value = "10.4.0.0/16")]
@@ -236,7 +250,11 @@ pub struct Flags {
     pub iptables_forward_rules: bool,
     /// Pod-facing interfaces whose ingress runs the datapath (besides the WireGuard interface);
     /// those that do not exist (yet) are attached when they appear.
-    #[arg(long = "datapath-interface", default_value = "kube-bridge")]
+    #[arg(
+        long = "datapath-interface",
+        default_value = "kube-bridge",
+        value_delimiter = ','
+    )]
     pub datapath_interfaces: Vec<String>,
     /// bpffs directory where the datapath's maps and links are pinned (they outlive the agent).
     #[arg(long, default_value = "/sys/fs/bpf/kilo")]
@@ -285,12 +303,6 @@ impl Flags {
         if self.backend == BackendKind::File && self.backend_dir.is_none() {
             return Err("--backend=file needs --backend-dir".into());
         }
-        if !matches!(self.compatibility.as_str(), "" | "flannel" | "cilium") {
-            return Err(format!(
-                "--compatibility={:?}: expected flannel or cilium",
-                self.compatibility
-            ));
-        }
         self.interface
             .parse::<wireguard_control::InterfaceName>()
             .map_err(|e| format!("--interface={:?}: {e}", self.interface))?;
@@ -317,7 +329,8 @@ mod tests {
         assert_eq!(f.backend, BackendKind::Kubernetes);
         assert!(f.clean_up && !f.clean_up_interface && f.create_interface && f.local && f.cni);
         assert_eq!(f.interface, "kilo0");
-        assert_eq!(f.listen, "0.0.0.0:1107".parse().unwrap());
+        assert_eq!(f.listen, "[::]:1107".parse().unwrap());
+        assert!(f.command.is_none());
         assert_eq!(f.mtu, Mtu::Auto);
         assert_eq!(f.port, 51820);
         assert_eq!(f.subnet, "10.4.0.0/16".parse::<IpNet>().unwrap());
@@ -363,6 +376,29 @@ mod tests {
         assert!(f.validate().is_ok());
         assert_eq!(f.warnings().len(), 1);
         assert!(f.warnings()[0].contains("eBPF"));
+        // Kilo's repeatable flags also take comma-separated values.
+        let f = Flags::try_parse_from([
+            "kg",
+            "--service-cidr=10.96.0.0/12,fd00:96::/108",
+            "--service-cidr=10.97.0.0/16",
+            "--internal-cidr=10.0.0.0/8,192.168.0.0/16",
+            "--datapath-interface=cni0,kube-bridge",
+        ])
+        .unwrap();
+        assert_eq!(f.service_cidr.len(), 3);
+        assert_eq!(f.internal_cidr.len(), 2);
+        assert_eq!(f.datapath_interfaces, ["cni0", "kube-bridge"]);
+        let f = Flags::try_parse_from(["kg", "--compatibility=flannel"]).unwrap();
+        assert_eq!(f.compatibility, Compatibility::Flannel);
+        assert!(Flags::try_parse_from(["kg", "--compatibility=calico"]).is_err());
+        assert!(matches!(
+            Flags::try_parse_from(["kg", "version"]).unwrap().command,
+            Some(KgCommand::Version)
+        ));
+        assert_eq!(
+            parse_listen("127.0.0.1:9").unwrap(),
+            "127.0.0.1:9".parse().unwrap()
+        );
         let f = Flags::try_parse_from(["kg", "--resync-period=0"]).unwrap();
         assert_eq!(f.resync(), None);
         let f = Flags::try_parse_from(["kg", "--backend=file"]).unwrap();

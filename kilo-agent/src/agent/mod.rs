@@ -66,8 +66,12 @@ pub const OWN_ANNOTATIONS: [&str; 7] = [
 pub struct PlanOutcome {
     /// `None` when no plan can be made yet (e.g. the local node is not in the snapshot).
     pub plan: Option<Plan>,
-    /// Invalid nodes or peers (each named), left out of the plan.
+    /// Invalid fields (each naming its object) and topology errors.
     pub errors: Vec<String>,
+    /// The invalid fields among `errors`: a node's was ignored, a peer's left the peer out.
+    pub invalid: Vec<crate::mesh::ObjectError>,
+    /// The topology as DOT, served on `/graph`.
+    pub graph: Option<String>,
     pub ready_nodes: usize,
     pub ready_peers: usize,
     pub leader: bool,
@@ -341,11 +345,17 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             self.metrics.nodes.set(outcome.ready_nodes as i64);
             self.metrics.peers.set(outcome.ready_peers as i64);
             self.metrics.leader.set(i64::from(outcome.leader));
+            self.metrics.set_graph(outcome.graph.clone());
         }
         let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {
             self.metrics.error("validate");
-            tracing::warn!(error = %e, "left out of the plan");
+            tracing::warn!(error = %e, "invalid value in the mesh's objects");
+        }
+        for e in &outcome.invalid {
+            if !self.invalid.contains(&e.to_string()) {
+                self.metrics.invalid_field(&e.kind.to_string(), &e.field);
+            }
         }
         self.invalid = now;
         outcome
@@ -423,7 +433,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         match self.backend.publish(&self.local.hostname, &changes).await {
             Ok(wrote) => self.stats.publishes += u64::from(wrote),
             Err(e) => {
-                self.metrics.error("local");
+                self.metrics.error("checkin");
                 tracing::warn!(error = %e, "publishing the heartbeat failed");
             }
         }
@@ -442,9 +452,6 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
         let snapshot = self.alive(&update);
         let mut outcome = self.plan(&snapshot);
-        self.metrics
-            .invalid_objects
-            .set((update.errors.len() + outcome.errors.len()) as i64);
         let Some(plan) = outcome.plan.take() else {
             self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;
@@ -706,6 +713,8 @@ mod tests {
     struct Driven {
         tx: tokio::sync::watch::Sender<Update>,
         published: Mutex<Vec<Annotations>>,
+        /// Publishing fails while set.
+        failing: std::sync::atomic::AtomicBool,
     }
 
     impl Backend for Driven {
@@ -718,6 +727,11 @@ mod tests {
             _node: &'a str,
             annotations: &'a Annotations,
         ) -> futures::future::BoxFuture<'a, Result<bool, crate::backend::BackendError>> {
+            if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+                return Box::pin(async {
+                    Err(crate::backend::BackendError::Kube("unreachable".into()))
+                });
+            }
             self.published.lock().unwrap().push(annotations.clone());
             Box::pin(async { Ok(true) })
         }
@@ -733,6 +747,7 @@ mod tests {
         let backend = Arc::new(Driven {
             tx,
             published: Mutex::default(),
+            failing: Default::default(),
         });
         let settings = LoopSettings {
             resync: Some(Duration::from_secs(8)),
@@ -880,6 +895,34 @@ mod tests {
         );
         agent.stop.send(()).unwrap();
         agent.run.await.unwrap();
+    }
+
+    /// A heartbeat that cannot be published counts as Kilo's `checkin` error.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_heartbeat_is_a_checkin_error() {
+        let begin = tokio::time::Instant::now();
+        let (backend, agent) = start(
+            Update {
+                snapshot: nodes(&["me"]),
+                generation: 1,
+                connected: true,
+                ..Update::default()
+            },
+            planned,
+        );
+        at(begin, 1_000).await;
+        backend
+            .failing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // Two check-ins (every 10 s) fail.
+        at(begin, 25_000).await;
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
+        let text = agent.metrics.encode();
+        assert!(
+            text.contains("kilo_errors_total{event=\"checkin\"} 2"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use super::{PlanOutcome, Planner};
 use crate::{
     mesh::Snapshot,
-    plan::{Planned, Settings, plan_for},
+    plan::{PlanError, Planned, Settings, plan_for},
 };
 
 /// Plans with `settings`.
@@ -34,8 +34,17 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
         .unwrap_or_default();
     PlanOutcome {
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
+        graph: topology.map(crate::kgctl::render_dot),
         plan: planned.plan,
         errors: planned.errors.iter().map(ToString::to_string).collect(),
+        invalid: planned
+            .errors
+            .iter()
+            .filter_map(|e| match e {
+                PlanError::Object(o) => Some(o.clone()),
+                PlanError::Topology(_) => None,
+            })
+            .collect(),
         ready_nodes: planned.ready_nodes,
         ready_peers: planned.ready_peers,
         leader,

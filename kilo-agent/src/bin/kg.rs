@@ -9,7 +9,9 @@ use clap::Parser as _;
 use kilo_agent::{
     agent::{
         Agent, Local, LoopSettings,
-        config::{BackendKind, Encapsulate, Flags, LogFormat, LogLevel, Mtu},
+        config::{
+            BackendKind, Compatibility, Encapsulate, Flags, KgCommand, LogFormat, LogLevel, Mtu,
+        },
         detect, key,
         planner::planner,
         seccomp,
@@ -36,6 +38,7 @@ fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
         service_cidrs: flags.service_cidr.clone(),
         local: flags.local,
         encapsulate: flags.encapsulate,
+        compatibility: flags.compatibility,
         cni: flags.cni,
         topology_label: flags.topology_label.clone(),
         // Liveness is the agent's (see `agent::liveness`), applied before planning.
@@ -156,7 +159,15 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let devices = Devices {
         wireguard: flags.interface.clone(),
         private: ips.private.map(|a| a.interface),
-        tunnel: (flags.encapsulate != Encapsulate::Never).then(|| "tunl0".to_string()),
+        tunnel: (flags.encapsulate != Encapsulate::Never).then(|| {
+            // The encapsulating device of Kilo's encapsulators.
+            match flags.compatibility {
+                Compatibility::Flannel => "flannel.1",
+                Compatibility::Cilium if host.mtus.contains_key("cilium_tunl") => "cilium_tunl",
+                _ => "tunl0",
+            }
+            .to_string()
+        }),
     };
     let datapath = datapath(&flags, devices.clone())?;
     let reconciler = Reconciler::new(
@@ -248,6 +259,10 @@ fn init_logging(flags: &Flags) {
 
 fn main() -> ExitCode {
     let flags = Flags::parse();
+    if let Some(KgCommand::Version) = flags.command {
+        println!("{}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     init_logging(&flags);
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");

@@ -1,15 +1,17 @@
-//! `kgctl`: inspect the mesh (graph, showconf). Only I/O lives here: reading the backend
-//! (a directory of objects, or the Kubernetes API) and writing what `kilo_agent::kgctl` renders.
+//! `kgctl`: inspect the mesh (graph, showconf) and join it as a peer (connect). Only I/O lives
+//! here: reading the backend (a directory of objects, or the Kubernetes API), writing what
+//! `kilo_agent::kgctl` renders, and, for `connect`, the Peer object and the agent's reconcilers.
 use std::{
     io::Write as _,
     path::PathBuf,
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result, bail};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
 use kilo_agent::{
+    agent::config::{LogLevel, parse_duration},
     kgctl::{self, GranularityArg, OutputFormat, ShowOptions},
     mesh::{self, KubeNode, Peer, Snapshot},
 };
@@ -50,10 +52,60 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Print a Graphviz (DOT) graph of the Kilo network.
-    Graph,
+    /// Print a graph of the Kilo network (Graphviz DOT, or SVG laid out in-process).
+    Graph(Graph),
+    /// Connect to the Kilo network as a peer over WireGuard, until SIGINT or SIGTERM.
+    Connect(ConnectArgs),
+    /// Print the version and exit.
+    Version,
     /// Show the WireGuard configuration of a node or peer.
     Showconf(Showconf),
+}
+
+#[derive(clap::Args, Debug)]
+struct Graph {
+    /// Output format: dot or svg.
+    #[arg(short, long, default_value = "dot", value_parser = ["dot", "svg"])]
+    output: String,
+}
+
+/// Kilo's `kgctl connect` flags (plus `--create-interface`, as kg's).
+#[derive(clap::Args, Debug)]
+struct ConnectArgs {
+    /// The Peer's name (default: the host name).
+    name: Option<String>,
+    /// Allowed IP of the peer: this machine's address in the mesh.
+    #[arg(short = 'a', long, default_value = "10.10.10.10/32")]
+    allowed_ip: IpNet,
+    /// Additional allowed IPs of the cluster, e.g. the service CIDR (repeatable, or comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    allowed_ips: Vec<IpNet>,
+    /// all, debug, info, warn, error or none.
+    #[arg(long, value_enum, default_value = "info")]
+    log_level: LogLevel,
+    /// The WireGuard private key file (generated with mode 0600 when absent); without it a key
+    /// is generated for this run only.
+    #[arg(long)]
+    private_key: Option<PathBuf>,
+    /// Remove the routes, the addresses, the interface (when created here) and the Peer (when
+    /// created here) on exit.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    clean_up: bool,
+    /// The MTU of the WireGuard interface.
+    #[arg(long, default_value_t = 1420)]
+    mtu: u32,
+    /// How often to read the mesh and reconcile.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    resync_period: Duration,
+    /// The WireGuard interface; created when missing (kernel module required).
+    #[arg(short = 'i', long, default_value = "kilo0")]
+    interface: String,
+    /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    create_interface: bool,
+    /// Seconds between WireGuard keepalives (0 disables them).
+    #[arg(long, default_value_t = 10)]
+    persistent_keepalive: u16,
 }
 
 #[derive(clap::Args, Debug)]
@@ -97,6 +149,16 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if let Command::Version = cli.command {
+        println!("{}", env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
+    if let Command::Connect(args) = &cli.command {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(connect(&cli, args));
+    }
     let (snapshot, errors) = match cli.backend {
         Backend::File => {
             let Some(dir) = &cli.backend_dir else {
@@ -123,13 +185,18 @@ fn run(cli: Cli) -> Result<()> {
     };
     let cluster = kgctl::cluster(&snapshot, &opts).context("failed to read the cluster")?;
     for e in &cluster.errors {
-        writeln!(stderr, "warning: skipped {e}")?;
+        writeln!(stderr, "warning: {e}")?;
     }
     let mut stdout = std::io::stdout().lock();
     match cli.command {
-        Command::Graph => {
+        Command::Graph(g) => {
+            let dot = kgctl::graph(&cluster)?;
+            let out = match g.output.as_str() {
+                "svg" => kgctl::render_svg(&dot)?,
+                _ => dot,
+            };
             // Kilo prints the graph with Println: one extra newline.
-            writeln!(stdout, "{}", kgctl::graph(&cluster)?)?;
+            writeln!(stdout, "{out}")?;
         }
         Command::Showconf(s) => {
             let o = ShowOptions {
@@ -144,43 +211,246 @@ fn run(cli: Cli) -> Result<()> {
             stdout.write_all(shown.stdout.as_bytes())?;
             stderr.write_all(shown.stderr.as_bytes())?;
         }
+        Command::Version | Command::Connect(_) => {
+            unreachable!("answered before reading the backend")
+        }
     }
     Ok(())
 }
 
 /// Lists Nodes and Peers from the Kubernetes API.
 fn kube_snapshot(kubeconfig: Option<&std::path::Path>) -> Result<Snapshot> {
-    use kilo_agent::backend::kubernetes::{self, describe};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let config = kubernetes::config(kubeconfig, None).await?;
-        let server = config.cluster_url.clone();
-        let client = kubernetes::client(config)?;
-        let lp = kube::api::ListParams::default();
-        let nodes = kube::Api::<KubeNode>::all(client.clone())
-            .list(&lp)
-            .await
-            .map_err(|e| anyhow::anyhow!(describe(&format!("listing nodes from {server}"), &e)))?;
-        let peers = kube::Api::<Peer>::all(client)
-            .list(&lp)
-            .await
-            .map_err(|e| {
-                anyhow::anyhow!(describe(
-                    &format!("listing peers.kilo.squat.ai from {server}"),
-                    &e
-                ))
-            })?;
-        let mut s = Snapshot::default();
-        for n in nodes {
-            s.nodes
-                .insert(n.metadata.name.clone().unwrap_or_default(), n);
-        }
-        for p in peers {
-            s.peers
-                .insert(p.metadata.name.clone().unwrap_or_default(), p);
-        }
-        Ok(s)
+        let (client, server) = kube_client(kubeconfig).await?;
+        kube_list(&client, &server).await
     })
+}
+
+/// A client of the API server, and the server's address.
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<(kube::Client, String)> {
+    use kilo_agent::backend::kubernetes;
+    let config = kubernetes::config(kubeconfig, None).await?;
+    let server = config.cluster_url.to_string();
+    Ok((kubernetes::client(config)?, server))
+}
+
+async fn kube_list(client: &kube::Client, server: &str) -> Result<Snapshot> {
+    use kilo_agent::backend::kubernetes::describe;
+    let lp = kube::api::ListParams::default();
+    let nodes = kube::Api::<KubeNode>::all(client.clone())
+        .list(&lp)
+        .await
+        .map_err(|e| anyhow::anyhow!(describe(&format!("listing nodes from {server}"), &e)))?;
+    let peers = kube::Api::<Peer>::all(client.clone())
+        .list(&lp)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(describe(
+                &format!("listing peers.kilo.squat.ai from {server}"),
+                &e
+            ))
+        })?;
+    let mut s = Snapshot::default();
+    for n in nodes {
+        s.nodes
+            .insert(n.metadata.name.clone().unwrap_or_default(), n);
+    }
+    for p in peers {
+        s.peers
+            .insert(p.metadata.name.clone().unwrap_or_default(), p);
+    }
+    Ok(s)
+}
+
+/// Where `connect` reads the mesh and keeps its Peer object.
+enum Objects {
+    Dir(PathBuf),
+    /// A client and the server's address.
+    Kube(kube::Client, String),
+}
+
+impl Objects {
+    async fn snapshot(&self) -> Result<Snapshot> {
+        match self {
+            Objects::Dir(dir) => {
+                let (snapshot, errors) = mesh::objects::load_dir(dir);
+                for e in errors {
+                    tracing::warn!(error = %e, "skipped");
+                }
+                Ok(snapshot)
+            }
+            Objects::Kube(client, server) => kube_list(client, server).await,
+        }
+    }
+
+    /// Creates the Peer, or updates its spec when it differs. Returns whether it was created.
+    async fn put_peer(&self, current: Option<&Peer>, peer: &Peer) -> Result<bool> {
+        if current.is_some_and(|c| c.spec == peer.spec) {
+            return Ok(false);
+        }
+        let name = peer.metadata.name.clone().unwrap_or_default();
+        match self {
+            Objects::Dir(dir) => {
+                // Written whole under a hidden name (never read), then renamed into place.
+                let tmp = dir.join(format!(".{name}.yaml.tmp"));
+                std::fs::write(&tmp, serde_yaml::to_string(peer)?)?;
+                std::fs::rename(&tmp, dir.join(format!("{name}.yaml")))?;
+            }
+            Objects::Kube(client, _) => {
+                let api = kube::Api::<Peer>::all(client.clone());
+                match current {
+                    None => {
+                        api.create(&Default::default(), peer).await?;
+                    }
+                    Some(c) => {
+                        let mut p = peer.clone();
+                        p.metadata.resource_version = c.metadata.resource_version.clone();
+                        api.replace(&name, &Default::default(), &p).await?;
+                    }
+                }
+            }
+        }
+        Ok(current.is_none())
+    }
+
+    async fn delete_peer(&self, name: &str) -> Result<()> {
+        match self {
+            Objects::Dir(dir) => std::fs::remove_file(dir.join(format!("{name}.yaml")))?,
+            Objects::Kube(client, _) => {
+                kube::Api::<Peer>::all(client.clone())
+                    .delete(name, &Default::default())
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `kgctl connect`: keeps this machine a peer of the mesh until SIGINT or SIGTERM.
+async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
+    use kilo_agent::{
+        agent::key,
+        reconcile::{
+            NoDatapath, Reconciler, Settings,
+            netlink::NetlinkKernel,
+            state::Devices,
+            wireguard::{WgApi, WgControl, system_resolver},
+        },
+    };
+    use tokio::signal::unix::{SignalKind, signal};
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            args.log_level.directive(),
+        ))
+        .init();
+    let name = match &args.name {
+        Some(n) => n.clone(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading the host name")?
+            .trim()
+            .to_string(),
+    };
+    let private_key = match &args.private_key {
+        Some(path) => key::load_or_generate(path)?.0,
+        None => mesh::Key(wireguard_control::Key::generate_private().0),
+    };
+    let public_key = key::public_key(&private_key);
+    tracing::info!(key = %public_key, peer = %name, "public key");
+    let objects = match cli.backend {
+        Backend::File => Objects::Dir(
+            cli.backend_dir
+                .clone()
+                .context("--backend file needs --backend-dir DIR")?,
+        ),
+        Backend::Kubernetes => {
+            let (client, server) = kube_client(cli.kubeconfig.as_deref()).await?;
+            Objects::Kube(client, server)
+        }
+    };
+    let want = kgctl::Connect {
+        name: name.clone(),
+        allowed_ip: args.allowed_ip,
+        allowed_ips: args.allowed_ips.clone(),
+        persistent_keepalive: args.persistent_keepalive,
+        port: cli.port,
+    };
+    let wireguard = if args.create_interface {
+        WgControl::new(&args.interface, WgApi::Kernel)?
+    } else {
+        WgControl::detect(&args.interface)?
+    };
+    let mut reconciler = Reconciler::new(
+        NetlinkKernel::connect()?,
+        wireguard,
+        NoDatapath,
+        Settings {
+            devices: Devices {
+                wireguard: args.interface.clone(),
+                private: None,
+                tunnel: None,
+            },
+            create_interface: args.create_interface,
+            mtu: Some(args.mtu),
+            private_key,
+            resolver: Box::new(system_resolver),
+        },
+    );
+    let opts = kgctl::Options {
+        granularity: cli.mesh_granularity,
+        port: cli.port,
+        subnet: cli.subnet,
+        topology_label: cli.topology_label.clone(),
+        now: None,
+    };
+    let (mut term, mut int) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    );
+    let mut created = false;
+    loop {
+        let synced = async {
+            let snapshot = objects.snapshot().await?;
+            let peer = want.peer(public_key);
+            created |= objects.put_peer(snapshot.peers.get(&name), &peer).await?;
+            let mut snapshot = snapshot;
+            snapshot.peers.insert(name.clone(), peer);
+            let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() as i64;
+            let cluster = kgctl::cluster(
+                &snapshot,
+                &kgctl::Options {
+                    now: Some(now),
+                    ..opts.clone()
+                },
+            )?;
+            let plan = want.plan(&cluster)?;
+            let report = reconciler.reconcile(&plan).await?;
+            for p in &report.problems {
+                tracing::warn!(problem = %p, "not applied");
+            }
+            anyhow::Ok(())
+        };
+        if let Err(e) = synced.await {
+            tracing::error!(error = format!("{e:#}"), "failed to sync");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(args.resync_period) => {}
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+    if args.clean_up {
+        let report = reconciler.clean_up(args.create_interface).await?;
+        for p in &report.problems {
+            tracing::warn!(problem = %p, "not cleaned up");
+        }
+        if created {
+            objects.delete_peer(&name).await?;
+            tracing::info!(peer = %name, "deleted peer");
+        }
+    }
+    Ok(())
 }

@@ -1,4 +1,4 @@
-//! kgctl's renderings (pure): `graph` (Graphviz DOT in Kilo's exact layout) and `showconf`
+//! kgctl's renderings (pure): `graph` (Graphviz DOT in Kilo's exact layout, or SVG: [`svg`]) and `showconf`
 //! (WireGuard text in Kilo's `Conf.Bytes()` format, or a Peer object as JSON/YAML).
 //! The `kgctl` binary only reads the backend and writes what these functions return.
 //!
@@ -9,6 +9,12 @@
 //!   WireGuard peers, so a Peer sharing a non-leader's key made Kilo treat it as a leader.
 //! - `--mesh-granularity` also accepts `cross`; `auto` accepts a `cross` annotation.
 //! - Names containing `"` are escaped in DOT.
+mod connect;
+mod svg;
+
+pub use connect::Connect;
+pub use svg::{SvgError, render_svg};
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
@@ -93,7 +99,7 @@ pub struct Cluster {
     pub granularity: Granularity,
     pub subnet: IpNet,
     pub port: u16,
-    /// Objects that did not parse (skipped).
+    /// Invalid fields: a node's was ignored, a peer's left the peer out.
     pub errors: Vec<ObjectError>,
 }
 

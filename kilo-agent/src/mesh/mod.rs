@@ -5,11 +5,12 @@
 //! their per-object errors ([`ObjectError`]), and the on-disk object loader ([`objects`]).
 //! Parsing is pure; only [`objects::load_dir`] reads files.
 //!
+//! As in Kilo, an invalid annotation is ignored with Kilo's fallback (a bad key leaves the node
+//! not ready, a bad keepalive counts as none, a bad `force-endpoint` falls back to `endpoint`)
+//! and a Peer failing Kilo's `Validate` is skipped; unlike Kilo, each invalid value is also an
+//! [`ObjectError`] naming the object, the field and the value.
+//!
 //! Differences from Kilo (each covered by a test in `node.rs`/`peer.rs`):
-//! - Kilo silently ignores an invalid annotation or Peer field (a bad key becomes the zero key,
-//!   a bad keepalive becomes 0, a bad `force-endpoint` falls back to `endpoint`). Here every
-//!   invalid value is an [`ObjectError`] naming the object and the field, and that object is
-//!   skipped while all others are kept.
 //! - A Peer endpoint with both `ip` and `dns` uses the IP, as the CRD documents; Kilo's
 //!   translation code lets the DNS name win.
 //! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip`
@@ -135,31 +136,31 @@ impl ObjectError {
 pub struct Parsed {
     pub nodes: BTreeMap<String, Node>,
     pub peers: BTreeMap<String, MeshPeer>,
-    /// Objects listed here are absent from `nodes`/`peers`; all others are kept.
+    /// One per invalid field. A node's bad field was ignored with Kilo's fallback; a peer
+    /// named here is absent from `peers`.
     pub errors: Vec<ObjectError>,
 }
 
-/// Parses every object of a snapshot. A bad object is reported (all its bad fields) and skipped.
+/// Parses every object of a snapshot. Every node is kept (its bad fields ignored, as Kilo does);
+/// a Peer that fails Kilo's validation is skipped. Every bad field is reported.
 pub fn parse_snapshot(snapshot: &Snapshot, topology_label: &str) -> Parsed {
     let mut out = Parsed::default();
     for (name, kn) in &snapshot.nodes {
-        match Node::from_kube(kn, topology_label) {
-            Ok(mut n) => {
-                if n.name.is_empty() {
-                    n.name = name.clone();
-                }
-                out.nodes.insert(n.name.clone(), n);
-            }
-            Err(errs) => out.errors.extend(errs),
+        let (mut n, errs) = Node::from_kube(kn, topology_label);
+        if n.name.is_empty() {
+            n.name = name.clone();
         }
+        out.nodes.insert(n.name.clone(), n);
+        out.errors.extend(errs);
     }
     for (name, p) in &snapshot.peers {
         match MeshPeer::from_crd(p) {
-            Ok(mut mp) => {
+            Ok((mut mp, warnings)) => {
                 if mp.name.is_empty() {
                     mp.name = name.clone();
                 }
                 out.peers.insert(mp.name.clone(), mp);
+                out.errors.extend(warnings);
             }
             Err(errs) => out.errors.extend(errs),
         }

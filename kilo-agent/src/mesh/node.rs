@@ -83,8 +83,12 @@ impl Node {
         self.internal_ips.first().copied()
     }
 
-    /// Parses a Kubernetes Node. All invalid values are returned, each naming its field.
-    pub fn from_kube(kn: &KubeNode, topology_label: &str) -> Result<Node, Vec<ObjectError>> {
+    /// Parses a Kubernetes Node the way Kilo's `translateNode` does: an invalid value is
+    /// ignored with Kilo's fallback (a bad `force-endpoint` falls back to `endpoint`, a bad
+    /// keepalive counts as none, a bad `allowed-location-ips` item is skipped, a bad key or
+    /// last-seen leaves the node not ready, ...) and returned as an error naming the field,
+    /// the value and the fallback. The node itself is always returned.
+    pub fn from_kube(kn: &KubeNode, topology_label: &str) -> (Node, Vec<ObjectError>) {
         let name = kn.metadata.name.clone().unwrap_or_default();
         let empty = BTreeMap::new();
         let ann = kn.metadata.annotations.as_ref().unwrap_or(&empty);
@@ -102,54 +106,71 @@ impl Node {
         let get = |k: &str| ann.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
 
         let mut endpoint = None;
-        for k in [annotations::FORCE_ENDPOINT, annotations::ENDPOINT] {
-            if let Some(v) = get(k) {
-                match v.parse::<Endpoint>() {
-                    Ok(e) => {
-                        if endpoint.is_none() {
-                            endpoint = Some(e)
-                        }
-                    }
-                    Err(e) => err(a(k), format!("invalid endpoint {v:?}: {e}")),
+        for (k, fallback) in [
+            (
+                annotations::FORCE_ENDPOINT,
+                "falling back to the endpoint annotation",
+            ),
+            (
+                annotations::ENDPOINT,
+                "the node has no endpoint (not ready)",
+            ),
+        ] {
+            let Some(v) = get(k) else { continue };
+            match v.parse::<Endpoint>() {
+                Ok(e) => {
+                    endpoint = Some(e);
+                    break;
                 }
+                Err(e) => err(a(k), format!("invalid endpoint {v:?} ({e}); {fallback}")),
             }
         }
 
         let mut internal_ips = Vec::new();
-        let mut no_internal_ip = false;
         let force = ann.get(annotations::FORCE_INTERNAL_IP).map(|s| s.trim());
-        let (key, value) = match force {
-            Some("") | Some("-") => {
-                no_internal_ip = true;
-                (annotations::FORCE_INTERNAL_IP, None)
-            }
-            Some(v) => (annotations::FORCE_INTERNAL_IP, Some(v)),
-            None => (annotations::INTERNAL_IP, get(annotations::INTERNAL_IP)),
-        };
-        if let Some(v) = value {
-            match parse_cidr_list(v) {
+        let no_internal_ip = matches!(force, Some("") | Some("-"));
+        let candidates = [
+            (
+                annotations::FORCE_INTERNAL_IP,
+                force.filter(|_| !no_internal_ip),
+                "falling back to the internal-ip annotation",
+            ),
+            (
+                annotations::INTERNAL_IP,
+                get(annotations::INTERNAL_IP).filter(|_| !no_internal_ip),
+                "the node has no internal IP",
+            ),
+        ];
+        for (k, v, fallback) in candidates {
+            let Some(v) = v else { continue };
+            match parse_internal_ips(v) {
                 Ok(ips) => {
-                    let v4 = ips.iter().filter(|n| matches!(n, IpNet::V4(_))).count();
-                    if v4 > 1 || ips.len() - v4 > 1 {
-                        err(a(key), format!("at most one CIDR per family, got {v:?}"));
-                    } else {
-                        internal_ips = ips;
-                        internal_ips.sort_by_key(|n| matches!(n, IpNet::V6(_)));
-                    }
+                    internal_ips = ips;
+                    break;
                 }
-                Err(e) => err(a(key), e),
+                Err(e) => err(a(k), format!("{e}; {fallback}")),
             }
         }
 
         let cni_compatibility_ip = get(annotations::CNI_COMPATIBILITY_IP).and_then(|v| {
             parse_cidr(v)
-                .map_err(|e| err(a(annotations::CNI_COMPATIBILITY_IP), e))
+                .map_err(|e| {
+                    err(
+                        a(annotations::CNI_COMPATIBILITY_IP),
+                        format!("{e}; ignored"),
+                    )
+                })
                 .ok()
         });
 
         let key = get(annotations::KEY).and_then(|v| {
             v.parse::<Key>()
-                .map_err(|e| err(a(annotations::KEY), format!("invalid WireGuard key: {e}")))
+                .map_err(|e| {
+                    err(
+                        a(annotations::KEY),
+                        format!("invalid WireGuard key {v:?} ({e}); the node is not ready"),
+                    )
+                })
                 .ok()
         });
 
@@ -158,7 +179,7 @@ impl Node {
                 .map_err(|_| {
                     err(
                         a(annotations::LAST_SEEN),
-                        format!("invalid unix time {v:?}"),
+                        format!("invalid unix time {v:?}; the node is not ready"),
                     )
                 })
                 .ok()
@@ -176,7 +197,7 @@ impl Node {
             Some(v) => v.parse::<u16>().unwrap_or_else(|_| {
                 err(
                     a(annotations::PERSISTENT_KEEPALIVE),
-                    format!("invalid keepalive {v:?}: expected seconds in 0..=65535"),
+                    format!("invalid keepalive {v:?} (seconds in 0..=65535); counted as none"),
                 );
                 0
             }),
@@ -189,7 +210,7 @@ impl Node {
             for (i, c) in list.iter().enumerate() {
                 match parse_cidr(c) {
                     Ok(n) => pod_cidrs.push(n.trunc()),
-                    Err(e) => err(format!("spec.podCIDRs[{i}]"), e),
+                    Err(e) => err(format!("spec.podCIDRs[{i}]"), format!("{e}; skipped")),
                 }
             }
         } else if let Some(c) = spec
@@ -198,13 +219,13 @@ impl Node {
         {
             match parse_cidr(c) {
                 Ok(n) => pod_cidrs.push(n.trunc()),
-                Err(e) => err("spec.podCIDR".into(), e),
+                Err(e) => err("spec.podCIDR".into(), format!("{e}; the node is not ready")),
             }
         }
 
         let wireguard_ip = get(annotations::WIREGUARD_IP).and_then(|v| {
             parse_cidr(v)
-                .map_err(|e| err(a(annotations::WIREGUARD_IP), e))
+                .map_err(|e| err(a(annotations::WIREGUARD_IP), format!("{e}; ignored")))
                 .ok()
         });
 
@@ -212,28 +233,33 @@ impl Node {
         if let Some(v) = get(annotations::DISCOVERED_ENDPOINTS) {
             match parse_discovered(v) {
                 Ok(m) => discovered_endpoints = m,
-                Err(e) => err(a(annotations::DISCOVERED_ENDPOINTS), e),
+                Err(e) => err(
+                    a(annotations::DISCOVERED_ENDPOINTS),
+                    format!("{e} in {v:?}; ignored"),
+                ),
             }
         }
 
         let mut allowed_location_ips = Vec::new();
         if let Some(v) = get(annotations::ALLOWED_LOCATION_IPS) {
-            match parse_cidr_list(v) {
-                Ok(l) => allowed_location_ips = l,
-                Err(e) => err(a(annotations::ALLOWED_LOCATION_IPS), e),
+            for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                match parse_cidr(item) {
+                    Ok(n) => allowed_location_ips.push(n),
+                    Err(e) => err(
+                        a(annotations::ALLOWED_LOCATION_IPS),
+                        format!("{e}; skipped"),
+                    ),
+                }
             }
         }
 
         let granularity = get(annotations::GRANULARITY).and_then(|v| {
             v.parse::<Granularity>()
-                .map_err(|e| err(a(annotations::GRANULARITY), e.to_string()))
+                .map_err(|e| err(a(annotations::GRANULARITY), format!("{e}; ignored")))
                 .ok()
         });
 
-        if !errs.is_empty() {
-            return Err(errs);
-        }
-        Ok(Node {
+        let node = Node {
             name,
             endpoint,
             internal_ips,
@@ -249,8 +275,20 @@ impl Node {
             discovered_endpoints,
             allowed_location_ips,
             granularity,
-        })
+        };
+        (node, errs)
     }
+}
+
+/// `internal-ip`: one CIDR, or one per family comma-separated; IPv4 first.
+fn parse_internal_ips(v: &str) -> Result<Vec<IpNet>, String> {
+    let mut ips = parse_cidr_list(v)?;
+    let v4 = ips.iter().filter(|n| matches!(n, IpNet::V4(_))).count();
+    if v4 > 1 || ips.len() - v4 > 1 {
+        return Err(format!("at most one CIDR per family, got {v:?}"));
+    }
+    ips.sort_by_key(|n| matches!(n, IpNet::V6(_)));
+    Ok(ips)
 }
 
 /// A comma-separated list of CIDRs; empty items are ignored.
@@ -271,20 +309,21 @@ struct UdpAddr {
     port: u16,
 }
 
+/// Kilo's reading of `discovered-endpoints`: invalid JSON or an invalid IP drops the whole
+/// map; an entry whose key is not a WireGuard key never matches a peer, so it is dropped alone.
 fn parse_discovered(v: &str) -> Result<BTreeMap<Key, SocketAddr>, String> {
     let raw: BTreeMap<String, Option<UdpAddr>> =
-        serde_json::from_str(v).map_err(|e| format!("invalid JSON: {e}"))?;
+        serde_json::from_str(v).map_err(|e| format!("invalid JSON ({e})"))?;
     let mut out = BTreeMap::new();
     for (k, addr) in raw {
-        let key = k
-            .parse::<Key>()
-            .map_err(|e| format!("invalid WireGuard key {k:?}: {e}"))?;
         let Some(addr) = addr else { continue };
         let ip = addr
             .ip
             .parse::<IpAddr>()
             .map_err(|_| format!("invalid IP {:?} for key {k:?}", addr.ip))?;
-        out.insert(key, SocketAddr::new(ip, addr.port));
+        if let Ok(key) = k.parse::<Key>() {
+            out.insert(key, SocketAddr::new(ip, addr.port));
+        }
     }
     Ok(out)
 }
@@ -322,7 +361,15 @@ mod tests {
         ann: &[(&str, &str)],
         pod_cidr: Option<&str>,
     ) -> Result<Node, Vec<ObjectError>> {
-        Node::from_kube(&kube_node(name, ann, pod_cidr), DEFAULT_TOPOLOGY_LABEL)
+        clean(Node::from_kube(
+            &kube_node(name, ann, pod_cidr),
+            DEFAULT_TOPOLOGY_LABEL,
+        ))
+    }
+
+    /// The node when nothing was invalid, else the errors.
+    fn clean((n, errs): (Node, Vec<ObjectError>)) -> Result<Node, Vec<ObjectError>> {
+        if errs.is_empty() { Ok(n) } else { Err(errs) }
     }
 
     fn ready_node() -> Node {
@@ -392,7 +439,7 @@ mod tests {
             ],
             Some("10.2.1.7/24"),
         );
-        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let n = clean(Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)).unwrap();
         assert_eq!(n.endpoint.unwrap().to_string(), "[2001:db8::1]:51821");
         assert_eq!(
             n.internal_ips,
@@ -421,18 +468,21 @@ mod tests {
                 .collect(),
         );
         assert_eq!(
-            Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)
+            clean(Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL))
                 .unwrap()
                 .location,
             "eu"
         );
-        assert_eq!(Node::from_kube(&kn, "other/label").unwrap().location, "");
+        assert_eq!(
+            clean(Node::from_kube(&kn, "other/label")).unwrap().location,
+            ""
+        );
         kn.metadata
             .annotations
             .get_or_insert_default()
             .insert(annotations::LOCATION.into(), "us".into());
         assert_eq!(
-            Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)
+            clean(Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL))
                 .unwrap()
                 .location,
             "us"
@@ -467,7 +517,7 @@ mod tests {
         let mut kn = kube_node("a", &[], Some("10.2.1.0/24"));
         kn.spec.as_mut().unwrap().pod_cidrs =
             Some(vec!["10.2.1.0/24".into(), "fd00:2:1::/64".into()]);
-        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let n = clean(Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL)).unwrap();
         assert_eq!(n.pod_cidrs.len(), 2);
         assert!(matches!(n.pod_cidrs[1], IpNet::V6(_)));
     }
@@ -500,13 +550,80 @@ mod tests {
         let errs = parse("b", &[], Some("10.2.0.0/33")).unwrap_err();
         assert_eq!(
             errs[0].to_string(),
-            r#"node "b": spec.podCIDR: invalid CIDR "10.2.0.0/33""#
+            r#"node "b": spec.podCIDR: invalid CIDR "10.2.0.0/33"; the node is not ready"#
         );
         let errs = parse("b", &[(annotations::INTERNAL_IP, "x")], None).unwrap_err();
         assert_eq!(
             errs[0].to_string(),
-            r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x""#
+            r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x"; the node has no internal IP"#
         );
+    }
+
+    /// Kilo's fallbacks: the node is kept, each bad field reported once.
+    #[test]
+    fn bad_values_fall_back_like_kilo() {
+        let (n, errs) = Node::from_kube(
+            &kube_node(
+                "f",
+                &[
+                    (annotations::FORCE_ENDPOINT, "nope:x"),
+                    (annotations::ENDPOINT, "2.2.2.2:51820"),
+                    (annotations::FORCE_INTERNAL_IP, "1.2.3"),
+                    (annotations::INTERNAL_IP, "1.1.1.1/24"),
+                    (
+                        annotations::ALLOWED_LOCATION_IPS,
+                        "10.9.0.0/16,bad,10.8.0.0/16",
+                    ),
+                    (annotations::PERSISTENT_KEEPALIVE, "soon"),
+                    (
+                        annotations::DISCOVERED_ENDPOINTS,
+                        r#"{"notakey":{"IP":"5.6.7.8","Port":1},"a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=":{"IP":"5.6.7.9","Port":2}}"#,
+                    ),
+                    (annotations::KEY, KEY1),
+                ],
+                Some("10.2.0.0/16"),
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        );
+        assert_eq!(n.endpoint.unwrap().to_string(), "2.2.2.2:51820");
+        assert_eq!(n.internal_ips, vec!["1.1.1.1/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            n.allowed_location_ips,
+            vec![
+                "10.9.0.0/16".parse::<IpNet>().unwrap(),
+                "10.8.0.0/16".parse().unwrap()
+            ]
+        );
+        assert_eq!(n.persistent_keepalive, 0);
+        assert_eq!(
+            n.discovered_endpoints.len(),
+            1,
+            "the bad key alone is dropped"
+        );
+        let msgs: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert_eq!(msgs.len(), 4, "{msgs:#?}");
+        assert!(
+            msgs[0].contains(r#"force-endpoint: invalid endpoint "nope:x""#),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains(r#""soon""#) && m.contains("persistent-keepalive"))
+        );
+        // A bad IP in discovered-endpoints drops the whole map, as Go's JSON decoding does.
+        let (n, errs) = Node::from_kube(
+            &kube_node(
+                "f",
+                &[(
+                    annotations::DISCOVERED_ENDPOINTS,
+                    r#"{"a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=":{"IP":"5.6.7","Port":2}}"#,
+                )],
+                None,
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        );
+        assert!(n.discovered_endpoints.is_empty());
+        assert_eq!(errs.len(), 1);
     }
 
     #[test]

@@ -26,7 +26,9 @@ impl MeshPeer {
         !self.allowed_ips.is_empty() && self.public_key != Key([0; 32])
     }
 
-    pub fn from_crd(p: &Peer) -> Result<MeshPeer, Vec<ObjectError>> {
+    /// Parses a Peer. A Peer that fails Kilo's `Validate` is `Err` with every bad field;
+    /// otherwise the peer and the fields that were ignored (as Kilo ignores them).
+    pub fn from_crd(p: &Peer) -> Result<(MeshPeer, Vec<ObjectError>), Vec<ObjectError>> {
         let name = p.metadata.name.clone().unwrap_or_default();
         let mut errs = Vec::new();
         let mut err = |field: String, problem: String| {
@@ -85,28 +87,35 @@ impl MeshPeer {
                 0
             }),
         };
+        // Not part of Kilo's validation: a bad preshared key is dropped, the peer kept.
+        let mut warnings = Vec::new();
         let preshared_key = match s.preshared_key.as_deref().map(str::trim) {
             None | Some("") => None,
             Some(v) => v
                 .parse::<Key>()
                 .map_err(|e| {
-                    err(
-                        "spec.presharedKey".into(),
-                        format!("invalid WireGuard key: {e}"),
-                    )
+                    warnings.push(ObjectError::new(
+                        ObjectKind::Peer,
+                        name.clone(),
+                        "spec.presharedKey",
+                        format!("invalid WireGuard key ({e}); ignored"),
+                    ))
                 })
                 .ok(),
         };
         match public_key {
-            Some(public_key) if errs.is_empty() => Ok(MeshPeer {
-                name,
-                allowed_ips,
-                public_key,
-                endpoint,
-                persistent_keepalive,
-                preshared_key,
-            }),
-            _ => Err(errs),
+            Some(public_key) if errs.is_empty() => Ok((
+                MeshPeer {
+                    name,
+                    allowed_ips,
+                    public_key,
+                    endpoint,
+                    persistent_keepalive,
+                    preshared_key,
+                },
+                warnings,
+            )),
+            _ => Err(errs.into_iter().chain(warnings).collect()),
         }
     }
 
@@ -229,7 +238,7 @@ mod tests {
 
     #[test]
     fn valid_peer_keeps_host_bits() {
-        let p = MeshPeer::from_crd(&crd(spec())).unwrap();
+        let p = MeshPeer::from_crd(&crd(spec())).unwrap().0;
         assert_eq!(p.allowed_ips[0].to_string(), "10.5.0.1/24");
         assert!(p.ready());
         assert_eq!(p.endpoint, None);
@@ -238,7 +247,7 @@ mod tests {
     /// The endpoint a spec with `endpoint` parses to.
     fn endpoint_of(endpoint: Option<PeerEndpoint>) -> String {
         let s = PeerSpec { endpoint, ..spec() };
-        let p = MeshPeer::from_crd(&crd(s)).unwrap();
+        let p = MeshPeer::from_crd(&crd(s)).unwrap().0;
         p.endpoint.unwrap().to_string()
     }
 
@@ -263,7 +272,7 @@ mod tests {
     #[test]
     fn every_bad_value_names_object_and_field() {
         type Edit = fn(&mut PeerSpec);
-        let cases: [(Edit, &str); 11] = [
+        let cases: [(Edit, &str); 10] = [
             (|s| s.allowed_ips = vec![], "spec.allowedIPs"),
             (
                 |s| s.allowed_ips = vec!["10.0.0.0/8".into(), "x".into()],
@@ -278,7 +287,6 @@ mod tests {
                 |s| s.persistent_keepalive = Some(-1),
                 "spec.persistentKeepalive",
             ),
-            (|s| s.preshared_key = Some("zz".into()), "spec.presharedKey"),
             (
                 |s| s.endpoint = ep(Some("1.2.3"), None, 1),
                 "spec.endpoint.dnsOrIP.ip",
@@ -312,15 +320,34 @@ mod tests {
         }
     }
 
+    /// Kilo drops a preshared key that does not parse and keeps the peer.
+    #[test]
+    fn bad_preshared_key_is_ignored() {
+        let s = PeerSpec {
+            preshared_key: Some("zz".into()),
+            ..spec()
+        };
+        let (p, warnings) = MeshPeer::from_crd(&crd(s)).unwrap();
+        assert_eq!(p, MeshPeer::from_crd(&crd(spec())).unwrap().0);
+        assert_eq!(warnings.len(), 1);
+        assert!(
+            warnings[0]
+                .to_string()
+                .starts_with("peer \"p\": spec.presharedKey: "),
+            "{}",
+            warnings[0]
+        );
+    }
+
     #[test]
     fn crd_round_trip() {
         let mut s = spec();
         s.endpoint = ep(Some("1.2.3.4"), None, 51820);
         s.persistent_keepalive = Some(10);
         s.preshared_key = Some(KEY.into());
-        let p = MeshPeer::from_crd(&crd(s.clone())).unwrap();
+        let p = MeshPeer::from_crd(&crd(s.clone())).unwrap().0;
         let back = p.to_crd();
         assert_eq!(back.spec, s);
-        assert_eq!(MeshPeer::from_crd(&back).unwrap(), p);
+        assert_eq!(MeshPeer::from_crd(&back).unwrap(), (p, vec![]));
     }
 }

@@ -64,7 +64,7 @@ proptest! {
             persistent_keepalive: ka,
             preshared_key: None,
         };
-        prop_assert_eq!(MeshPeer::from_crd(&p.to_crd()).unwrap(), p);
+        prop_assert_eq!(MeshPeer::from_crd(&p.to_crd()).unwrap(), (p, vec![]));
     }
 
     /// Node annotations written from typed values parse back to them.
@@ -89,7 +89,8 @@ proptest! {
             },
             ..Default::default()
         };
-        let n = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL).unwrap();
+        let (n, errs) = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL);
+        prop_assert!(errs.is_empty(), "{:?}", errs);
         prop_assert_eq!(n.internal_ips, vec![internal]);
         prop_assert_eq!(n.wireguard_ip, Some(wg));
         prop_assert_eq!(n.allowed_location_ips, alips);

@@ -32,6 +32,53 @@ use crate::{
     topology::{self, Segment, Topology, TopologyError, host_net},
 };
 
+/// `--compatibility`: Kilo's encapsulator, which decides the gateway through which a node of
+/// the location is reached (and `Device::Tunnel` is then the CNI's device: `flannel.1`,
+/// Cilium's `cilium_tunl` or `tunl0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compatibility {
+    /// Kilo's IPIP encapsulator: the node's private IP.
+    #[default]
+    None,
+    /// Kilo's flannel encapsulator: the first address of the node's pod CIDR.
+    Flannel,
+    /// Kilo's cilium encapsulator: the node's `cni-compatibility-ip`, else as flannel.
+    Cilium,
+}
+
+impl Compatibility {
+    /// Kilo's `Encapsulator.Gw` for a route of family `v6` to node `n`.
+    fn gateway(self, n: &topology::SegmentNode, v6: bool) -> Option<IpAddr> {
+        let pods = || {
+            n.pod_cidrs
+                .iter()
+                .find(|c| c.addr().is_ipv6() == v6)
+                .map(|c| c.trunc().addr())
+        };
+        match self {
+            Compatibility::None => n.private_ip(v6),
+            Compatibility::Flannel => pods(),
+            Compatibility::Cilium => n
+                .cni_compatibility_ip
+                .map(|c| c.addr())
+                .filter(|a| a.is_ipv6() == v6)
+                .or_else(pods),
+        }
+    }
+}
+
+impl FromStr for Compatibility {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" => Ok(Compatibility::None),
+            "flannel" => Ok(Compatibility::Flannel),
+            "cilium" => Ok(Compatibility::Cilium),
+            _ => Err(format!("unknown compatibility {s:?} (flannel, cilium)")),
+        }
+    }
+}
+
 /// `--encapsulate`: when traffic inside a location is IPIP-encapsulated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Encapsulation {
@@ -92,6 +139,8 @@ pub struct Settings {
     pub local: bool,
     /// `--encapsulate` (always).
     pub encapsulate: Encapsulation,
+    /// `--compatibility` (none).
+    pub compatibility: Compatibility,
     /// `--cni` (true): the local pod CIDR is a NAT source and the CNI configuration's range.
     pub cni: bool,
     /// `--topology-label` (topology.kubernetes.io/region).
@@ -116,6 +165,7 @@ impl Default for Settings {
             service_cidrs: Vec::new(),
             local: true,
             encapsulate: Encapsulation::Always,
+            compatibility: Compatibility::None,
             cni: true,
             topology_label: mesh::DEFAULT_TOPOLOGY_LABEL.to_string(),
             persistent_keepalive: KeepaliveSource::LocalNode,
@@ -303,7 +353,7 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
                     continue;
                 }
                 for c in &n.pod_cidrs {
-                    if let Some(gw) = n.private_ip(c.addr().is_ipv6()) {
+                    if let Some(gw) = s.compatibility.gateway(n, c.addr().is_ipv6()) {
                         rt.add(encap(via(*c, Some(gw), Device::Private, None)));
                     }
                 }
@@ -323,7 +373,7 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
                     let dst = host_net(p4);
                     rt.add(Route {
                         dst,
-                        gateway: Some(p4),
+                        gateway: s.compatibility.gateway(n, false),
                         src: Some(mine.addr()),
                         device: Device::Tunnel,
                         onlink: true,
@@ -387,7 +437,7 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
         }
     } else if let Some(ls) = t.local_segment() {
         let leader = &ls.nodes[ls.leader];
-        let gw = |dst: &IpNet| leader.private_ip(dst.addr().is_ipv6());
+        let gw = |dst: &IpNet| s.compatibility.gateway(leader, dst.addr().is_ipv6());
         let route = |rt: &mut Routes, dst: IpNet| {
             if let Some(g) = gw(&dst) {
                 rt.add(encap(via(dst, Some(g), Device::Private, None)));

@@ -15,8 +15,8 @@ mod build;
 use std::{collections::BTreeMap, net::IpAddr};
 
 pub use build::{
-    Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build, ipip_sources,
-    normalize_wireguard, plan_for, topology_for, tunnel_address,
+    Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build,
+    ipip_sources, normalize_wireguard, plan_for, topology_for, tunnel_address,
 };
 
 use ipnet::IpNet;

@@ -1,10 +1,10 @@
 //! Telemetry: Prometheus metrics (Kilo's names plus ours), health and readiness, over a minimal
 //! HTTP/1.1 server on `--listen`.
 //!
-//! Metrics: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
+//! Metrics: the process metrics of Prometheus' Go client ([`process`]), `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
 //! `kilo_errors_total{event}` (Kilo's), and `kilo_writes_total{kind}` (kernel writes by kind:
-//! with nothing changing it stays flat), `kilo_invalid_objects` (objects the backend could not
-//! read). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
+//! with nothing changing it stays flat), `kilo_invalid_objects_total{kind,field}` (invalid
+//! fields of Nodes and Peers, each counted when it appears). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
 //! reconcile succeeded, 503 before).
 //!
 //! Datapath metrics, read from the eBPF maps at scrape time (see [`Metrics::set_datapath`]):
@@ -35,9 +35,18 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::reconcile::{DatapathStats, DatapathStatsSource, Writes};
 
+mod process;
+pub use process::ProcessStats;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventLabel {
     pub event: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FieldLabel {
+    pub kind: String,
+    pub field: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -153,9 +162,11 @@ pub struct Metrics {
     pub reconciles: Counter,
     pub errors: Family<EventLabel, Counter>,
     pub writes: Family<KindLabel, Counter>,
-    pub invalid_objects: Gauge,
+    pub invalid_objects: Family<FieldLabel, Counter>,
     ready: Arc<AtomicBool>,
     datapath: SourceSlot,
+    /// The latest plan's graph (DOT), for `/graph`.
+    graph: Arc<Mutex<Option<String>>>,
 }
 
 impl Default for Metrics {
@@ -175,9 +186,10 @@ impl Metrics {
             reconciles: Counter::default(),
             errors: Family::default(),
             writes: Family::default(),
-            invalid_objects: Gauge::default(),
+            invalid_objects: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
             datapath: SourceSlot::default(),
+            graph: Arc::default(),
         };
         r.register(
             "kilo_nodes",
@@ -207,10 +219,11 @@ impl Metrics {
         );
         r.register(
             "kilo_invalid_objects",
-            "Nodes and peers the backend could not read",
+            "Invalid fields of nodes and peers, by kind and field",
             m.invalid_objects.clone(),
         );
         r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
+        r.register_collector(Box::new(process::ProcessCollector));
         Metrics {
             registry: Arc::new(r),
             ..m
@@ -226,6 +239,18 @@ impl Metrics {
         self.errors
             .get_or_create(&EventLabel {
                 event: event.into(),
+            })
+            .inc();
+    }
+
+    /// Counts an invalid field; indices are dropped from the label (`spec.allowedIPs[1]` counts
+    /// as `spec.allowedIPs`).
+    pub fn invalid_field(&self, kind: &str, field: &str) {
+        let field = field.split('[').next().unwrap_or(field);
+        self.invalid_objects
+            .get_or_create(&FieldLabel {
+                kind: kind.into(),
+                field: field.into(),
             })
             .inc();
     }
@@ -246,6 +271,11 @@ impl Metrics {
         self.ready.load(Ordering::Relaxed)
     }
 
+    /// The graph `/graph` serves (DOT); `None` until a plan exists.
+    pub fn set_graph(&self, dot: Option<String>) {
+        *self.graph.lock().unwrap_or_else(|e| e.into_inner()) = dot;
+    }
+
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut s = String::new();
@@ -262,6 +292,11 @@ impl Metrics {
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 self.encode(),
             ),
+            "/graph" => {
+                let query = path.split_once('?').map_or("", |(_, q)| q);
+                let graph = self.graph.lock().unwrap_or_else(|e| e.into_inner());
+                graph_response(graph.as_deref(), query)
+            }
             "/health" | "/healthz" => (200, "text/plain", "ok\n".into()),
             "/ready" | "/readyz" if self.is_ready() => (200, "text/plain", "ready\n".into()),
             "/ready" | "/readyz" => (
@@ -274,6 +309,40 @@ impl Metrics {
     }
 }
 
+/// Kilo's `/graph` answers for `query`: 500 for an unknown format or layout, as Kilo answers.
+/// Graphviz's raster formats, which Kilo renders by exec, are unsupported here.
+fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, String) {
+    let param = |k: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find_map(|(key, v)| (key == k).then_some(v))
+            .unwrap_or("")
+    };
+    let Some(dot) = dot else {
+        return (
+            500,
+            "text/plain",
+            "did not find any valid Kilo nodes in the cluster\n".into(),
+        );
+    };
+    match param("format") {
+        "dot" | "gv" => return (200, "text/plain; charset=utf-8", dot.into()),
+        "" | "svg" => {}
+        _ => return (500, "text/plain", "unsupported format\n".into()),
+    }
+    if !matches!(
+        param("layout"),
+        "" | "circo" | "dot" | "neato" | "twopi" | "fdp"
+    ) {
+        return (500, "text/plain", "unsupported layout\n".into());
+    }
+    match crate::kgctl::render_svg(dot) {
+        Ok(svg) => (200, "image/svg+xml", svg),
+        Err(e) => (500, "text/plain", format!("unable to render graph: {e}\n")),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("listening on {addr}: {source}")]
 pub struct ServeError {
@@ -281,14 +350,33 @@ pub struct ServeError {
     source: std::io::Error,
 }
 
+/// A listening socket on `addr`; the unspecified IPv6 address (`[::]`, Go's `:PORT`) accepts
+/// IPv4 as well, and falls back to `0.0.0.0` where the kernel has no IPv6.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let dual = addr.is_ipv6() && addr.ip().is_unspecified();
+    let socket = match Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)) {
+        Err(e) if dual && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+            return listen(SocketAddr::from(([0, 0, 0, 0], addr.port())));
+        }
+        s => s?,
+    };
+    if dual {
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    socket.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(socket.into())
+}
+
 /// Binds `addr` and serves until the task is dropped. Returns the bound address (port 0 = any).
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ServeError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError { addr, source })?;
+    let listener = listen(addr).map_err(|source| ServeError { addr, source })?;
     let bound = listener
         .local_addr()
         .map_err(|source| ServeError { addr, source })?;
@@ -325,6 +413,7 @@ pub async fn serve(
                     200 => "OK",
                     404 => "Not Found",
                     405 => "Method Not Allowed",
+                    500 => "Internal Server Error",
                     _ => "Service Unavailable",
                 };
                 let mut resp = format!(
@@ -363,6 +452,10 @@ mod tests {
             "kilo_reconciles_total 1",
             "kilo_errors_total{event=\"apply\"} 1",
             "kilo_writes_total{kind=\"route_add\"} 2",
+            "\nprocess_cpu_seconds_total ",
+            "\nprocess_resident_memory_bytes ",
+            "\nprocess_open_fds ",
+            "\nprocess_start_time_seconds ",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
@@ -371,6 +464,25 @@ mod tests {
         assert_eq!(m.respond("/ready").0, 200);
         assert_eq!(m.respond("/health").0, 200);
         assert_eq!(m.respond("/nope").0, 404);
+    }
+
+    #[test]
+    fn graph_like_kilo() {
+        let m = Metrics::new();
+        assert_eq!(m.respond("/graph").0, 500, "no graph before a plan");
+        m.set_graph(Some(
+            "digraph kilo {\n\t\"n1\" [ label=\"n1\" ];\n}\n".into(),
+        ));
+        let (status, ctype, body) = m.respond("/graph");
+        assert_eq!((status, ctype), (200, "image/svg+xml"));
+        roxmltree::Document::parse(&body).unwrap();
+        assert!(body.contains(">n1<"), "{body}");
+        assert_eq!(m.respond("/graph?layout=circo&format=svg").0, 200);
+        let (status, _, body) = m.respond("/graph?format=dot");
+        assert_eq!((status, body.starts_with("digraph kilo")), (200, true));
+        assert_eq!(m.respond("/graph?format=gv").0, 200);
+        assert_eq!(m.respond("/graph?format=png").0, 500);
+        assert_eq!(m.respond("/graph?layout=sideways").0, 500);
     }
 
     #[derive(Debug)]

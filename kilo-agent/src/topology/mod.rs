@@ -79,6 +79,8 @@ pub struct SegmentNode {
     /// Host bits kept; at most one per family.
     pub internal_ips: Vec<IpNet>,
     pub endpoint: Option<Endpoint>,
+    /// `kilo.squat.ai/cni-compatibility-ip` (Cilium's `cilium_host` address).
+    pub cni_compatibility_ip: Option<IpNet>,
 }
 
 impl SegmentNode {
@@ -282,6 +284,7 @@ impl Topology {
                         pod_cidrs: n.pod_cidrs.clone(),
                         internal_ips: n.internal_ips.clone(),
                         endpoint: n.endpoint.clone(),
+                        cni_compatibility_ip: n.cni_compatibility_ip,
                     })
                     .collect(),
                 leader: li,

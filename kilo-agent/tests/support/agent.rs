@@ -3,7 +3,7 @@
 //! Peer, what a leader's real plan has per object), the reconciler settings and the local node.
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Local, PlanOutcome},
-    mesh::{Key, Snapshot},
+    mesh::{Key, ObjectError, ObjectKind, Snapshot},
     plan::{DatapathEntry, Device, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
     reconcile::{Settings, state::Devices, wireguard::system_resolver},
 };
@@ -76,9 +76,16 @@ pub fn planner(me: &'static str, wait_for_self: bool) -> impl FnMut(&Snapshot) -
             let keepalive = p.spec.persistent_keepalive.unwrap_or(0) as u16;
             match (k, cidr) {
                 (Ok(k), Some(c)) => add(k, c, None, keepalive, EntryKind::Peer, name),
-                _ => out
-                    .errors
-                    .push(format!("peer {name}: invalid publicKey or allowedIPs")),
+                _ => {
+                    let e = ObjectError::new(
+                        ObjectKind::Peer,
+                        name,
+                        "spec.publicKey",
+                        "invalid publicKey or allowedIPs",
+                    );
+                    out.errors.push(e.to_string());
+                    out.invalid.push(e);
+                }
             }
         }
         plan.routes.sort();
