@@ -5,6 +5,8 @@
 //! ranges at the node's pod CIDR, and removes only its own annotations on SIGTERM.
 mod support;
 
+use support::eventually;
+
 use std::{
     path::PathBuf,
     process::{Command, Stdio},
@@ -389,17 +391,6 @@ impl Lab {
         assert!(status.success(), "kg: {status}\n{log}");
         assert!(!log.contains("panicked"), "{log}");
         (log, self)
-    }
-}
-
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

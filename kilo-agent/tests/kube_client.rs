@@ -4,6 +4,8 @@
 //! there is no configuration at all. The server is a small stand-in (`support::apistub`).
 mod support;
 
+use support::eventually;
+
 use std::{
     path::Path,
     process::{Command, Output, Stdio},
@@ -223,17 +225,6 @@ impl Kg {
         assert!(status.success(), "kg exited with {status}:\n{}", self.seen);
         assert!(!self.seen.contains("panicked"), "{}", self.seen);
         self.seen
-    }
-}
-
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
