@@ -111,6 +111,15 @@ pub fn choose(
     Detected { private, public }
 }
 
+/// Kilo's cilium encapsulator's `CNICompatibilityIP`: the first IPv4 address of `cilium_host`,
+/// if Cilium made that interface. Pure.
+pub fn cilium_host_ip(host: &HostView) -> Option<IpNet> {
+    host.addresses
+        .iter()
+        .find(|a| a.interface == "cilium_host" && a.address.addr().is_ipv4())
+        .map(|a| a.address)
+}
+
 /// `--mtu=auto`: the first default-route interface's MTU minus WireGuard's overhead.
 pub fn auto_mtu(host: &HostView) -> u32 {
     host.default_interfaces
@@ -272,6 +281,15 @@ mod tests {
         assert_eq!(d.private, Some(a("eth0", "10.0.0.7/24")));
         assert_eq!(d.public, Some(a("eth0", "203.0.113.9/24")));
         assert_eq!(auto_mtu(&host()), 1420);
+    }
+
+    #[test]
+    fn cilium_host_ip_is_its_first_ipv4_address() {
+        assert_eq!(cilium_host_ip(&host()), None);
+        let mut h = host();
+        h.addresses.push(a("cilium_host", "fd00::12/128"));
+        h.addresses.push(a("cilium_host", "10.0.1.77/32"));
+        assert_eq!(cilium_host_ip(&h), Some("10.0.1.77/32".parse().unwrap()));
     }
 
     #[test]

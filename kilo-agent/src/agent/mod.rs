@@ -49,9 +49,10 @@ pub const ANNOTATION_WIREGUARD_IP: &str = "kilo.squat.ai/wireguard-ip";
 pub const ANNOTATION_GRANULARITY: &str = "kilo.squat.ai/granularity";
 pub const ANNOTATION_LAST_SEEN: &str = "kilo.squat.ai/last-seen";
 pub const ANNOTATION_DISCOVERED_ENDPOINTS: &str = "kilo.squat.ai/discovered-endpoints";
+pub const ANNOTATION_CNI_COMPATIBILITY_IP: &str = "kilo.squat.ai/cni-compatibility-ip";
 
 /// Every annotation the agent writes (and removes on clean-up).
-pub const OWN_ANNOTATIONS: [&str; 7] = [
+pub const OWN_ANNOTATIONS: [&str; 8] = [
     ANNOTATION_KEY,
     ANNOTATION_ENDPOINT,
     ANNOTATION_INTERNAL_IP,
@@ -59,6 +60,7 @@ pub const OWN_ANNOTATIONS: [&str; 7] = [
     ANNOTATION_GRANULARITY,
     ANNOTATION_LAST_SEEN,
     ANNOTATION_DISCOVERED_ENDPOINTS,
+    ANNOTATION_CNI_COMPATIBILITY_IP,
 ];
 
 /// What the planner made of a snapshot.
@@ -101,6 +103,9 @@ pub struct Local {
     pub endpoint: Option<SocketAddr>,
     pub internal_ip: Option<IpNet>,
     pub granularity: String,
+    /// `--compatibility=cilium`: the IPv4 address of `cilium_host`, published as
+    /// `kilo.squat.ai/cni-compatibility-ip` (empty otherwise, as Kilo publishes it).
+    pub cni_compatibility_ip: Option<IpNet>,
 }
 
 impl Local {
@@ -121,6 +126,12 @@ impl Local {
                 wireguard_ip.map(|i| i.to_string()).unwrap_or_default(),
             ),
             (ANNOTATION_GRANULARITY.into(), self.granularity.clone()),
+            (
+                ANNOTATION_CNI_COMPATIBILITY_IP.into(),
+                self.cni_compatibility_ip
+                    .map(|i| i.to_string())
+                    .unwrap_or_default(),
+            ),
         ])
     }
 }
@@ -693,11 +704,21 @@ mod tests {
             endpoint: Some("10.0.0.1:51820".parse().unwrap()),
             internal_ip: Some("10.0.0.1/24".parse().unwrap()),
             granularity: "location".into(),
+            cni_compatibility_ip: None,
         };
         let want = local.annotations(None);
         assert_eq!(want[ANNOTATION_WIREGUARD_IP], "");
+        assert_eq!(want[ANNOTATION_CNI_COMPATIBILITY_IP], "");
         let all = annotation_changes(None, &want);
-        assert_eq!(all.len(), 5);
+        assert_eq!(all.len(), 6);
+        let cilium = Local {
+            cni_compatibility_ip: Some("10.0.1.77/32".parse().unwrap()),
+            ..local.clone()
+        };
+        assert_eq!(
+            cilium.annotations(None)[ANNOTATION_CNI_COMPATIBILITY_IP],
+            "10.0.1.77/32"
+        );
         let mut current = want.clone();
         current.insert("kilo.squat.ai/leader".into(), "true".into());
         assert!(annotation_changes(Some(&current), &want).is_empty());
@@ -1046,6 +1067,7 @@ pub(crate) mod testing {
             endpoint: None,
             internal_ip: None,
             granularity: "location".into(),
+            cni_compatibility_ip: None,
         };
         let settings = LoopSettings {
             clock: clock(begin),

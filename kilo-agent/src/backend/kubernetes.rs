@@ -827,6 +827,7 @@ mod tests {
             endpoint: None,
             internal_ip: None,
             granularity: "location".into(),
+            cni_compatibility_ip: None,
         };
         let mut mine = serde_json::to_value(local.annotations(None)).unwrap();
         mine[LAST_SEEN] = t0.clone().into();

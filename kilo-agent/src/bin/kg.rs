@@ -126,6 +126,9 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         endpoint: endpoint_ip.map(|a| SocketAddr::new(a.address.addr(), flags.port)),
         internal_ip: ips.private.as_ref().map(|a| a.address),
         granularity: flags.mesh_granularity.as_str().into(),
+        cni_compatibility_ip: (flags.compatibility == Compatibility::Cilium)
+            .then(|| detect::cilium_host_ip(&host))
+            .flatten(),
     };
     tracing::info!(
         node = %hostname,

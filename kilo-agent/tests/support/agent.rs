@@ -127,6 +127,7 @@ pub fn local(me: &str, public_key: Key, granularity: &str) -> Local {
         endpoint: Some("10.0.0.1:51820".parse().unwrap()),
         internal_ip: Some("10.0.0.1/24".parse().unwrap()),
         granularity: granularity.into(),
+        cni_compatibility_ip: None,
     }
 }
 
