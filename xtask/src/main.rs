@@ -37,6 +37,14 @@ enum Task {
     /// Build the container image: static kg and kgctl on an empty base, as an OCI layout
     /// (target/image/oci) and a docker-archive (target/image/kilo-rs.tar), then check it.
     Image,
+    /// Fuzz the parsers of outside input (kilo-agent/fuzz): every target, or one, for a while.
+    Fuzz {
+        /// One target (node, peer, objects, values, cni); default: all of them.
+        target: Option<String>,
+        /// Seconds per target.
+        #[arg(long, default_value_t = 300)]
+        seconds: u32,
+    },
     /// Run the benchmarks and print their reports.
     Bench {
         /// Which benchmark to run (default: all).
@@ -63,6 +71,10 @@ fn main() -> Result<()> {
         Task::Image => {
             setup()?;
             image()
+        }
+        Task::Fuzz { target, seconds } => {
+            setup()?;
+            fuzz(target.as_deref(), seconds)
         }
         Task::Bench { args } => {
             setup()?;
@@ -122,6 +134,31 @@ fn setup() -> Result<()> {
     install_bpf_linker()?;
     install_debian_packages(pins::DEBIAN_PACKAGES)?;
     install_kube_apiserver()?;
+    install_cargo_fuzz()?;
+    Ok(())
+}
+
+fn cargo_fuzz_dir() -> PathBuf {
+    cache_dir().join(format!("cargo-fuzz-{}", pins::CARGO_FUZZ))
+}
+
+fn install_cargo_fuzz() -> Result<()> {
+    let dir = cargo_fuzz_dir();
+    if dir.join("bin/cargo-fuzz").exists() {
+        return Ok(());
+    }
+    let staging = dir.with_extension("partial");
+    run(cargo()
+        .args([
+            "install",
+            "cargo-fuzz",
+            "--locked",
+            "--version",
+            pins::CARGO_FUZZ,
+        ])
+        .arg("--root")
+        .arg(&staging))?;
+    std::fs::rename(&staging, &dir)?;
     Ok(())
 }
 
@@ -446,7 +483,62 @@ fn test(args: &[String]) -> Result<()> {
         // setup built it: a test that cannot find it fails instead of skipping.
         test.env("KILO_REQUIRE_APISERVER", "1");
     }
-    run(test.args(["test"]).args(args))
+    run(test.args(["test"]).args(args))?;
+    if args.is_empty() {
+        fuzz(None, FUZZ_SECONDS_IN_TESTS)?;
+    }
+    Ok(())
+}
+
+/// How long `cargo xtask test` fuzzes each target: enough to catch a shallow panic, no more.
+const FUZZ_SECONDS_IN_TESTS: u32 = 15;
+
+/// Runs the fuzz targets of kilo-agent/fuzz with cargo-fuzz and the pinned nightly, starting
+/// from the seed corpus in git; what a run discovers goes to target/fuzz-corpus (not to git),
+/// a crashing input to target/fuzz-artifacts.
+fn fuzz(only: Option<&str>, seconds: u32) -> Result<()> {
+    let root = root_dir();
+    let fuzz_dir = root.join("kilo-agent/fuzz");
+    let seeds = fuzz_dir.join("corpus");
+    let mut targets: Vec<String> = std::fs::read_dir(fuzz_dir.join("fuzz_targets"))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_suffix(".rs").map(str::to_owned)
+        })
+        .collect();
+    targets.sort();
+    if let Some(t) = only {
+        if !targets.iter().any(|x| x == t) {
+            bail!("no fuzz target {t:?}; have {targets:?}");
+        }
+        targets = vec![t.to_owned()];
+    }
+    let path = env::join_paths(
+        std::iter::once(cargo_fuzz_dir().join("bin"))
+            .chain(env::split_paths(&env::var_os("PATH").unwrap_or_default())),
+    )?;
+    for t in targets {
+        let found = root.join("target/fuzz-corpus").join(&t);
+        let artifacts = root.join("target/fuzz-artifacts").join(&t);
+        std::fs::create_dir_all(&found)?;
+        std::fs::create_dir_all(&artifacts)?;
+        run(Command::new("cargo")
+            .current_dir(&root)
+            .env("PATH", &path)
+            .env("RUSTUP_TOOLCHAIN", pins::NIGHTLY)
+            .env("KILO_CACHE_DIR", cache_dir())
+            .env("CARGO_TARGET_DIR", root.join("target/fuzz"))
+            .args(["fuzz", "run", "--fuzz-dir"])
+            .arg(&fuzz_dir)
+            .args(["--sanitizer", "none", "--debug-assertions", &t])
+            .arg(&found)
+            .arg(seeds.join(&t))
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .arg(format!("-artifact_prefix={}/", artifacts.display())))?;
+    }
+    Ok(())
 }
 
 /// Benchmarks are examples named `bench_<what>` in kilo-agent; `cargo xtask bench [what]` runs

@@ -30,6 +30,8 @@ pub const KUBE_APISERVER_BUILD_DEPS: &[&str] = &[
     "dpkg-dev",
     "rsync",
 ];
+/// cargo-fuzz, which builds and runs the fuzz targets (with NIGHTLY).
+pub const CARGO_FUZZ: &str = "0.13.2";
 /// The static target of the image's binaries.
 pub const IMAGE_TARGET: &str = "x86_64-unknown-linux-musl";
 /// Debian packages that build and assemble the image (a musl C compiler for ring, umoci and
