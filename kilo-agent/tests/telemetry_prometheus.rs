@@ -3,7 +3,8 @@
 //! Prometheus in kg's namespace scrapes it every second while the test's traffic flows. PromQL
 //! then returns the node and peer counts, the pod's masqueraded packets, the bytes the laptop's
 //! pings carried through WireGuard, a handshake age, and no child process; `promtool check
-//! metrics` accepts the exposition.
+//! metrics` accepts the exposition, and every query of the Grafana dashboard
+//! (`manifests/monitoring/grafana-dashboard.json`) has data.
 mod support;
 
 use std::{
@@ -81,6 +82,13 @@ fn get(ns: &NetNs, port: u16, path: &str) -> Option<String> {
 /// The value of a PromQL query's first sample at the Prometheus in `ns`; `None` while it has
 /// none.
 fn query(ns: &NetNs, promql: &str) -> Option<f64> {
+    let v = query_json(ns, promql)?;
+    v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+}
+
+/// The JSON answer of the Prometheus in `ns` to an instant query (`None`: no answer, or an
+/// error such as a PromQL syntax error).
+fn query_json(ns: &NetNs, promql: &str) -> Option<serde_json::Value> {
     let encoded: String = promql
         .bytes()
         .map(|b| match b {
@@ -89,8 +97,7 @@ fn query(ns: &NetNs, promql: &str) -> Option<f64> {
         })
         .collect();
     let body = get(ns, 9090, &format!("/api/v1/query?query={encoded}"))?;
-    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-    v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+    serde_json::from_str(&body).ok()
 }
 
 /// Waits until `promql` returns a value that `ok` accepts, and returns it.
@@ -265,6 +272,34 @@ fn prometheus_scrapes_kg_while_traffic_flows() {
         "kilo_datapath_map_entries{map=\"nat_source\"}",
         |v| v >= 1.0,
     );
+
+    // Every query of the Grafana dashboard is valid PromQL over these series, and each has
+    // data, but the errors' (no error, no series, as in Kilo).
+    let dashboard = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/monitoring/grafana-dashboard.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dashboard).unwrap()).unwrap();
+    let exprs: Vec<&str> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .map(|t| t["expr"].as_str().unwrap())
+        .collect();
+    assert!(exprs.len() > 15, "{exprs:?}");
+    for expr in exprs {
+        let promql = expr
+            .replace("$job", "kg")
+            .replace("$instance", ".*")
+            .replace("$__rate_interval", "30s");
+        let may_be_empty = promql.contains("kilo_errors_total");
+        eventually(&promql, || {
+            query_json(&node, &promql).is_some_and(|v| {
+                v["status"] == "success"
+                    && (may_be_empty || !v["data"]["result"].as_array().unwrap().is_empty())
+            })
+        });
+    }
 
     // The exposition as curl or promtool get it (text format 0.0.4), linted by promtool.
     let exposition = get(&node, 1107, "/metrics").expect("kg's /metrics");
