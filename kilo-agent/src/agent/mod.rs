@@ -882,6 +882,20 @@ mod tests {
             .filter(|a| a.len() == 1 && a.contains_key(ANNOTATION_LAST_SEEN))
             .count();
         assert!(beats_only >= 4, "{published:?}");
+        // Each reconcile counted under its cause: two expiries, the revival, the resync ticks;
+        // heartbeats and check-ins asked for none.
+        let text = agent.metrics.encode();
+        let triggers = |cause: &str| {
+            let series = format!("kilo_reconcile_triggers_total{{cause=\"{cause}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {series} in {text}"))
+        };
+        assert_eq!(triggers("liveness"), 2, "{text}");
+        assert_eq!(triggers("start"), 1, "{text}");
+        assert_eq!(triggers("backend"), 1, "{text}");
+        assert_eq!(triggers("check_in"), 0, "{text}");
+        assert!(triggers("resync") >= 5, "{text}");
         agent.stop.send(()).unwrap();
         agent.run.await.unwrap();
     }
