@@ -444,14 +444,17 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         false
     }
 
-    /// One pass: plan from the latest snapshot, publish, reconcile; its duration is observed
-    /// in `kilo_reconcile_duration_seconds`.
+    /// One pass: plan from the latest snapshot, publish, reconcile. The duration of a pass that
+    /// reached the reconcilers (one `kilo_reconciles_total` counts) is observed in
+    /// `kilo_reconcile_duration_seconds`.
     pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
-        let start = std::time::Instant::now();
+        let (start, reconciles) = (std::time::Instant::now(), self.stats.reconciles);
         let result = self.pass().await;
-        self.metrics
-            .reconcile_duration
-            .observe(start.elapsed().as_secs_f64());
+        if self.stats.reconciles != reconciles {
+            self.metrics
+                .reconcile_duration
+                .observe(start.elapsed().as_secs_f64());
+        }
         result
     }
 

@@ -6,7 +6,8 @@
 //! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
 //!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client ([`process`]) and
 //!   `kilo_child_processes` (processes kg started that still run, counted in `/proc`: 0).
-//! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and reconcile),
+//! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and apply, of each
+//!   pass `kilo_reconciles_total` counts),
 //!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,
 //!   `backend`, `kernel` (a netlink notification about our objects), `resync`, `liveness` (a
 //!   node crossed its heartbeat expiry), `check_in` (the local node is not published yet); a
