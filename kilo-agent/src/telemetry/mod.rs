@@ -4,8 +4,11 @@
 //!
 //! Metrics (see also the README):
 //! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
-//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client ([`process`]) and
-//!   `kilo_child_processes` (processes kg started that still run, counted in `/proc`: 0).
+//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client ([`process`]:
+//!   `process_cpu_seconds_total`, `process_resident_memory_bytes`,
+//!   `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
+//!   `process_start_time_seconds`) and `kilo_child_processes` (processes kg started that still
+//!   run, counted in `/proc`: 0).
 //! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and apply, of each
 //!   pass `kilo_reconciles_total` counts),
 //!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,

@@ -18,20 +18,21 @@ pub struct ProcessStats {
     pub open_fds: u64,
     pub max_fds: Option<u64>,
     pub start_time_seconds: f64,
-    /// Processes whose parent is this process.
-    pub children: u64,
+    /// Processes whose parent is this process (`None`: `/proc` cannot be listed).
+    pub children: Option<u64>,
 }
 
-/// The processes whose parent is this process, found in `/proc`.
-pub fn child_pids() -> Vec<i32> {
+/// The processes whose parent is this process, found in `/proc` (`None` where it cannot be
+/// listed: no count rather than a false 0).
+pub fn child_pids() -> Option<Vec<i32>> {
     let me = std::process::id() as i32;
-    let Ok(all) = procfs::process::all_processes() else {
-        return Vec::new();
-    };
-    all.filter_map(|p| p.ok()?.stat().ok())
-        .filter(|s| s.ppid == me)
-        .map(|s| s.pid)
-        .collect()
+    let all = procfs::process::all_processes().ok()?;
+    Some(
+        all.filter_map(|p| p.ok()?.stat().ok())
+            .filter(|s| s.ppid == me)
+            .map(|s| s.pid)
+            .collect(),
+    )
 }
 
 impl ProcessStats {
@@ -55,7 +56,7 @@ impl ProcessStats {
             open_fds: me.fd_count().ok()? as u64,
             max_fds,
             start_time_seconds: boot + stat.starttime as f64 / ticks,
-            children: child_pids().len() as u64,
+            children: child_pids().map(|c| c.len() as u64),
         })
     }
 }
@@ -97,11 +98,13 @@ impl Collector for ProcessCollector {
                 s.start_time_seconds,
             ),
         ];
-        gauges.push((
-            "kilo_child_processes",
-            "Processes whose parent is kg, counted in /proc (kg starts none)",
-            s.children as f64,
-        ));
+        if let Some(children) = s.children {
+            gauges.push((
+                "kilo_child_processes",
+                "Processes whose parent is kg, counted in /proc (kg starts none)",
+                children as f64,
+            ));
+        }
         if let Some(max) = s.max_fds {
             gauges.push((
                 "process_max_fds",
@@ -156,10 +159,10 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
-        assert!(child_pids().contains(&pid));
-        assert!(ProcessStats::read().unwrap().children >= 1);
+        assert!(child_pids().unwrap().contains(&pid));
+        assert!(ProcessStats::read().unwrap().children >= Some(1));
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(!child_pids().contains(&pid));
+        assert!(!child_pids().unwrap().contains(&pid));
     }
 }
