@@ -144,8 +144,17 @@ pub struct DatapathStats {
     pub decisions: Vec<(&'static str, Counter)>,
     /// Per map entry.
     pub entries: Vec<EntryStats>,
-    /// Entries per role (`datapath::Role::label`), every role present.
-    pub occupancy: Vec<(&'static str, u64)>,
+    /// Entries and capacity of each trie (by `datapath::Role::label`), and of the per-entry
+    /// counter slots (`entry_counters`).
+    pub maps: Vec<MapUsage>,
+}
+
+/// How full one map is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapUsage {
+    pub map: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
 }
 
 /// One map entry's traffic.

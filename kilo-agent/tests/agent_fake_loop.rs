@@ -1,6 +1,7 @@
 //! The agent loop against the in-memory kernel, device and datapath with the real file backend
-//! (no root): bursts coalesce, `--clean-up=false` leaves everything, the datapath metrics read the
-//! maps at scrape time, `--clean-up=true` removes our routes, rules, addresses, map entries and
+//! (no root): bursts coalesce (more triggers than reconciles, each reconcile timed),
+//! `--clean-up=false` leaves everything, the datapath metrics read the maps at scrape time,
+//! `--clean-up=true` removes our routes, rules, addresses, map entries and
 //! annotations.
 mod support;
 
@@ -122,8 +123,21 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
     assert_eq!(a.reconciler.datapath.len(), 21);
     // The datapath metrics read the maps at scrape time, labelled with the plan's owners.
     let text = a.metrics.encode();
-    let entries = r#"kilo_datapath_entries{role="mesh_destination"}"#;
+    let entries = r#"kilo_datapath_map_entries{map="mesh_destination"}"#;
     assert_eq!(support::agent::metric(&text, entries), Some(21), "{text}");
+    let capacity = r#"kilo_datapath_map_capacity{map="mesh_destination"}"#;
+    assert_eq!(support::agent::metric(&text, capacity), Some(1 << 16));
+    // Every reconcile was timed; each but the first (the start) was triggered by the backend.
+    let reconciles = support::agent::metric(&text, "kilo_reconciles_total").unwrap();
+    let timed = support::agent::metric(&text, "kilo_reconcile_duration_seconds_count");
+    assert_eq!(timed, Some(reconciles), "{text}");
+    let backend = r#"kilo_reconcile_triggers_total{cause="backend"}"#;
+    let triggers = support::agent::metric(&text, backend).unwrap();
+    assert!(triggers >= reconciles - 1 && triggers >= burst, "{text}");
+    for (cause, n) in [("start", 1), ("kernel", 0), ("resync", 0)] {
+        let series = format!("kilo_reconcile_triggers_total{{cause=\"{cause}\"}}");
+        assert_eq!(support::agent::metric(&text, &series), Some(n), "{text}");
+    }
     let mut maps = a.reconciler.datapath.maps();
     let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
     let slot = maps.tries[&Role::Mesh][&p1].counter as usize;

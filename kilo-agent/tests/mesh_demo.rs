@@ -53,7 +53,7 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         assert!(value > 0, "{series} is {value} in:\n{stdout}");
     }
     assert_eq!(
-        metric(&stdout, "kilo_datapath_entries{role=\"nat_source\"}"),
+        metric(&stdout, "kilo_datapath_map_entries{map=\"nat_source\"}"),
         1,
         "{stdout}"
     );

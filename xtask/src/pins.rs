@@ -19,6 +19,8 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "iperf3",
     "socat",
     "etcd-server",
+    // prometheus and promtool: the telemetry test scrapes kg with a real Prometheus.
+    "prometheus",
 ];
 /// The Debian source version of `kubernetes` that kube-apiserver is built from for the tests
 /// (no registry reachable here ships an API server binary).

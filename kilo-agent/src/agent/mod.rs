@@ -36,7 +36,7 @@ use crate::{
         DatapathSync, Kernel, Reconciler, Report, Writes, netlink::EventFilter,
         wireguard::WireGuard,
     },
-    telemetry::Metrics,
+    telemetry::{Metrics, Trigger},
 };
 
 /// How long the loop waits for more events before reconciling a burst.
@@ -82,6 +82,8 @@ pub struct PlanOutcome {
     /// Public keys of the nodes and peers behind NAT (non-zero persistent keepalive): their
     /// observed endpoints are published as `kilo.squat.ai/discovered-endpoints`.
     pub nat_keys: std::collections::BTreeSet<Key>,
+    /// The names of the WireGuard peers (a segment's leader, a Peer), for the metrics.
+    pub peer_names: BTreeMap<Key, String>,
 }
 
 /// Turns a snapshot into a plan (the topology/plan builder, injected).
@@ -286,6 +288,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             ..EventFilter::default()
         };
         metrics.set_datapath(reconciler.datapath.stats_source());
+        metrics.set_wireguard(reconciler.wireguard.stats_source());
         let liveness = liveness::Tracker::new(
             liveness::Rule::from_check_in(settings.check_in),
             local.hostname.clone(),
@@ -357,6 +360,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             self.metrics.peers.set(outcome.ready_peers as i64);
             self.metrics.leader.set(i64::from(outcome.leader));
             self.metrics.set_graph(outcome.graph.clone());
+            self.metrics.set_peer_names(outcome.peer_names.clone());
         }
         let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
         for e in now.difference(&self.invalid) {
@@ -451,8 +455,21 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         false
     }
 
-    /// One pass: plan from the latest snapshot, publish, reconcile.
+    /// One pass: plan from the latest snapshot, publish, reconcile. The duration of a pass that
+    /// reached the reconcilers (one `kilo_reconciles_total` counts) is observed in
+    /// `kilo_reconcile_duration_seconds`.
     pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
+        let (start, reconciles) = (std::time::Instant::now(), self.stats.reconciles);
+        let result = self.pass().await;
+        if self.stats.reconciles != reconciles {
+            self.metrics
+                .reconcile_duration
+                .observe(start.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    async fn pass(&mut self) -> Result<Report, AgentError> {
         let update = self.backend.updates().borrow().clone();
         if update.generation != self.seen_generation {
             self.seen_generation = update.generation;
@@ -580,6 +597,9 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         // No reconcile before the backend has a complete view: an empty snapshot must never
         // tear the mesh down.
         let mut pending = updates.borrow_and_update().generation > 0;
+        if pending {
+            self.metrics.trigger(Trigger::Start);
+        }
         let mut stop = false;
         while !stop {
             if pending {
@@ -589,8 +609,12 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 loop {
                     tokio::select! {
                         _ = &mut window => break,
-                        r = updates.changed() => { if r.is_err() { stop = true; break; } updates.borrow_and_update(); }
-                        Some(()) = recv(&mut kernel_events) => {}
+                        r = updates.changed() => {
+                            if r.is_err() { stop = true; break; }
+                            updates.borrow_and_update();
+                            self.metrics.trigger(Trigger::Backend);
+                        }
+                        Some(()) = recv(&mut kernel_events) => self.metrics.trigger(Trigger::Kernel),
                         _ = &mut shutdown => { stop = true; break; }
                     }
                 }
@@ -611,22 +635,30 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             let expiry = self.liveness.next_expiry(now).map(|at| {
                 tokio::time::Instant::now() + Duration::from_millis((at - now).unsigned_abs())
             });
-            tokio::select! {
+            let cause = tokio::select! {
                 r = updates.changed() => {
                     if r.is_err() { tracing::error!("backend stopped"); break; }
                     let update = updates.borrow_and_update().clone();
                     // A new snapshot is planned; heartbeats alone only when a node revives.
                     pending = update.generation != self.seen_generation
                         || self.liveness_changed(&update);
+                    Some(Trigger::Backend)
                 }
-                Some(()) = recv(&mut kernel_events) => pending = true,
-                _ = tick(&mut resync) => pending = true,
-                _ = tick(&mut check_in) => pending = self.check_in().await,
+                Some(()) = recv(&mut kernel_events) => { pending = true; Some(Trigger::Kernel) }
+                _ = tick(&mut resync) => { pending = true; Some(Trigger::Resync) }
+                _ = tick(&mut check_in) => {
+                    pending = self.check_in().await;
+                    Some(Trigger::CheckIn)
+                }
                 _ = sleep_until(expiry) => {
                     let update = updates.borrow().clone();
                     pending = self.liveness_changed(&update);
+                    Some(Trigger::Liveness)
                 }
-                _ = &mut shutdown => stop = true,
+                _ = &mut shutdown => { stop = true; None }
+            };
+            if pending && let Some(cause) = cause {
+                self.metrics.trigger(cause);
             }
         }
         if self.settings.clean_up {
@@ -874,6 +906,20 @@ mod tests {
             .filter(|a| a.len() == 1 && a.contains_key(ANNOTATION_LAST_SEEN))
             .count();
         assert!(beats_only >= 4, "{published:?}");
+        // Each reconcile counted under its cause: two expiries, the revival, the resync ticks;
+        // heartbeats and check-ins asked for none.
+        let text = agent.metrics.encode();
+        let triggers = |cause: &str| {
+            let series = format!("kilo_reconcile_triggers_total{{cause=\"{cause}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {series} in {text}"))
+        };
+        assert_eq!(triggers("liveness"), 2, "{text}");
+        assert_eq!(triggers("start"), 1, "{text}");
+        assert_eq!(triggers("backend"), 1, "{text}");
+        assert_eq!(triggers("check_in"), 0, "{text}");
+        assert!(triggers("resync") >= 5, "{text}");
         agent.stop.send(()).unwrap();
         agent.run.await.unwrap();
     }

@@ -32,7 +32,19 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
             segments.chain(peers).collect()
         })
         .unwrap_or_default();
+    // The WireGuard peers by name: each segment's leader, each Peer.
+    let peer_names = topology
+        .map(|t| {
+            let segments = t
+                .segments
+                .iter()
+                .map(|s| (s.key, s.leader_name().to_string()));
+            let peers = t.peers.iter().map(|p| (p.public_key, p.name.clone()));
+            segments.chain(peers).collect()
+        })
+        .unwrap_or_default();
     PlanOutcome {
+        peer_names,
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
         graph: topology.map(crate::kgctl::render_dot),
         plan: planned.plan,

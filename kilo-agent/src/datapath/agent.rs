@@ -7,8 +7,9 @@
 //!
 //! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (shared under
 //! a mutex that a sync holds while it writes and a scrape while it reads; nothing else waits on
-//! it), labelled with the owners of the last plan synced. An idle sync adds only a comparison of
-//! that plan with the new one.
+//! it), labelled with the owners of the last plan synced, with the entries from the sync's
+//! record of what the maps hold (no system call per entry). An idle sync adds only a comparison
+//! of that plan with the new one.
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
@@ -21,7 +22,7 @@ use super::{
 use crate::{
     effects::{
         DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
-        Writes,
+        MapUsage, Writes,
     },
     plan::{DatapathPlan, Device, EntryKind},
 };
@@ -86,7 +87,19 @@ pub fn stats(counters: &Counters, plan: &DatapathPlan) -> DatapathStats {
             .map(|(d, c)| (d.name(), *c))
             .collect(),
         entries,
-        occupancy: occupancy.into_iter().map(|(r, n)| (r.label(), n)).collect(),
+        maps: occupancy
+            .into_iter()
+            .map(|(r, n)| MapUsage {
+                map: r.label(),
+                entries: n,
+                capacity: counters.capacity as u64,
+            })
+            .chain([MapUsage {
+                map: "entry_counters",
+                entries: u64::from(counters.slots_used),
+                capacity: u64::from(counters.slots),
+            }])
+            .collect(),
     }
 }
 

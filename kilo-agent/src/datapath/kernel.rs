@@ -36,7 +36,7 @@ use super::{
     keys,
     nft::{self, MasqueradeRule},
     qdisc,
-    sync::{self, Counters, DatapathMaps, MapSync, Resolver},
+    sync::{Counters, DatapathMaps, MapSync, Resolver},
 };
 use crate::{effects::Writes, plan::DatapathPlan};
 
@@ -266,6 +266,10 @@ impl DatapathMaps for KernelMaps {
         }
     }
 
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     fn counter_slots(&self) -> u32 {
         self.counters.entry_slots()
     }
@@ -436,8 +440,9 @@ impl Datapath {
         self.synced
     }
 
+    /// Every counter, for the entries the last sync left (see [`MapSync::counters`]).
     pub fn counters(&self) -> Result<Counters, DatapathError> {
-        sync::read_counters(&self.maps)
+        self.sync.counters(&self.maps)
     }
 
     /// The masquerade rule for this config's mark.

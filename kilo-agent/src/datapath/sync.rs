@@ -12,7 +12,9 @@
 //! write, and every [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our
 //! pinned maps; the kernel sends no notification about map contents). Per-entry counter slots
 //! are stored in the entry values, so they survive syncs and adoption by a new agent; a slot is
-//! reused only once its entry is gone, and zeroed (only if non-zero) before reuse.
+//! reused only once its entry is gone, and zeroed (only if non-zero) before reuse. The metrics
+//! read the entries from that record too ([`MapSync::counters`]): a scrape costs one pass over
+//! the mapped counters, not two system calls per entry.
 use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
@@ -51,6 +53,8 @@ pub trait DatapathMaps {
     /// Inserts or overwrites (atomically) one entry.
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError>;
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError>;
+    /// Entries each trie can hold.
+    fn capacity(&self) -> usize;
     /// Number of per-entry counter slots.
     fn counter_slots(&self) -> u32;
     /// A per-entry counter, summed over CPUs.
@@ -121,6 +125,17 @@ impl MapSync {
             self.record = Some(diff.record);
         }
         done.map(|()| diff.writes)
+    }
+}
+
+impl MapSync {
+    /// Every counter, with the entries taken from the record (no system call per entry); from
+    /// the maps themselves while there is no record (before the first sync, after a failure).
+    pub fn counters<M: DatapathMaps + ?Sized>(&self, maps: &M) -> Result<Counters, DatapathError> {
+        match &self.record {
+            Some(record) => counters_of(maps, record),
+            None => read_counters(maps),
+        }
     }
 }
 
@@ -267,11 +282,17 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
     }
 }
 
-/// Traffic counters: per decision and per map entry.
+/// Traffic counters: per decision and per map entry; and how full the tries and the counter
+/// slots are.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
     pub decisions: BTreeMap<Decision, Counter>,
     pub entries: Vec<EntryCounter>,
+    /// Entries each trie can hold.
+    pub capacity: usize,
+    /// Per-entry counter slots, and how many entries hold one.
+    pub slots: u32,
+    pub slots_used: u32,
 }
 
 impl Counters {
@@ -312,24 +333,37 @@ pub struct EntryCounter {
     pub counter: Counter,
 }
 
-/// Reads every counter (sums over CPUs).
+/// Reads every counter (sums over CPUs), reading the entries back from the maps.
 pub fn read_counters<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Counters, DatapathError> {
-    let mut out = Counters::default();
+    counters_of(maps, &read_back(maps)?)
+}
+
+/// Every counter, for the entries of `record`.
+fn counters_of<M: DatapathMaps + ?Sized>(
+    maps: &M,
+    record: &Record,
+) -> Result<Counters, DatapathError> {
+    let mut out = Counters {
+        capacity: maps.capacity(),
+        slots: maps.counter_slots(),
+        ..Counters::default()
+    };
     let decisions = maps.decision_counters()?;
     for d in Decision::ALL {
         out.decisions
             .insert(d, decisions.get(d as usize).copied().unwrap_or_default());
     }
-    for role in Role::ALL {
-        for (net, value) in maps.entries(role)? {
+    for (role, entries) in record {
+        for (net, value) in entries {
             let counter = if value.counter == NO_COUNTER {
                 Counter::default()
             } else {
+                out.slots_used += 1;
                 maps.entry_counter(value.counter)?
             };
             out.entries.push(EntryCounter {
-                role,
-                net,
+                role: *role,
+                net: *net,
                 kind: keys::kind_from_code(value.kind),
                 counter,
             });
@@ -386,6 +420,10 @@ impl DatapathMaps for FakeMaps {
         self.tries.get_mut(&role).expect("all roles").remove(&net);
         self.log.push((role, net, false));
         Ok(())
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
     }
 
     fn counter_slots(&self) -> u32 {
@@ -503,6 +541,31 @@ mod tests {
         let roles: Vec<(Role, bool)> = maps.log.iter().map(|(r, _, i)| (*r, *i)).collect();
         assert_eq!(roles.len(), 3);
         assert_eq!(roles[2], (Role::Mesh, false), "{roles:?}");
+    }
+
+    /// The metrics take the entries from the record (a scrape reads no entry back) and their
+    /// traffic from the counters; without a record they read the maps.
+    #[test]
+    fn counters_come_from_the_record_and_the_counter_slots() {
+        let mut maps = FakeMaps::new(100, 4);
+        let p = plan(&["10.1.0.0/16", "10.2.0.0/16"], &["10.244.0.0/24"], &[]);
+        let mut sync = MapSync::default();
+        let before = sync.counters(&maps).unwrap();
+        assert!(before.entries.is_empty() && before.capacity == 100 && before.slots == 4);
+        sync.sync(&mut maps, &p, &NoResolver).unwrap();
+        let s = slot(&maps, Role::Mesh, "10.2.0.0/16") as usize;
+        maps.counters[s] = Counter {
+            packets: 3,
+            bytes: 300,
+        };
+        // Gone from the maps behind the agent's back: still in the record.
+        maps.tries.get_mut(&Role::NatSource).unwrap().clear();
+        let c = sync.counters(&maps).unwrap();
+        assert_eq!(c.entries.len(), 3, "{c:?}");
+        assert_eq!((c.slots_used, c.slots, c.capacity), (3, 4, 100));
+        let net = "10.2.0.0/16".parse().unwrap();
+        assert_eq!(c.entry(Role::Mesh, &net).unwrap().packets, 3);
+        assert_eq!(read_counters(&maps).unwrap().entries.len(), 2);
     }
 
     /// An idle sync compares the plan with the record; a change behind the agent's back is

@@ -24,8 +24,8 @@ use std::collections::BTreeMap;
 pub use kilo_common::Counter;
 
 pub use crate::effects::{
-    DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, NoDatapath,
-    Writes,
+    DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, MapUsage,
+    NoDatapath, Writes,
 };
 
 use self::{

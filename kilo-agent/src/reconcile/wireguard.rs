@@ -4,12 +4,14 @@
 //! The real implementation talks to a kernel device over generic netlink or to an existing
 //! userspace device (wireguard-go) over its UAPI socket, through `wireguard-control`. It never
 //! lets that library start `wireguard-go` itself (it would exec): a missing userspace socket is
-//! an error.
+//! an error. The metrics read the same device's per-peer statistics at scrape time through
+//! [`PeerStatsSource`] (a read, never a write).
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::SocketAddr,
     path::{Path, PathBuf},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -287,6 +289,16 @@ pub trait WireGuard {
     fn observe(&mut self) -> Result<Option<DeviceState>, WgError>;
     /// Applies the diff in one transaction; returns the writes made.
     fn apply(&mut self, diff: &WgDiff) -> Result<Writes, WgError>;
+    /// A reader of the device's per-peer statistics for the metrics; `None`: no such metrics.
+    fn stats_source(&self) -> Option<Arc<dyn PeerStatsSource>> {
+        None
+    }
+}
+
+/// Reads the per-peer statistics of a device (empty when it does not exist); only reads, so
+/// any thread may call it at any time.
+pub trait PeerStatsSource: Send + Sync {
+    fn peer_stats(&self) -> Result<BTreeMap<Key, PeerStats>, WgError>;
 }
 
 /// Which API the device is driven through.
@@ -299,6 +311,7 @@ pub enum WgApi {
 }
 
 /// The real device, through `wireguard-control`.
+#[derive(Clone)]
 pub struct WgControl {
     name: String,
     iface: wgc::InterfaceName,
@@ -376,8 +389,8 @@ fn allowed(ips: &BTreeSet<IpNet>) -> Vec<wgc::AllowedIp> {
         .collect()
 }
 
-impl WireGuard for WgControl {
-    fn observe(&mut self) -> Result<Option<DeviceState>, WgError> {
+impl WgControl {
+    fn read(&self) -> Result<Option<DeviceState>, WgError> {
         if self.api == WgApi::Userspace && !self.socket_live() {
             return Ok(None);
         }
@@ -423,6 +436,22 @@ impl WireGuard for WgControl {
             );
         }
         Ok(Some(state))
+    }
+}
+
+impl PeerStatsSource for WgControl {
+    fn peer_stats(&self) -> Result<BTreeMap<Key, PeerStats>, WgError> {
+        Ok(self.read()?.map(|d| d.stats).unwrap_or_default())
+    }
+}
+
+impl WireGuard for WgControl {
+    fn observe(&mut self) -> Result<Option<DeviceState>, WgError> {
+        self.read()
+    }
+
+    fn stats_source(&self) -> Option<Arc<dyn PeerStatsSource>> {
+        Some(Arc::new(self.clone()))
     }
 
     fn apply(&mut self, diff: &WgDiff) -> Result<Writes, WgError> {

@@ -1,18 +1,38 @@
 //! Telemetry: Prometheus metrics (Kilo's names plus ours), health and readiness, over a minimal
-//! HTTP/1.1 server on `--listen`.
+//! HTTP/1.1 server on `--listen`. `/metrics` answers in OpenMetrics when the client asks for it
+//! (Prometheus does) and in Prometheus' text format 0.0.4 otherwise, as Go's client does.
 //!
-//! Metrics: the process metrics of Prometheus' Go client ([`process`]), `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
-//! `kilo_errors_total{event}` (Kilo's), and `kilo_writes_total{kind}` (kernel writes by kind:
-//! with nothing changing it stays flat), `kilo_invalid_objects_total{kind,field}` (invalid
-//! fields of Nodes and Peers, each counted when it appears). Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
-//! reconcile succeeded, 503 before).
+//! Metrics (see also the README):
+//! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
+//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client ([`process`]:
+//!   `process_cpu_seconds_total`, `process_resident_memory_bytes`,
+//!   `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
+//!   `process_start_time_seconds`) and `kilo_child_processes` (processes kg started that still
+//!   run, counted in `/proc`: 0).
+//! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and apply, of each
+//!   pass `kilo_reconciles_total` counts),
+//!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,
+//!   `backend`, `kernel` (a netlink notification about our objects), `resync`, `liveness` (a
+//!   node crossed its heartbeat expiry), `check_in` (the local node is not published yet); a
+//!   burst coalesces into one reconcile), `kilo_writes_total{kind}` (kernel writes: flat while
+//!   nothing changes), `kilo_invalid_objects_total{kind,field}`.
+//! - WireGuard, read from the device at scrape time ([`Metrics::set_wireguard`], no write), per
+//!   peer `{public_key,name}` (`name`: the segment's leader node or the Peer; never a private
+//!   key): `kilo_wireguard_peer_receive_bytes_total`, `kilo_wireguard_peer_transmit_bytes_total`,
+//!   `kilo_wireguard_peer_last_handshake_timestamp_seconds` (unix time, 0 = never, as
+//!   `wg show latest-handshakes`; the age is `time() - ...`).
+//! - The datapath, read at scrape time ([`Metrics::set_datapath`]: the agent's record of the
+//!   map entries plus one pass over the mapped counters): `kilo_datapath_packets_total{decision}`,
+//!   `kilo_datapath_bytes_total{decision}` (every packet the program saw),
+//!   `kilo_datapath_entry_packets_total{role,cidr,kind,owner}`,
+//!   `kilo_datapath_entry_bytes_total{...}` (traffic that matched each map entry),
+//!   `kilo_datapath_map_entries{map}` and `kilo_datapath_map_capacity{map}` (the three tries,
+//!   and `entry_counters`: the per-entry counter slots).
 //!
-//! Datapath metrics, read from the eBPF maps at scrape time (see [`Metrics::set_datapath`]):
-//! `kilo_datapath_packets_total{decision}` and `kilo_datapath_bytes_total{decision}` (every
-//! packet the program saw, by decision), `kilo_datapath_entry_packets_total{role,cidr,kind,owner}`
-//! and `kilo_datapath_entry_bytes_total{...}` (traffic that matched each map entry), and
-//! `kilo_datapath_entries{role}` (map occupancy).
+//! Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
+//! reconcile succeeded, 503 before), `/graph` (Kilo's).
 use std::{
+    collections::BTreeMap,
     net::SocketAddr,
     sync::{
         Arc, Mutex,
@@ -28,14 +48,19 @@ use prometheus_client::{
         counter::{ConstCounter, Counter},
         family::Family,
         gauge::{ConstGauge, Gauge},
+        histogram::Histogram,
     },
     registry::Registry,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::reconcile::{DatapathStats, DatapathStatsSource, Writes};
+use crate::{
+    mesh::Key,
+    reconcile::{DatapathStats, DatapathStatsSource, Writes, wireguard::PeerStatsSource},
+};
 
 mod process;
+mod wireguard;
 pub use process::ProcessStats;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -60,9 +85,56 @@ struct DecisionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RoleLabel {
-    role: &'static str,
+struct MapLabel {
+    map: &'static str,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabel {
+    cause: &'static str,
+}
+
+/// What asked for a reconcile (the `cause` of `kilo_reconcile_triggers_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    /// The agent started with a complete view of the backend.
+    Start,
+    Backend,
+    /// A netlink notification about our links, addresses, routes or rules.
+    Kernel,
+    Resync,
+    /// A node crossed its heartbeat expiry.
+    Liveness,
+    /// A check-in found the local node not published yet.
+    CheckIn,
+}
+
+impl Trigger {
+    pub const ALL: [Trigger; 6] = [
+        Trigger::Start,
+        Trigger::Backend,
+        Trigger::Kernel,
+        Trigger::Resync,
+        Trigger::Liveness,
+        Trigger::CheckIn,
+    ];
+
+    pub const fn label(self) -> &'static str {
+        match self {
+            Trigger::Start => "start",
+            Trigger::Backend => "backend",
+            Trigger::Kernel => "kernel",
+            Trigger::Resync => "resync",
+            Trigger::Liveness => "liveness",
+            Trigger::CheckIn => "check_in",
+        }
+    }
+}
+
+/// Upper bounds of `kilo_reconcile_duration_seconds`' buckets: 1 ms to 10 s.
+const DURATION_BUCKETS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EntryLabels {
@@ -139,14 +211,25 @@ impl Collector for DatapathCollector {
                 }),
             )?;
         }
-        let mut family = encoder.encode_descriptor(
-            "kilo_datapath_entries",
-            "Entries in each datapath map",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (role, n) in &stats.occupancy {
-            ConstGauge::new(*n as i64).encode(family.encode_family(&RoleLabel { role })?)?;
+        type Usage = fn(&crate::reconcile::MapUsage) -> u64;
+        let gauges: [(&str, &str, Usage); 2] = [
+            (
+                "kilo_datapath_map_entries",
+                "Entries in each datapath map",
+                |m| m.entries,
+            ),
+            (
+                "kilo_datapath_map_capacity",
+                "Entries each datapath map can hold",
+                |m| m.capacity,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for m in &stats.maps {
+                ConstGauge::new(value(m) as i64)
+                    .encode(family.encode_family(&MapLabel { map: m.map })?)?;
+            }
         }
         Ok(())
     }
@@ -160,11 +243,14 @@ pub struct Metrics {
     pub peers: Gauge,
     pub leader: Gauge,
     pub reconciles: Counter,
+    pub reconcile_duration: Histogram,
+    triggers: Family<CauseLabel, Counter>,
     pub errors: Family<EventLabel, Counter>,
     pub writes: Family<KindLabel, Counter>,
     pub invalid_objects: Family<FieldLabel, Counter>,
     ready: Arc<AtomicBool>,
     datapath: SourceSlot,
+    wireguard: wireguard::Slot,
     /// The latest plan's graph (DOT), for `/graph`.
     graph: Arc<Mutex<Option<String>>>,
 }
@@ -184,13 +270,20 @@ impl Metrics {
             peers: Gauge::default(),
             leader: Gauge::default(),
             reconciles: Counter::default(),
+            reconcile_duration: Histogram::new(DURATION_BUCKETS),
+            triggers: Family::default(),
             errors: Family::default(),
             writes: Family::default(),
             invalid_objects: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
             datapath: SourceSlot::default(),
+            wireguard: wireguard::Slot::default(),
             graph: Arc::default(),
         };
+        // Every cause from the start, so that rates over them exist before the first trigger.
+        for t in Trigger::ALL {
+            let _ = m.triggers.get_or_create(&CauseLabel { cause: t.label() });
+        }
         r.register(
             "kilo_nodes",
             "Number of nodes in the mesh that are ready",
@@ -208,6 +301,16 @@ impl Metrics {
             m.reconciles.clone(),
         );
         r.register(
+            "kilo_reconcile_duration_seconds",
+            "Duration of a reconcile: plan, publish and apply",
+            m.reconcile_duration.clone(),
+        );
+        r.register(
+            "kilo_reconcile_triggers",
+            "Events that asked for a reconcile, by cause (a burst coalesces into one reconcile)",
+            m.triggers.clone(),
+        );
+        r.register(
             "kilo_errors",
             "Number of errors that occurred, by event",
             m.errors.clone(),
@@ -223,6 +326,7 @@ impl Metrics {
             m.invalid_objects.clone(),
         );
         r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
+        r.register_collector(Box::new(wireguard::Collector(m.wireguard.clone())));
         r.register_collector(Box::new(process::ProcessCollector));
         Metrics {
             registry: Arc::new(r),
@@ -233,6 +337,26 @@ impl Metrics {
     /// Where the datapath metrics are read from at each scrape (`None`: no datapath metrics).
     pub fn set_datapath(&self, source: Option<Arc<dyn DatapathStatsSource>>) {
         *self.datapath.lock().unwrap_or_else(|e| e.into_inner()) = source;
+    }
+
+    /// Where the per-peer WireGuard metrics are read from at each scrape (`None`: none).
+    pub fn set_wireguard(&self, source: Option<Arc<dyn PeerStatsSource>>) {
+        self.wireguard.lock().source = source;
+    }
+
+    /// The names of the WireGuard peers, by public key (the latest plan's), for their `name`
+    /// label.
+    pub fn set_peer_names(&self, names: BTreeMap<Key, String>) {
+        self.wireguard.lock().names = names;
+    }
+
+    /// Counts an event that asked for a reconcile.
+    pub fn trigger(&self, cause: Trigger) {
+        self.triggers
+            .get_or_create(&CauseLabel {
+                cause: cause.label(),
+            })
+            .inc();
     }
 
     pub fn error(&self, event: &str) {
@@ -284,13 +408,19 @@ impl Metrics {
         s
     }
 
-    /// Answers one request path: (status, content type, body).
-    pub fn respond(&self, path: &str) -> (u16, &'static str, String) {
+    /// Answers one request for `path` whose `Accept` header is `accept` ("" when absent):
+    /// (status, content type, body).
+    pub fn respond(&self, path: &str, accept: &str) -> (u16, &'static str, String) {
         match path.split('?').next().unwrap_or_default() {
-            "/metrics" => (
+            "/metrics" if accept.contains("application/openmetrics-text") => (
                 200,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 self.encode(),
+            ),
+            "/metrics" => (
+                200,
+                "text/plain; version=0.0.4; charset=utf-8",
+                text_format(&self.encode()),
             ),
             "/graph" => {
                 let query = path.split_once('?').map_or("", |(_, q)| q);
@@ -307,6 +437,33 @@ impl Metrics {
             _ => (404, "text/plain", "not found\n".into()),
         }
     }
+}
+
+/// Prometheus' text format 0.0.4 of an OpenMetrics exposition: a counter's `# HELP` and
+/// `# TYPE` name its `_total` series, and there is no `# UNIT` or `# EOF`. The samples are the
+/// same (this registry has no exemplars, `_created` series or OpenMetrics-only types).
+fn text_format(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?.split_once(' ')?)));
+        match meta {
+            Some((p, (name, rest))) if counters.contains(name) => {
+                out.push_str(&format!("{p}{name}_total {rest}"));
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Kilo's `/graph` answers for `query`: 500 for an unknown format or layout, as Kilo answers.
@@ -402,10 +559,15 @@ pub async fn serve(
                     }
                 }
                 let head = String::from_utf8_lossy(&buf);
-                let mut parts = head.lines().next().unwrap_or_default().split_whitespace();
+                let mut lines = head.lines();
+                let mut parts = lines.next().unwrap_or_default().split_whitespace();
                 let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+                let accept = lines
+                    .filter_map(|l| l.split_once(':'))
+                    .find(|(k, _)| k.trim().eq_ignore_ascii_case("accept"))
+                    .map_or("", |(_, v)| v.trim());
                 let (status, ctype, body) = if method == "GET" || method == "HEAD" {
-                    metrics.respond(path)
+                    metrics.respond(path, accept)
                 } else {
                     (405, "text/plain", "method not allowed\n".into())
                 };
@@ -444,6 +606,8 @@ mod tests {
         let mut w = Writes::default();
         w.add("route_add", 2);
         m.record_writes(&w);
+        m.trigger(Trigger::Kernel);
+        m.reconcile_duration.observe(0.003);
         let text = m.encode();
         for needle in [
             "kilo_nodes 3",
@@ -456,33 +620,39 @@ mod tests {
             "\nprocess_resident_memory_bytes ",
             "\nprocess_open_fds ",
             "\nprocess_start_time_seconds ",
+            "\nkilo_child_processes ",
+            "kilo_reconcile_triggers_total{cause=\"kernel\"} 1",
+            "kilo_reconcile_triggers_total{cause=\"resync\"} 0",
+            "kilo_reconcile_duration_seconds_bucket{le=\"0.0025\"} 0",
+            "kilo_reconcile_duration_seconds_bucket{le=\"0.005\"} 1",
+            "kilo_reconcile_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
-        assert_eq!(m.respond("/ready").0, 503);
+        assert_eq!(m.respond("/ready", "").0, 503);
         m.set_ready(true);
-        assert_eq!(m.respond("/ready").0, 200);
-        assert_eq!(m.respond("/health").0, 200);
-        assert_eq!(m.respond("/nope").0, 404);
+        assert_eq!(m.respond("/ready", "").0, 200);
+        assert_eq!(m.respond("/health", "").0, 200);
+        assert_eq!(m.respond("/nope", "").0, 404);
     }
 
     #[test]
     fn graph_like_kilo() {
         let m = Metrics::new();
-        assert_eq!(m.respond("/graph").0, 500, "no graph before a plan");
+        assert_eq!(m.respond("/graph", "").0, 500, "no graph before a plan");
         m.set_graph(Some(
             "digraph kilo {\n\t\"n1\" [ label=\"n1\" ];\n}\n".into(),
         ));
-        let (status, ctype, body) = m.respond("/graph");
+        let (status, ctype, body) = m.respond("/graph", "");
         assert_eq!((status, ctype), (200, "image/svg+xml"));
         roxmltree::Document::parse(&body).unwrap();
         assert!(body.contains(">n1<"), "{body}");
-        assert_eq!(m.respond("/graph?layout=circo&format=svg").0, 200);
-        let (status, _, body) = m.respond("/graph?format=dot");
+        assert_eq!(m.respond("/graph?layout=circo&format=svg", "").0, 200);
+        let (status, _, body) = m.respond("/graph?format=dot", "");
         assert_eq!((status, body.starts_with("digraph kilo")), (200, true));
-        assert_eq!(m.respond("/graph?format=gv").0, 200);
-        assert_eq!(m.respond("/graph?format=png").0, 500);
-        assert_eq!(m.respond("/graph?layout=sideways").0, 500);
+        assert_eq!(m.respond("/graph?format=gv", "").0, 200);
+        assert_eq!(m.respond("/graph?format=png", "").0, 500);
+        assert_eq!(m.respond("/graph?layout=sideways", "").0, 500);
     }
 
     #[derive(Debug)]
@@ -506,7 +676,18 @@ mod tests {
                     owner: "n1".into(),
                     counter: c,
                 }],
-                occupancy: vec![("mesh_destination", 4), ("nat_source", 1)],
+                maps: vec![
+                    crate::reconcile::MapUsage {
+                        map: "mesh_destination",
+                        entries: 4,
+                        capacity: 64,
+                    },
+                    crate::reconcile::MapUsage {
+                        map: "entry_counters",
+                        entries: 1,
+                        capacity: 16,
+                    },
+                ],
             })
         }
     }
@@ -527,9 +708,11 @@ mod tests {
             "kilo_datapath_bytes_total{decision=\"masquerade\"} 100",
             "kilo_datapath_entry_packets_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"} 1",
             "kilo_datapath_entry_bytes_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"} 100",
-            "# TYPE kilo_datapath_entries gauge",
-            "kilo_datapath_entries{role=\"mesh_destination\"} 4",
-            "kilo_datapath_entries{role=\"nat_source\"} 1",
+            "# TYPE kilo_datapath_map_entries gauge",
+            "kilo_datapath_map_entries{map=\"mesh_destination\"} 4",
+            "kilo_datapath_map_capacity{map=\"mesh_destination\"} 64",
+            "kilo_datapath_map_entries{map=\"entry_counters\"} 1",
+            "kilo_datapath_map_capacity{map=\"entry_counters\"} 16",
         ] {
             assert!(first.contains(needle), "{needle} missing from\n{first}");
         }
@@ -552,16 +735,92 @@ mod tests {
             .block_on(async {
                 let m = Metrics::new();
                 m.peers.set(7);
+                m.reconciles.inc();
                 let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), m).await.unwrap();
-                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-                    .await
-                    .unwrap();
-                let mut out = String::new();
-                s.read_to_string(&mut out).await.unwrap();
-                assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
-                assert!(out.contains("kilo_peers 7"), "{out}");
+                let get = |headers: &'static str| async move {
+                    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                    let req = format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{headers}\r\n");
+                    s.write_all(req.as_bytes()).await.unwrap();
+                    let mut out = String::new();
+                    s.read_to_string(&mut out).await.unwrap();
+                    out
+                };
+                // Without an Accept header (curl, promtool's input): text format 0.0.4.
+                let text = get("").await;
+                assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+                for needle in [
+                    "Content-Type: text/plain; version=0.0.4",
+                    "kilo_peers 7",
+                    "# HELP kilo_reconciles_total Number of reconciliation attempts.",
+                    "# TYPE kilo_reconciles_total counter\nkilo_reconciles_total 1\n",
+                    "# TYPE kilo_peers gauge\n",
+                ] {
+                    assert!(text.contains(needle), "{needle} missing from\n{text}");
+                }
+                assert!(!text.contains("# EOF"), "{text}");
+                // Prometheus asks for OpenMetrics.
+                let om = get(
+                    "Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n",
+                )
+                .await;
+                for needle in [
+                    "Content-Type: application/openmetrics-text; version=1.0.0",
+                    "# TYPE kilo_reconciles counter\nkilo_reconciles_total 1\n",
+                    "# EOF",
+                ] {
+                    assert!(om.contains(needle), "{needle} missing from\n{om}");
+                }
                 task.abort();
             });
+    }
+
+    /// A device with two peers, one that never completed a handshake.
+    struct Device;
+
+    impl PeerStatsSource for Device {
+        fn peer_stats(
+            &self,
+        ) -> Result<
+            BTreeMap<Key, crate::reconcile::wireguard::PeerStats>,
+            crate::reconcile::wireguard::WgError,
+        > {
+            let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+            Ok(BTreeMap::from([
+                (
+                    Key([1; 32]),
+                    crate::reconcile::wireguard::PeerStats {
+                        last_handshake: Some(at),
+                        rx_bytes: 1234,
+                        tx_bytes: 5678,
+                    },
+                ),
+                (Key([2; 32]), Default::default()),
+            ]))
+        }
+    }
+
+    #[test]
+    fn wireguard_peers_are_read_at_each_scrape_with_their_names() {
+        let m = Metrics::new();
+        assert!(
+            !m.encode().contains("kilo_wireguard"),
+            "no source, no series"
+        );
+        m.set_wireguard(Some(Arc::new(Device)));
+        m.set_peer_names(BTreeMap::from([(Key([1; 32]), "laptop".to_string())]));
+        let text = m.encode();
+        let one = format!("{{public_key=\"{}\",name=\"laptop\"}}", Key([1; 32]));
+        let two = format!("{{public_key=\"{}\",name=\"\"}}", Key([2; 32]));
+        for needle in [
+            format!("kilo_wireguard_peer_receive_bytes_total{one} 1234"),
+            format!("kilo_wireguard_peer_transmit_bytes_total{one} 5678"),
+            format!("kilo_wireguard_peer_last_handshake_timestamp_seconds{one} 1700000000.0"),
+            format!("kilo_wireguard_peer_last_handshake_timestamp_seconds{two} 0.0"),
+            format!("kilo_wireguard_peer_receive_bytes_total{two} 0"),
+        ] {
+            assert!(text.contains(&needle), "{needle} missing from\n{text}");
+        }
+        m.set_wireguard(None);
+        assert!(!m.encode().contains("kilo_wireguard"));
     }
 }

@@ -1,6 +1,8 @@
 //! The process metrics Prometheus' Go client exports and Kilo's Grafana dashboard reads
 //! (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`,
-//! `process_start_time_seconds`, and their companions), read from `/proc/self` at each scrape.
+//! `process_start_time_seconds`, and their companions), read from `/proc/self` at each scrape;
+//! and `kilo_child_processes`, the processes whose parent is this one, counted in `/proc` (kg
+//! starts none, so it stays 0: measured, not a constant).
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
@@ -16,6 +18,21 @@ pub struct ProcessStats {
     pub open_fds: u64,
     pub max_fds: Option<u64>,
     pub start_time_seconds: f64,
+    /// Processes whose parent is this process (`None`: `/proc` cannot be listed).
+    pub children: Option<u64>,
+}
+
+/// The processes whose parent is this process, found in `/proc` (`None` where it cannot be
+/// listed: no count rather than a false 0).
+pub fn child_pids() -> Option<Vec<i32>> {
+    let me = std::process::id() as i32;
+    let all = procfs::process::all_processes().ok()?;
+    Some(
+        all.filter_map(|p| p.ok()?.stat().ok())
+            .filter(|s| s.ppid == me)
+            .map(|s| s.pid)
+            .collect(),
+    )
 }
 
 impl ProcessStats {
@@ -39,6 +56,7 @@ impl ProcessStats {
             open_fds: me.fd_count().ok()? as u64,
             max_fds,
             start_time_seconds: boot + stat.starttime as f64 / ticks,
+            children: child_pids().map(|c| c.len() as u64),
         })
     }
 }
@@ -80,6 +98,13 @@ impl Collector for ProcessCollector {
                 s.start_time_seconds,
             ),
         ];
+        if let Some(children) = s.children {
+            gauges.push((
+                "kilo_child_processes",
+                "Processes whose parent is kg, counted in /proc (kg starts none)",
+                children as f64,
+            ));
+        }
         if let Some(max) = s.max_fds {
             gauges.push((
                 "process_max_fds",
@@ -125,5 +150,19 @@ mod tests {
         // The test process started before now, and within the last day.
         assert!(after.start_time_seconds <= now + 1.0, "{after:?} {now}");
         assert!(after.start_time_seconds > now - 86_400.0, "{after:?} {now}");
+    }
+
+    #[test]
+    fn counts_children_while_they_live() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        assert!(child_pids().unwrap().contains(&pid));
+        assert!(ProcessStats::read().unwrap().children >= Some(1));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!child_pids().unwrap().contains(&pid));
     }
 }
