@@ -103,6 +103,9 @@ struct State {
     peers_synced: bool,
     /// The Node watch works (cleared by its errors, set by its next event).
     connected: bool,
+    /// The last failure of each watch, logged once while it repeats.
+    node_failure: Option<String>,
+    peer_failure: Option<String>,
     generation: u64,
     init_nodes: Option<BTreeMap<String, KubeNode>>,
     init_peers: Option<BTreeMap<String, Peer>>,
@@ -322,6 +325,17 @@ fn apply<K: Resource>(
     Applied::Unchanged
 }
 
+/// Logs a watch failure: at `warn` when it is new (the first, or another cause than the last),
+/// at `debug` while the same one repeats on every retry.
+fn log_failure(last: &mut Option<String>, error: String, hint: &str) {
+    if last.as_deref() == Some(error.as_str()) {
+        tracing::debug!(%error, "{hint}");
+    } else {
+        tracing::warn!(%error, "{hint}");
+        *last = Some(error);
+    }
+}
+
 /// What to tell an operator when the Peer watch fails: only a 404 means the CRD is missing.
 fn peer_watch_hint(e: &watcher::Error) -> &'static str {
     match e {
@@ -394,6 +408,7 @@ impl KubeBackend {
                         if delivering && !s.connected {
                             tracing::info!("node watch delivering");
                             s.connected = true;
+                            s.node_failure = None;
                         }
                         match apply(
                             &mut s.nodes,
@@ -411,9 +426,10 @@ impl KubeBackend {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(
-                            error = %describe_watch("nodes", &e),
-                            "waiting for the Kubernetes API server; retrying with backoff"
+                        log_failure(
+                            &mut s.node_failure,
+                            describe_watch("nodes", &e),
+                            "waiting for the Kubernetes API server; retrying with backoff",
                         );
                         s.connected = false;
                     }
@@ -435,19 +451,23 @@ impl KubeBackend {
                 let changed =
                     |old: Option<&Peer>, new: &Peer| old.map(|o| &o.spec) != Some(&new.spec);
                 match ev {
-                    Ok(event) => match apply(&mut s.peers, &mut s.init_peers, event, trim, changed)
-                    {
-                        Applied::Listed => {
-                            s.peers_synced = true;
-                            s.publish(&tx);
+                    Ok(event) => {
+                        if s.peer_failure.take().is_some() {
+                            tracing::info!("peer watch delivering");
                         }
-                        Applied::Changed => s.publish(&tx),
-                        Applied::Unchanged => {}
-                    },
-                    Err(e) => tracing::warn!(
-                        error = %describe_watch("peers.kilo.squat.ai", &e),
-                        "{}",
-                        peer_watch_hint(&e)
+                        match apply(&mut s.peers, &mut s.init_peers, event, trim, changed) {
+                            Applied::Listed => {
+                                s.peers_synced = true;
+                                s.publish(&tx);
+                            }
+                            Applied::Changed => s.publish(&tx),
+                            Applied::Unchanged => {}
+                        }
+                    }
+                    Err(e) => log_failure(
+                        &mut s.peer_failure,
+                        describe_watch("peers.kilo.squat.ai", &e),
+                        peer_watch_hint(&e),
                     ),
                 }
             }))
