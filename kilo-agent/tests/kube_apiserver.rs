@@ -308,6 +308,18 @@ struct Lab {
     log: std::thread::JoinHandle<String>,
 }
 
+impl Drop for Lab {
+    /// On a failure, kg's log says why.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.kg.kill();
+            let _ = self.kg.wait();
+            let log = std::mem::replace(&mut self.log, std::thread::spawn(String::new));
+            eprintln!("--- kg:\n{}", log.join().unwrap_or_default());
+        }
+    }
+}
+
 impl Lab {
     /// The API server with the CRD and `nodes`, then kg for node `kgtest` with `args`.
     fn start(nodes: Vec<KubeNode>, args: &[&str]) -> Lab {
