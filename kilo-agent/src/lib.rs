@@ -14,3 +14,4 @@ pub mod plan;
 pub mod reconcile;
 pub mod telemetry;
 pub mod topology;
+pub mod webhook;

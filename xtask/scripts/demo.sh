@@ -1,53 +1,28 @@
 #!/usr/bin/env bash
-# The kilo-rs demo: three nodes in two locations, each a network namespace on one machine, with a pod
-# behind a bridge, real WireGuard (wireguard-go), `kg` on every node with the file backend, and an
-# "internet" host. Run by `cargo xtask demo`, which builds the binaries and passes their directory.
-#
-#   underlay 192.168.50.0/24 (bridge in ns krs-demo-under)
-#     n1 .1  location east  pods 10.42.1.0/24   (leader of east)
-#     n2 .2  location east  pods 10.42.2.0/24
-#     n3 .3  location west  pods 10.42.3.0/24   (leader of west)
-#     inet .100             a host outside the mesh
+# The kilo-rs demo: the mesh of mesh.sh (three nodes in two locations, each a network namespace on
+# one machine, with a pod behind a bridge, real WireGuard (wireguard-go), and an "internet" host),
+# with `kg` on every node on the file backend. Run by `cargo xtask demo`, which builds the binaries
+# and passes their directory.
 set -euo pipefail
 BIN=${1:?usage: demo.sh BIN_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-P=${KRS_DEMO_PREFIX:-krs-demo}
-WG=${KRS_DEMO_WG:-kilo} # WireGuard interfaces $WG1..3 (their UAPI sockets share /var/run/wireguard)
-WORK=$(mktemp -d /tmp/krs-demo.XXXXXX)
-DIR=$WORK/objects
-mkdir -p "$DIR"
+export KRS_DEMO_WORK
+KRS_DEMO_WORK=$(mktemp -d /tmp/krs-demo.XXXXXX)
+# shellcheck source=mesh.sh
+source "$ROOT/xtask/scripts/mesh.sh"
 PIDS=()
-WG_PIDS=()
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-inns() { local ns=$1; shift; ip netns exec "$P-$ns" "$@"; }
 
 cleanup() {
   set +e
   say "clean-up: SIGTERM every kg (they remove their routes, maps, pins and NAT table), then the namespaces"
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
-  for pid in "${WG_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
-  for ns in n1 n2 n3 pod1 pod2 pod3 inet under; do ip netns del "$P-$ns" 2>/dev/null; done
+  mesh_down
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-
-for ns in n1 n2 n3 pod1 pod2 pod3 inet under; do
-  ip netns del "$P-$ns" 2>/dev/null || true
-  ip netns add "$P-$ns"
-  inns "$ns" ip link set lo up
-done
-inns under ip link add br0 type bridge
-inns under ip link set br0 up
-
-link() { # link NS IFNAME PEER_NS PEER_IFNAME
-  local a="kd$$a" b="kd$$b" # interface names are at most 15 bytes
-  ip link add "$a" type veth peer name "$b"
-  ip link set "$a" netns "$P-$1"; ip link set "$b" netns "$P-$3"
-  inns "$1" ip link set "$a" name "$2"; inns "$1" ip link set "$2" up
-  inns "$3" ip link set "$b" name "$4"; inns "$3" ip link set "$4" up
-}
 
 # udp_probe NS LABEL ADDR: pod1 sends one datagram to ADDR, a listener in NS prints its source address.
 udp_probe() {
@@ -62,44 +37,7 @@ data, addr = s.recvfrom(100); print(sys.argv[1], "saw the packet from", addr[0])
 }
 
 say "building the underlay, the nodes, their pods and the internet host"
-link inet eth0 under inet
-inns under ip link set inet master br0
-inns inet ip addr add 192.168.50.100/24 dev eth0
-for i in 1 2 3; do
-  link "n$i" eth0 under "n$i"
-  inns under ip link set "n$i" master br0
-  inns "n$i" ip addr add "192.168.50.$i/24" dev eth0
-  inns "n$i" ip route add default via 192.168.50.100
-  inns "n$i" sysctl -qw net.ipv4.ip_forward=1
-  # The pod network as Kilo's CNI builds it: a bridge holding the first address of the pod CIDR.
-  inns "n$i" ip link add kube-bridge type bridge
-  inns "n$i" ip addr add "10.42.$i.1/24" dev kube-bridge
-  inns "n$i" ip link set kube-bridge up
-  link "pod$i" eth0 "n$i" "veth-pod$i"
-  inns "n$i" ip link set "veth-pod$i" master kube-bridge
-  inns "pod$i" ip addr add "10.42.$i.2/24" dev eth0
-  inns "pod$i" ip route add default via "10.42.$i.1"
-  # The userspace WireGuard device, as Kilo's userspace manifests run it (its UAPI socket
-  # lives in the shared /var/run/wireguard, so each node gets its own interface name).
-  ip netns exec "$P-n$i" env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 \
-    wireguard-go --foreground "$WG$i" >/dev/null 2>&1 &
-  WG_PIDS+=($!)
-  loc=east; [ "$i" = 3 ] && loc=west
-  cat > "$DIR/node-n$i.yaml" <<YAML
-apiVersion: v1
-kind: Node
-metadata:
-  name: n$i
-  annotations:
-    kilo.squat.ai/location: $loc
-spec:
-  podCIDR: 10.42.$i.0/24
-YAML
-done
-
-for i in 1 2 3; do # wireguard-go creates its device and socket in the background
-  for _ in $(seq 1 50); do [ -S "/var/run/wireguard/$WG$i.sock" ] && break; sleep 0.1; done
-done
+mesh_up
 
 say "starting kg on every node (file backend: $DIR)"
 for i in 1 2 3; do

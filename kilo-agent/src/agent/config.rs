@@ -137,11 +137,30 @@ pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{s:?}: expected :PORT or HOST:PORT"))
 }
 
-/// kg's subcommands (Kilo's; `webhook` is not one here).
+/// kg's subcommands (Kilo's).
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum KgCommand {
     /// Print the version and exit.
     Version,
+    /// Serve the validating admission webhook for Peers (see `manifests/webhook`).
+    Webhook(WebhookFlags),
+}
+
+/// `kg webhook`'s flags (Kilo's names and defaults).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WebhookFlags {
+    /// The TLS certificate (PEM, with its chain) the webhook serves.
+    #[arg(long)]
+    pub cert_file: PathBuf,
+    /// The certificate's private key (PEM).
+    #[arg(long)]
+    pub key_file: PathBuf,
+    /// Where the webhook listens (HTTPS; the API server calls POST /validate).
+    #[arg(long, default_value = ":8443", value_parser = parse_listen)]
+    pub listen: SocketAddr,
+    /// Where metrics (/metrics) and /health are served (plain HTTP).
+    #[arg(long, default_value = ":1107", value_parser = parse_listen)]
+    pub listen_metrics: SocketAddr,
 }
 
 #[derive(Debug, Clone, Parser)]

@@ -42,6 +42,9 @@ use crate::{
 /// How long the loop waits for more events before reconciling a burst.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
+/// How long the clean-up waits for the backend to remove this node's annotations.
+pub const ANNOTATION_REMOVAL_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub const ANNOTATION_KEY: &str = "kilo.squat.ai/key";
 pub const ANNOTATION_ENDPOINT: &str = "kilo.squat.ai/endpoint";
 pub const ANNOTATION_INTERNAL_IP: &str = "kilo.squat.ai/internal-ip";
@@ -352,6 +355,30 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         snapshot
     }
 
+    /// `snapshot` as it will be once this node's own annotations are published (all but the
+    /// WireGuard IP, which the plan decides): planned so, this node is ready (its key,
+    /// endpoint, internal IP) from the first pass, and the first publish already carries its
+    /// WireGuard IP instead of a second patch after the first one comes back.
+    fn with_own_annotations(&self, snapshot: Arc<Snapshot>) -> Arc<Snapshot> {
+        let Some(node) = snapshot.nodes.get(&self.local.hostname) else {
+            return snapshot;
+        };
+        let mut want = self.local.annotations(None);
+        want.remove(ANNOTATION_WIREGUARD_IP);
+        let current = node.metadata.annotations.as_ref();
+        if annotation_changes(current, &want).is_empty() {
+            return snapshot;
+        }
+        let mut node = node.clone();
+        node.metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .extend(want);
+        let mut snapshot = (*snapshot).clone();
+        snapshot.nodes.insert(self.local.hostname.clone(), node);
+        Arc::new(snapshot)
+    }
+
     fn plan(&mut self, snapshot: &Snapshot) -> PlanOutcome {
         let outcome = self.planner.plan(snapshot);
         // Without a plan the roles stay as they were.
@@ -478,7 +505,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 tracing::warn!(error = %e, "invalid object skipped");
             }
         }
-        let snapshot = self.alive(&update);
+        let alive = self.alive(&update);
+        let snapshot = self.with_own_annotations(alive);
         let mut outcome = self.plan(&snapshot);
         let Some(plan) = outcome.plan.take() else {
             self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
@@ -564,9 +592,39 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             .iter()
             .map(|k| (k.to_string(), None))
             .collect();
-        if let Err(e) = self.backend.publish(&self.local.hostname, &remove).await {
+        // Bounded, so that an unreachable API server cannot keep the process past its grace
+        // period; the kernel state is already clean.
+        let removed = tokio::time::timeout(
+            ANNOTATION_REMOVAL_TIMEOUT,
+            self.backend.publish(&self.local.hostname, &remove),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(crate::backend::BackendError::Kube(format!(
+                "no answer within {ANNOTATION_REMOVAL_TIMEOUT:?}"
+            )))
+        });
+        if let Err(e) = removed {
             self.metrics.error("cleanUp");
-            tracing::warn!(error = %e, "removing our annotations failed");
+            let update = self.backend.updates().borrow().clone();
+            let left: Vec<&str> = update
+                .snapshot
+                .nodes
+                .get(&self.local.hostname)
+                .and_then(|n| n.metadata.annotations.as_ref())
+                .map(|a| {
+                    OWN_ANNOTATIONS
+                        .into_iter()
+                        .filter(|k| a.contains_key(*k))
+                        .collect()
+                })
+                .unwrap_or_default();
+            tracing::warn!(
+                node = %self.local.hostname,
+                annotations = %left.join(","),
+                error = %e,
+                "could not remove this node's annotations; the node's kernel state is cleaned up"
+            );
         }
         for p in &report.problems {
             self.metrics.error("cleanUp");

@@ -103,6 +103,9 @@ struct State {
     peers_synced: bool,
     /// The Node watch works (cleared by its errors, set by its next event).
     connected: bool,
+    /// The last failure of each watch, logged once while it repeats.
+    node_failure: Option<String>,
+    peer_failure: Option<String>,
     generation: u64,
     init_nodes: Option<BTreeMap<String, KubeNode>>,
     init_peers: Option<BTreeMap<String, Peer>>,
@@ -200,7 +203,13 @@ pub async fn config(
 
 /// A client for `config`. TLS is rustls with the ring provider, installed here for the whole
 /// process so that the choice never depends on which crypto features other crates enable.
-pub fn client(config: kube::Config) -> Result<Client, BackendError> {
+///
+/// kube's own retry layer is off: it follows the API server's `Retry-After`, which a restarted
+/// server that is not ready yet sets to 10 s, so a watch would reconnect that much later. The
+/// watches retry on [`watch_backoff`] instead, and a failed publish is sent again by the
+/// agent's next pass.
+pub fn client(mut config: kube::Config) -> Result<Client, BackendError> {
+    config.default_retry = false;
     // An error only says a provider is installed already.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let url = config.cluster_url.clone();
@@ -266,6 +275,80 @@ fn describe_watch(resource: &str, e: &watcher::Error) -> String {
     }
 }
 
+/// What a watch event did to the objects it keeps.
+#[derive(Debug, PartialEq, Eq)]
+enum Applied {
+    /// A (re)list completed: the objects are now exactly the listed ones.
+    Listed,
+    /// An object was added, removed or changed in a way `changed` says matters.
+    Changed,
+    Unchanged,
+}
+
+/// Applies one watch event to `objects`; a (re)list collects into `listing` and replaces
+/// `objects` at its end. Objects are trimmed on arrival.
+fn apply<K: Resource>(
+    objects: &mut BTreeMap<String, K>,
+    listing: &mut Option<BTreeMap<String, K>>,
+    event: watcher::Event<K>,
+    trim: impl Fn(K) -> K,
+    changed: impl Fn(Option<&K>, &K) -> bool,
+) -> Applied {
+    match event {
+        watcher::Event::Init => *listing = Some(BTreeMap::new()),
+        watcher::Event::InitApply(k) => {
+            let k = trim(k);
+            listing
+                .get_or_insert_with(BTreeMap::new)
+                .insert(name_of(&k), k);
+        }
+        watcher::Event::InitDone => {
+            *objects = listing.take().unwrap_or_default();
+            return Applied::Listed;
+        }
+        watcher::Event::Apply(k) => {
+            let k = trim(k);
+            let name = name_of(&k);
+            let changed = changed(objects.get(&name), &k);
+            objects.insert(name.clone(), k);
+            if changed {
+                tracing::debug!(object = %name, "changed");
+                return Applied::Changed;
+            }
+        }
+        watcher::Event::Delete(k) => {
+            if objects.remove(&name_of(&k)).is_some() {
+                return Applied::Changed;
+            }
+        }
+    }
+    Applied::Unchanged
+}
+
+/// Logs a watch failure: at `warn` when it is new (the first, or another cause than the last),
+/// at `debug` while the same one repeats on every retry.
+fn log_failure(last: &mut Option<String>, error: String, hint: &str) {
+    if last.as_deref() == Some(error.as_str()) {
+        tracing::debug!(%error, "{hint}");
+    } else {
+        tracing::warn!(%error, "{hint}");
+        *last = Some(error);
+    }
+}
+
+/// What to tell an operator when the Peer watch fails: only a 404 means the CRD is missing.
+fn peer_watch_hint(e: &watcher::Error) -> &'static str {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+            if s.code == 404 =>
+        {
+            "the Peer CRD is not installed (manifests/base/crds.yaml); retrying with backoff"
+        }
+        _ => "waiting for the Kubernetes API server; retrying with backoff",
+    }
+}
+
 /// Watches `api` for ever, handing every event to `on_event` (failures as `Err`). After a
 /// failure it waits ([`watch_backoff`]), then lists afresh (a quorum read) instead of resuming
 /// the watch: a restarted API server's watch cache can take seconds to fill, and a watch
@@ -312,49 +395,41 @@ impl KubeBackend {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<KubeNode> = Api::all(client.clone());
             tokio::spawn(watch_forever(api, move |ev| {
-                let mut s = state.lock().expect("state lock");
-                let delivering = matches!(
-                    ev,
-                    Ok(watcher::Event::InitDone
-                        | watcher::Event::Apply(_)
-                        | watcher::Event::Delete(_))
-                );
-                if delivering && !s.connected {
-                    tracing::info!("node watch delivering");
-                    s.connected = true;
-                }
+                let mut guard = state.lock().expect("state lock");
+                let s = &mut *guard;
                 match ev {
-                    Ok(watcher::Event::Init) => s.init_nodes = Some(BTreeMap::new()),
-                    Ok(watcher::Event::InitApply(n)) => {
-                        let n = trim_node(n);
-                        s.init_nodes
-                            .get_or_insert_with(BTreeMap::new)
-                            .insert(name_of(&n), n);
-                    }
-                    Ok(watcher::Event::InitDone) => {
-                        s.nodes = s.init_nodes.take().unwrap_or_default();
-                        s.nodes_synced = true;
-                        s.publish(&tx);
-                    }
-                    Ok(watcher::Event::Apply(n)) => {
-                        let n = trim_node(n);
-                        let name = name_of(&n);
-                        let changed = node_changed(s.nodes.get(&name), &n);
-                        s.nodes.insert(name.clone(), n);
-                        if changed {
-                            tracing::debug!(node = %name, "node changed");
-                            s.publish(&tx);
+                    Ok(event) => {
+                        let delivering = matches!(
+                            event,
+                            watcher::Event::InitDone
+                                | watcher::Event::Apply(_)
+                                | watcher::Event::Delete(_)
+                        );
+                        if delivering && !s.connected {
+                            tracing::info!("node watch delivering");
+                            s.connected = true;
+                            s.node_failure = None;
                         }
-                    }
-                    Ok(watcher::Event::Delete(n)) => {
-                        if s.nodes.remove(&name_of(&n)).is_some() {
-                            s.publish(&tx);
+                        match apply(
+                            &mut s.nodes,
+                            &mut s.init_nodes,
+                            event,
+                            trim_node,
+                            node_changed,
+                        ) {
+                            Applied::Listed => {
+                                s.nodes_synced = true;
+                                s.publish(&tx);
+                            }
+                            Applied::Changed => s.publish(&tx),
+                            Applied::Unchanged => {}
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(
-                            error = %describe_watch("nodes", &e),
-                            "waiting for the Kubernetes API server; retrying with backoff"
+                        log_failure(
+                            &mut s.node_failure,
+                            describe_watch("nodes", &e),
+                            "waiting for the Kubernetes API server; retrying with backoff",
                         );
                         s.connected = false;
                     }
@@ -367,42 +442,32 @@ impl KubeBackend {
             let (state, tx) = (state.clone(), tx.clone());
             let api: Api<Peer> = Api::all(client.clone());
             tokio::spawn(watch_forever(api, move |ev| {
-                let mut s = state.lock().expect("state lock");
+                let mut guard = state.lock().expect("state lock");
+                let s = &mut *guard;
                 let trim = |mut p: Peer| {
                     p.metadata.managed_fields = None;
                     p
                 };
+                let changed =
+                    |old: Option<&Peer>, new: &Peer| old.map(|o| &o.spec) != Some(&new.spec);
                 match ev {
-                    Ok(watcher::Event::Init) => s.init_peers = Some(BTreeMap::new()),
-                    Ok(watcher::Event::InitApply(p)) => {
-                        let p = trim(p);
-                        s.init_peers
-                            .get_or_insert_with(BTreeMap::new)
-                            .insert(name_of(&p), p);
-                    }
-                    Ok(watcher::Event::InitDone) => {
-                        s.peers = s.init_peers.take().unwrap_or_default();
-                        s.peers_synced = true;
-                        s.publish(&tx);
-                    }
-                    Ok(watcher::Event::Apply(p)) => {
-                        let p = trim(p);
-                        let name = name_of(&p);
-                        let changed = s.peers.get(&name).map(|o| &o.spec) != Some(&p.spec);
-                        s.peers.insert(name, p);
-                        if changed {
-                            s.publish(&tx);
+                    Ok(event) => {
+                        if s.peer_failure.take().is_some() {
+                            tracing::info!("peer watch delivering");
+                        }
+                        match apply(&mut s.peers, &mut s.init_peers, event, trim, changed) {
+                            Applied::Listed => {
+                                s.peers_synced = true;
+                                s.publish(&tx);
+                            }
+                            Applied::Changed => s.publish(&tx),
+                            Applied::Unchanged => {}
                         }
                     }
-                    Ok(watcher::Event::Delete(p)) => {
-                        if s.peers.remove(&name_of(&p)).is_some() {
-                            s.publish(&tx);
-                        }
-                    }
-                    Err(e) => tracing::warn!(
-                        error = %describe_watch("peers.kilo.squat.ai", &e),
-                        "waiting for the Kubernetes API server (is the Peer CRD installed?); \
-                         retrying with backoff"
+                    Err(e) => log_failure(
+                        &mut s.peer_failure,
+                        describe_watch("peers.kilo.squat.ai", &e),
+                        peer_watch_hint(&e),
                     ),
                 }
             }))
@@ -507,6 +572,42 @@ mod tests {
             },
         }))
         .unwrap()
+    }
+
+    /// A refused connection is named as such and sends nobody looking for the CRD; only the
+    /// server's 404 for the Peer resource does.
+    #[test]
+    fn watch_failures_say_what_is_wrong() {
+        let refused = || {
+            kube::Error::Service(Box::new(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                "tcp connect error: Connection refused (os error 111)",
+            )))
+        };
+        let e = watcher::Error::InitialListFailed(refused());
+        let text = describe_watch("peers.kilo.squat.ai", &e);
+        assert!(text.starts_with("listing peers.kilo.squat.ai: "), "{text}");
+        assert!(text.contains("Connection refused"), "{text}");
+        assert!(!peer_watch_hint(&e).contains("CRD"));
+        let e = watcher::Error::WatchFailed(refused());
+        assert!(describe_watch("nodes", &e).starts_with("watching nodes: "));
+        let missing = kube::core::Status::failure(
+            "the server could not find the requested resource",
+            "NotFound",
+        )
+        .with_code(404);
+        let e = watcher::Error::InitialListFailed(kube::Error::Api(Box::new(missing)));
+        assert!(peer_watch_hint(&e).contains("Peer CRD is not installed"));
+        assert!(
+            describe_watch("peers.kilo.squat.ai", &e).contains("404 NotFound"),
+            "{}",
+            describe_watch("peers.kilo.squat.ai", &e)
+        );
+        let forbidden =
+            kube::core::Status::failure("peers is forbidden", "Forbidden").with_code(403);
+        let e = watcher::Error::InitialListFailed(kube::Error::Api(Box::new(forbidden)));
+        assert!(describe_watch("peers.kilo.squat.ai", &e).contains("ClusterRole"));
+        assert!(!peer_watch_hint(&e).contains("CRD"));
     }
 
     #[test]

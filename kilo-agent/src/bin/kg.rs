@@ -1,6 +1,7 @@
 //! `kg`: the kilo-rs agent. Parses Kilo's flags, loads (or generates) the key, detects local
 //! addresses, starts the backend, the metrics server and the kernel watcher, forbids exec, then
-//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`). Logs go to stderr
+//! runs the event loop until SIGTERM/SIGINT (cleaning up with `--clean-up`). `kg webhook`
+//! serves the Peer validation webhook instead ([`kilo_agent::webhook`]). Logs go to stderr
 //! as JSON lines (`--log-format=json`, the default, as Kilo logs) or text.
 use std::{net::SocketAddr, process::ExitCode, sync::Arc};
 
@@ -26,6 +27,7 @@ use kilo_agent::{
         wireguard::{WgApi, WgControl, system_resolver},
     },
     telemetry::{self, Metrics},
+    webhook,
 };
 
 /// What the pure planner needs from the flags.
@@ -235,6 +237,21 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `kg webhook`: serves until SIGTERM/SIGINT.
+async fn serve_webhook(settings: webhook::WebhookSettings, seccomp: bool) -> anyhow::Result<()> {
+    let (addr, metrics_addr, _tasks) = webhook::start(&settings).await?;
+    tracing::info!(%addr, metrics = %metrics_addr, "serving the Peer validation webhook");
+    if seccomp {
+        seccomp::forbid_exec()?;
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+    }
+    Ok(())
+}
+
 /// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`. The object loader's
 /// own debug chatter (hundreds of relocation lines per load) stays out below `all`.
 fn init_logging(flags: &Flags) {
@@ -267,6 +284,15 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(&flags);
+    if let Some(KgCommand::Webhook(w)) = &flags.command {
+        let settings = webhook::WebhookSettings {
+            listen: w.listen,
+            listen_metrics: w.listen_metrics,
+            cert_file: w.cert_file.clone(),
+            key_file: w.key_file.clone(),
+        };
+        return block_on(serve_webhook(settings, flags.seccomp));
+    }
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");
         return ExitCode::from(2);
@@ -275,6 +301,11 @@ fn main() -> ExitCode {
         tracing::warn!("{w}");
     }
     kilo_agent::agent::caps::warn_missing();
+    block_on(run(flags))
+}
+
+/// Runs `f` on a single-threaded runtime; an error is logged and fails the process.
+fn block_on(f: impl Future<Output = anyhow::Result<()>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -285,7 +316,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(run(flags));
+    let result = runtime.block_on(f);
     // Do not wait for a getaddrinfo still blocked on an unreachable resolver.
     runtime.shutdown_background();
     match result {

@@ -88,11 +88,17 @@ fn spawn(cmd: &mut Command, log: &Path) -> Child {
 }
 
 impl ApiServer {
-    /// Starts both and waits until `/readyz` answers (about 5 s).
+    /// Starts both on 127.0.0.1 and waits until `/readyz` answers (about 5 s).
     pub fn start() -> Self {
+        Self::start_at("127.0.0.1")
+    }
+
+    /// Starts both, the API server on `address` (an address of this namespace, for clients in
+    /// other namespaces; etcd stays on loopback), and waits until `/readyz` answers.
+    pub fn start_at(address: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        let cert = Cert::new();
+        let cert = Cert::for_hosts(&[address, "localhost"]);
         std::fs::write(d.join("tls.crt"), &cert.pem).unwrap();
         std::fs::write(d.join("tls.key"), cert.key_pem()).unwrap();
         let sa = rcgen::KeyPair::generate().unwrap();
@@ -127,8 +133,8 @@ impl ApiServer {
         );
         let args: Vec<String> = vec![
             format!("--etcd-servers=http://127.0.0.1:{client}"),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
+            format!("--bind-address={address}"),
+            format!("--advertise-address={address}"),
             format!("--secure-port={secure}"),
             "--insecure-port=0".into(),
             format!("--cert-dir={}", d.join("certs").display()),
@@ -149,7 +155,7 @@ impl ApiServer {
         ];
         let apiserver = spawn(Command::new(binary()).args(&args), &d.join("apiserver.log"));
         let server = ApiServer {
-            url: format!("https://127.0.0.1:{secure}"),
+            url: format!("https://{address}:{secure}"),
             dir,
             cert,
             etcd,

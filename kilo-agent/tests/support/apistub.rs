@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// A self-signed certificate for 127.0.0.1, and its key (PEM).
+/// A self-signed certificate (for 127.0.0.1 unless told), and its key (PEM).
 pub struct Cert {
     pub pem: String,
     key: String,
@@ -21,8 +21,13 @@ pub struct Cert {
 
 impl Cert {
     pub fn new() -> Self {
-        let c = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()])
-            .expect("self-signed certificate");
+        Self::for_hosts(&["127.0.0.1", "localhost"])
+    }
+
+    /// A self-signed certificate for `hosts` (IP addresses or names).
+    pub fn for_hosts(hosts: &[&str]) -> Self {
+        let hosts = hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>();
+        let c = rcgen::generate_simple_self_signed(hosts).expect("self-signed certificate");
         Cert {
             pem: c.cert.pem(),
             key: c.signing_key.serialize_pem(),

@@ -46,15 +46,7 @@ impl NetNs {
     /// Runs `f` on a fresh thread that has entered this namespace (for netlink, BPF, sockets);
     /// `f` may borrow from the caller.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                enter(&path);
-                f()
-            })
-            .join()
-            .expect("thread in namespace panicked")
-        })
+        run_in(&self.name, f)
     }
 
     /// Enters this namespace on the current thread for good (for dedicated threads/runtimes).
@@ -67,6 +59,19 @@ impl Drop for NetNs {
     fn drop(&mut self) {
         let _ = try_sh(&format!("ip netns del {}", self.name));
     }
+}
+
+/// [`NetNs::run`] in the namespace named `name` (one this test made by other means).
+pub fn run_in<T: Send>(name: &str, f: impl FnOnce() -> T + Send) -> T {
+    let path = format!("/run/netns/{name}");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter(&path);
+            f()
+        })
+        .join()
+        .expect("thread in namespace panicked")
+    })
 }
 
 fn enter(path: &str) {
