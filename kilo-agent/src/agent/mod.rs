@@ -274,6 +274,40 @@ pub struct Agent<P, K, W, D> {
     planned_down: BTreeSet<String>,
     /// The planning failure last reported (reported again only when it changes).
     failing: Option<String>,
+    /// A publish of this pass failed.
+    publish_failed: bool,
+    retry: Retry,
+}
+
+/// When a pass that failed to apply or publish is tried again: after 1 s, doubling up to 30 s,
+/// so a failure that cannot be fixed costs a pass every 30 s, never a loop.
+#[derive(Debug)]
+struct Retry {
+    at: Option<tokio::time::Instant>,
+    delay: Duration,
+}
+
+impl Retry {
+    const FIRST: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(30);
+
+    fn after(&mut self, failed: bool) {
+        if failed {
+            self.at = Some(tokio::time::Instant::now() + self.delay);
+            self.delay = (self.delay * 2).min(Self::MAX);
+        } else {
+            *self = Retry::default();
+        }
+    }
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry {
+            at: None,
+            delay: Self::FIRST,
+        }
+    }
 }
 
 impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
@@ -311,6 +345,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             liveness,
             planned_down: BTreeSet::new(),
             failing: None,
+            publish_failed: false,
+            retry: Retry::default(),
         }
     }
 
@@ -447,6 +483,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 }
             }
             Err(e) => {
+                self.publish_failed = true;
                 self.metrics.error("local");
                 tracing::warn!(error = %e, "publishing local annotations failed");
             }
@@ -683,10 +720,23 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 if updates.borrow_and_update().generation == 0 {
                     continue;
                 }
-                match self.reconcile_once().await {
-                    Ok(_) => self.failing = None,
-                    Err(e) => self.report(&e),
-                }
+                self.publish_failed = false;
+                let failed = match self.reconcile_once().await {
+                    Ok(report) => {
+                        self.failing = None;
+                        !report.problems.is_empty()
+                    }
+                    // A plan fails again until the backend changes, which triggers by itself.
+                    Err(e @ AgentError::NoPlan(_)) => {
+                        self.report(&e);
+                        false
+                    }
+                    Err(e) => {
+                        self.report(&e);
+                        true
+                    }
+                };
+                self.retry.after(failed || self.publish_failed);
             }
             // The earliest instant a node alive now would expire: re-plan then, not before.
             let now = self.settings.clock.now_ms();
@@ -704,6 +754,11 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 }
                 Some(()) = recv(&mut kernel_events) => { pending = true; Some(Trigger::Kernel) }
                 _ = tick(&mut resync) => { pending = true; Some(Trigger::Resync) }
+                _ = sleep_until(self.retry.at) => {
+                    self.retry.at = None;
+                    pending = true;
+                    Some(Trigger::Retry)
+                }
                 _ = tick(&mut check_in) => {
                     pending = self.check_in().await;
                     Some(Trigger::CheckIn)
@@ -1046,6 +1101,53 @@ mod tests {
         let text = agent.metrics.encode();
         assert!(
             text.contains("kilo_errors_total{event=\"checkin\"} 2"),
+            "{text}"
+        );
+    }
+
+    /// A publish that fails is tried again after 1 s, 2 s, 4 s..., not only at the next resync.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_publish_is_retried_with_backoff() {
+        let begin = tokio::time::Instant::now();
+        let (tx, _) = tokio::sync::watch::channel(Update {
+            snapshot: nodes(&["me"]),
+            generation: 1,
+            connected: true,
+            ..Update::default()
+        });
+        let backend = Arc::new(Driven {
+            tx,
+            published: Mutex::default(),
+            failing: true.into(),
+        });
+        let settings = LoopSettings {
+            resync: Some(Duration::from_secs(60)),
+            check_in: None,
+            ..LoopSettings::default()
+        };
+        let agent = spawn(backend.clone(), settings, planned);
+        // Fails at 0.1 s, 1.1 s and 3.1 s; the server is back at 5 s; the retry at 7.1 s lands.
+        at(begin, 5_000).await;
+        assert!(backend.published.lock().unwrap().is_empty());
+        backend
+            .failing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        at(begin, 7_000).await;
+        assert!(backend.published.lock().unwrap().is_empty());
+        at(begin, 7_500).await;
+        assert_eq!(backend.published.lock().unwrap().len(), 1);
+        // Then nothing more until the resync: the retry is over.
+        at(begin, 59_000).await;
+        agent.stop.send(()).unwrap();
+        let stats = agent.run.await.unwrap();
+        assert_eq!(stats.reconciles, 4);
+        let text = agent.metrics.encode();
+        assert!(
+            text.contains("kilo_reconcile_triggers_total{cause=\"retry\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kilo_errors_total{event=\"local\"} 3"),
             "{text}"
         );
     }

@@ -13,7 +13,8 @@
 //!   pass `kilo_reconciles_total` counts),
 //!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,
 //!   `backend`, `kernel` (a netlink notification about our objects), `resync`, `liveness` (a
-//!   node crossed its heartbeat expiry), `check_in` (the local node is not published yet); a
+//!   node crossed its heartbeat expiry), `check_in` (the local node is not published yet), `retry` (the
+//!   last pass failed to apply or publish: again after 1 s, doubling to 30 s); a
 //!   burst coalesces into one reconcile), `kilo_writes_total{kind}` (kernel writes: flat while
 //!   nothing changes), `kilo_invalid_objects_total{kind,field}`.
 //! - WireGuard, read from the device at scrape time ([`Metrics::set_wireguard`], no write), per
@@ -107,16 +108,19 @@ pub enum Trigger {
     Liveness,
     /// A check-in found the local node not published yet.
     CheckIn,
+    /// The last pass failed to apply or to publish: tried again after a backoff.
+    Retry,
 }
 
 impl Trigger {
-    pub const ALL: [Trigger; 6] = [
+    pub const ALL: [Trigger; 7] = [
         Trigger::Start,
         Trigger::Backend,
         Trigger::Kernel,
         Trigger::Resync,
         Trigger::Liveness,
         Trigger::CheckIn,
+        Trigger::Retry,
     ];
 
     pub const fn label(self) -> &'static str {
@@ -127,6 +131,7 @@ impl Trigger {
             Trigger::Resync => "resync",
             Trigger::Liveness => "liveness",
             Trigger::CheckIn => "check_in",
+            Trigger::Retry => "retry",
         }
     }
 }
