@@ -136,7 +136,7 @@ pub fn cluster(snapshot: &Snapshot, opts: &Options) -> Result<Cluster, KgctlErro
     peers.retain(|_, p| p.ready());
     // kgctl knows no service CIDRs: only the conflicts between nodes and Peers apply.
     let mut errors = parsed.errors;
-    errors.extend(mesh::resolve_conflicts(&mut nodes, &mut peers, &[]));
+    errors.extend(mesh::resolve_conflicts(&mut nodes, &mut peers, &[], subnet));
     if nodes.is_empty() {
         return Err(KgctlError::NoNodes);
     }

@@ -4,7 +4,8 @@
 //! - Two nodes with the same WireGuard key (a cloned disk), or with overlapping pod CIDRs: the
 //!   node whose name sorts first stays; the other is left out of the mesh (as if not ready).
 //! - Nodes beat Peers: a Peer's allowed IP equal to or inside a node's pod CIDR, a node's
-//!   internal IP or a service CIDR is dropped from that Peer; the rest of the Peer stays.
+//!   internal IP, a service CIDR or a WireGuard IP the topology may hand out (the first address
+//!   of the WireGuard subnet for each ready node) is dropped from that Peer; the rest stays.
 //! - Between Peers, in name order: an allowed IP strictly inside one an earlier Peer claims is
 //!   dropped. The same network twice stays as Kilo leaves it (`deduplicatePeerIPs`, then the
 //!   plan gives the network to the first Peer).
@@ -65,11 +66,13 @@ impl Claims {
 }
 
 /// Leaves out the nodes and drops the Peer allowed IPs that lose a conflict (see the module
-/// docs), and returns one error per lost field. `nodes` and `peers` should be the ready ones.
+/// docs), and returns one error per lost field. `nodes` and `peers` should be the ready ones;
+/// `subnet` is the WireGuard subnet.
 pub fn resolve_conflicts(
     nodes: &mut BTreeMap<String, Node>,
     peers: &mut BTreeMap<String, MeshPeer>,
     service_cidrs: &[IpNet],
+    subnet: IpNet,
 ) -> Vec<ObjectError> {
     let mut errors = Vec::new();
     let mut keys: BTreeMap<Key, &str> = BTreeMap::new();
@@ -121,6 +124,14 @@ pub fn resolve_conflicts(
     }
     for s in service_cidrs {
         reserved.add(*s, || format!("service CIDR {s}"));
+    }
+    // Segment i gets the subnet's address i + 1, and there are at most as many segments as nodes.
+    let network = subnet.network();
+    let wireguard_ips = subnet.hosts().filter(|a| *a != network).take(nodes.len());
+    for ip in wireguard_ips.map(IpNet::from) {
+        reserved.add(ip, || {
+            format!("WireGuard IP {ip} (one per ready node in {subnet})")
+        });
     }
     let mut claimed = Claims::default();
     for p in peers.values_mut() {

@@ -209,7 +209,8 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
     nodes.retain(|_, n| n.ready(settings.now));
     let mut peers = parsed.peers;
     peers.retain(|_, p| p.ready());
-    let lost = mesh::resolve_conflicts(&mut nodes, &mut peers, &settings.service_cidrs);
+    let subnet = settings.subnet.trunc();
+    let lost = mesh::resolve_conflicts(&mut nodes, &mut peers, &settings.service_cidrs, subnet);
     out.errors.extend(lost.into_iter().map(PlanError::from));
     out.ready_nodes = nodes.len();
     out.ready_peers = peers.len();

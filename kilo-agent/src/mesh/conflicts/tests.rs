@@ -21,7 +21,8 @@ fn resolve(
 ) {
     let mut n = by_name(nodes.to_vec(), |n| n.name.clone());
     let mut p = by_name(peers.to_vec(), |p| p.name.clone());
-    let errors = resolve_conflicts(&mut n, &mut p, &nets(services));
+    let subnet = "10.4.0.0/16".parse().unwrap();
+    let errors = resolve_conflicts(&mut n, &mut p, &nets(services), subnet);
     (n, p, errors)
 }
 
@@ -176,6 +177,22 @@ fn nodes_and_service_cidrs_beat_peers() {
 }
 
 #[test]
+fn the_wireguard_ips_nodes_may_get_beat_peers() {
+    // Three ready nodes may get 10.4.0.1 to 10.4.0.3 (in any granularity); .4 and up are free.
+    let p = peer("p", "10.4.0.3/32,10.4.0.4/32,10.4.0.0/16", 9);
+    let (_, peers, errors) = resolve(&abc(), &[p], "");
+    assert_eq!(peers["p"].allowed_ips, nets("10.4.0.4/32,10.4.0.0/16"));
+    let got: Vec<_> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        got,
+        [
+            "peer \"p\": spec.allowedIPs[0]: 10.4.0.3/32 lies within WireGuard IP 10.4.0.3/32 (one \
+          per ready node in 10.4.0.0/16); dropped from the peer"
+        ]
+    );
+}
+
+#[test]
 fn between_peers_the_first_name_keeps_its_addresses() {
     let peers = [
         peer("p", "10.5.0.0/16", 1),
@@ -300,20 +317,24 @@ fn plan_for_reports_the_losers_and_plans_the_rest() {
 
 fn arb_net() -> impl Strategy<Value = IpNet> {
     // A small space, so that claims collide often: 10.2.0.0/16 (pods), 10.96.0.0/16
-    // (services), 192.168.0.0/24 (internal IPs).
+    // (services), 192.168.0.0/24 (internal IPs), 10.4.0.0/16 (WireGuard IPs).
     (
-        prop::sample::select(vec![[10, 2], [10, 96], [192, 168]]),
+        prop::sample::select(vec![[10, 2], [10, 96], [192, 168], [10, 4]]),
         0u8..4,
         0u8..4,
         prop::sample::select(vec![8u8, 16, 23, 24, 25, 32]),
     )
-        .prop_map(|([a, b], c, d, len)| IpNet::new([a, b, c, d * 64].into(), len).unwrap().trunc())
+        .prop_map(|([a, b], c, d, len)| {
+            IpNet::new([a, b, c, d * 64 + 1].into(), len)
+                .unwrap()
+                .trunc()
+        })
 }
 
 proptest! {
     /// Whatever the nodes and peers claim, after the pass no two nodes share a key or pod
-    /// addresses, and in the plan no Peer's allowed IP lies within a node's range or a
-    /// service CIDR.
+    /// addresses, and in the plan no Peer's allowed IP lies within a node's range, a service
+    /// CIDR or a WireGuard IP.
     #[test]
     fn no_peer_takes_a_node_or_service_range(
         nodes in prop::collection::vec((0u8..4, arb_net()), 1..6),
@@ -346,6 +367,7 @@ proptest! {
         }
         let host = kept[0].name.clone();
         let t = topo(&values(&n), &values(&p), Granularity::Full, &host, "10.4.0.0/16");
+        ranges.extend(t.segments.iter().map(|s| IpNet::from(s.wireguard_ip)));
         let plan = plan::build(&t, &Settings::default());
         let peer_keys: Vec<_> = p.values().map(|p| p.public_key).collect();
         for w in plan.wireguard.peers.iter().filter(|w| peer_keys.contains(&w.public_key)) {
