@@ -1200,6 +1200,37 @@ mod tests {
         // Set once; never cleared without a plan (the `None` is the clean-up at the end).
         assert_eq!(ips, ["10.4.0.1/16"], "{published:?}");
     }
+
+    /// Duplicate identities reach the invalid-objects counter once each, labelled with the
+    /// losing object's kind and field, however many resyncs see them.
+    #[tokio::test(start_paused = true)]
+    async fn conflicts_are_counted_once_with_kind_and_field() {
+        let begin = tokio::time::Instant::now();
+        let settings = crate::plan::Settings {
+            hostname: "a".into(),
+            ..crate::plan::Settings::default()
+        };
+        let snapshot = crate::mesh::cloned_snapshot();
+        let (_backend, agent) = start(
+            Update {
+                snapshot: nodes(&["a"]),
+                generation: 1,
+                connected: true,
+                ..Update::default()
+            },
+            move || planner::outcome(crate::plan::plan_for(&snapshot, &settings)),
+        );
+        // Three resyncs (every 8 s).
+        at(begin, 25_000).await;
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
+        let text = agent.metrics.encode();
+        for field in ["annotation kilo.squat.ai/key", "spec.podCIDR"] {
+            let series = format!("kilo_invalid_objects_total{{kind=\"node\",field=\"{field}\"}} 1");
+            assert!(text.lines().any(|l| l == series), "no {series} in {text}");
+        }
+        assert!(text.contains("kilo_nodes 1"), "{text}");
+    }
 }
 
 /// The loop under tokio's paused clock with the in-memory kernel, for the tests here and in the

@@ -127,25 +127,26 @@ pub fn cluster(snapshot: &Snapshot, opts: &Options) -> Result<Cluster, KgctlErro
         }
     }
     let subnet = opts.subnet.unwrap_or(subnet).trunc();
-    let nodes: BTreeMap<_, _> = parsed
+    let mut nodes: BTreeMap<_, _> = parsed
         .nodes
         .into_iter()
         .filter(|(_, n)| n.ready(opts.now))
         .collect();
+    let mut peers = parsed.peers;
+    peers.retain(|_, p| p.ready());
+    // kgctl knows no service CIDRs: only the conflicts between nodes and Peers apply.
+    let mut errors = parsed.errors;
+    errors.extend(mesh::resolve_conflicts(&mut nodes, &mut peers, &[], subnet));
     if nodes.is_empty() {
         return Err(KgctlError::NoNodes);
     }
     Ok(Cluster {
         nodes,
-        peers: parsed
-            .peers
-            .into_iter()
-            .filter(|(_, p)| p.ready())
-            .collect(),
+        peers,
         granularity,
         subnet,
         port: opts.port,
-        errors: parsed.errors,
+        errors,
     })
 }
 

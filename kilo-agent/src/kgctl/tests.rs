@@ -219,3 +219,23 @@ fn dot_escapes_quotes() {
     let dot = graph(&cluster(&snap, &opts(Granularity::Location)).unwrap()).unwrap();
     assert!(dot.contains("label=\"location:x\\\"y\";"), "{dot}");
 }
+
+/// kgctl leaves out and reports the same losers as the agents, so `showconf` matches the mesh.
+#[test]
+fn cluster_resolves_conflicts_like_the_agent() {
+    let opts = Options {
+        granularity: GranularityArg::Fixed(Granularity::Full),
+        ..Options::default()
+    };
+    let c = cluster(&crate::mesh::cloned_snapshot(), &opts).unwrap();
+    assert_eq!(c.nodes.keys().collect::<Vec<_>>(), ["a"]);
+    let lost: Vec<_> = c
+        .errors
+        .iter()
+        .map(|e| (e.name.as_str(), e.field.as_str()))
+        .collect();
+    assert_eq!(
+        lost,
+        [("b", "spec.podCIDR"), ("c", "annotation kilo.squat.ai/key")]
+    );
+}

@@ -2,7 +2,8 @@
 //! (`kilo.squat.ai/*` annotations, the Peer CRD), with Kilo's validation.
 //!
 //! Owns: the raw [`Snapshot`], its typed form ([`Node`], [`MeshPeer`]), the parsers and
-//! their per-object errors ([`ObjectError`]), and the on-disk object loader ([`objects`]).
+//! their per-object errors ([`ObjectError`]), the resolution of duplicate identities and
+//! conflicting claims ([`resolve_conflicts`]), and the on-disk object loader ([`objects`]).
 //! Parsing is pure; only [`objects::load_dir`] reads files.
 //!
 //! As in Kilo, an invalid annotation is ignored with Kilo's fallback (a bad key leaves the node
@@ -15,6 +16,7 @@
 //!   translation code lets the DNS name win.
 //! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip`
 //!   may hold one CIDR per family, comma-separated (`192.168.0.1/24,fd00::1/64`).
+mod conflicts;
 mod crd;
 mod endpoint;
 mod key;
@@ -24,6 +26,9 @@ mod peer;
 
 use std::{collections::BTreeMap, fmt, str::FromStr};
 
+pub use conflicts::resolve_conflicts;
+#[cfg(test)]
+pub(crate) use conflicts::tests::cloned_snapshot;
 pub use crd::{DnsOrIp, Peer, PeerEndpoint, PeerSpec};
 pub use endpoint::{Endpoint, EndpointError, Host};
 pub use k8s_openapi::api::core::v1::Node as KubeNode;

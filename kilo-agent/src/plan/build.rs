@@ -196,8 +196,9 @@ pub struct Planned {
     pub ready_peers: usize,
 }
 
-/// Parses the snapshot, keeps ready objects and computes the topology seen from
-/// `settings.hostname` (None if that node is absent or not ready).
+/// Parses the snapshot, keeps ready objects, resolves their conflicts
+/// ([`mesh::resolve_conflicts`]) and computes the topology seen from `settings.hostname`
+/// (None if that node is absent, not ready or left out).
 pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
     let parsed = mesh::parse_snapshot(snapshot, &settings.topology_label);
     let mut out = Planned {
@@ -208,6 +209,9 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
     nodes.retain(|_, n| n.ready(settings.now));
     let mut peers = parsed.peers;
     peers.retain(|_, p| p.ready());
+    let subnet = settings.subnet.trunc();
+    let lost = mesh::resolve_conflicts(&mut nodes, &mut peers, &settings.service_cidrs, subnet);
+    out.errors.extend(lost.into_iter().map(PlanError::from));
     out.ready_nodes = nodes.len();
     out.ready_peers = peers.len();
     let Some(local) = nodes.get_mut(&settings.hostname) else {
