@@ -302,7 +302,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 .extend(errors.into_iter().map(|e| e.to_string()));
         }
 
-        match self.datapath.sync(&plan.datapath) {
+        match self.datapath.sync(&plan.datapath, &plan.ipip) {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
         }
@@ -349,7 +349,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         let want = state::desired(plan, &devices, &observed.links);
         out.problems.extend(want.problems.iter().cloned());
         out.kernel = state::diff(&link, self.link_want(), &want, &observed);
-        match self.datapath.describe(&plan.datapath) {
+        match self.datapath.describe(&plan.datapath, &plan.ipip) {
             Ok(lines) => out.datapath = lines,
             Err(e) => out.problems.push(e.to_string()),
         }
@@ -441,6 +441,7 @@ mod tests {
                 table: KILO_TABLE,
             }],
             datapath: DatapathPlan::default(),
+            ipip: Default::default(),
             cni_ranges: Vec::new(),
         }
     }

@@ -17,8 +17,8 @@ use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkFlags, LinkMessage},
     route::{
-        RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol,
-        RouteScope, RouteType,
+        RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteMetric,
+        RouteProtocol, RouteScope, RouteType,
     },
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
@@ -171,8 +171,15 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
     let mut gateway = None;
     let mut src = None;
     let mut oif = 0;
+    let mut mtu = None;
     for a in &m.attributes {
         match a {
+            RouteAttribute::Metrics(metrics) => {
+                mtu = metrics.iter().find_map(|x| match x {
+                    RouteMetric::Mtu(v) => Some(*v),
+                    _ => None,
+                });
+            }
             RouteAttribute::Table(t) => table = *t,
             RouteAttribute::Destination(d) => dst = route_ip(d),
             RouteAttribute::Gateway(g) => gateway = route_ip(g),
@@ -193,6 +200,7 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
         src,
         oif,
         onlink: gateway.is_some() && m.header.flags.contains(RouteFlags::Onlink),
+        mtu,
     })
 }
 
@@ -251,6 +259,10 @@ fn route_message(r: &KRoute) -> RouteMessage {
         m.attributes.push(RouteAttribute::PrefSource(src.into()));
     }
     m.attributes.push(RouteAttribute::Oif(r.oif));
+    if let Some(mtu) = r.mtu {
+        m.attributes
+            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+    }
     if r.onlink {
         m.header.flags |= RouteFlags::Onlink;
     }
@@ -557,6 +569,7 @@ mod tests {
             src: Some("10.0.0.1".parse().unwrap()),
             oif: 3,
             onlink: true,
+            mtu: Some(1480),
         };
         assert_eq!(parse_route(&route_message(&r)), Some(r));
         let rule = KRule {
@@ -585,6 +598,7 @@ mod tests {
             src: None,
             oif: 9,
             onlink: false,
+            mtu: None,
         });
         let ours = foreign.clone();
         foreign.header.protocol = RouteProtocol::Bird;

@@ -12,7 +12,7 @@ use std::{
 use ipnet::IpNet;
 
 pub use crate::effects::Devices;
-use crate::plan::Plan;
+use crate::plan::{Device, Plan};
 
 /// The state of one link, as far as the agent cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +32,8 @@ pub struct KRoute {
     pub oif: u32,
     /// Only meaningful with a gateway (the kernel reports it only then).
     pub onlink: bool,
+    /// The route's MTU metric (routes the datapath encapsulates leave room for the outer header).
+    pub mtu: Option<u32>,
 }
 
 /// An ip rule in kernel terms (`from SRC to DST iif IF lookup TABLE`).
@@ -80,17 +82,28 @@ pub struct Desired {
     pub problems: Vec<String>,
 }
 
+/// The outer IPv4 header the datapath adds to what it encapsulates (Kilo gives `tunl0` the
+/// private interface's MTU minus this).
+pub const IPIP_OVERHEAD: u32 = 20;
+
 /// Translates the plan into kernel terms. A route through a device that does not exist is
-/// reported and skipped; everything else is still applied.
+/// reported and skipped; everything else is still applied. Without a tunnel device, the routes
+/// through `Device::Tunnel` go out of the private interface, where the datapath encapsulates
+/// them, with its MTU minus [`IPIP_OVERHEAD`].
 pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkState>) -> Desired {
     let mut out = Desired {
         addresses: plan.addresses.iter().copied().collect(),
         ..Desired::default()
     };
     for route in &plan.routes {
-        let index = devices
-            .name(route.device)
-            .and_then(|name| links.get(name).map(|l| l.index));
+        let datapath_ipip = route.device == Device::Tunnel && devices.tunnel.is_none();
+        let device = if datapath_ipip {
+            Device::Private
+        } else {
+            route.device
+        };
+        let link = devices.name(device).and_then(|name| links.get(name));
+        let index = link.map(|l| l.index);
         let Some(oif) = index else {
             out.problems.push(format!(
                 "route {} (table {}): device {:?} ({}) not found",
@@ -108,6 +121,9 @@ pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkStat
             src: route.src,
             oif,
             onlink: route.onlink && route.gateway.is_some(),
+            mtu: link
+                .filter(|_| datapath_ipip)
+                .map(|l| l.mtu.saturating_sub(IPIP_OVERHEAD)),
         });
     }
     for rule in &plan.rules {
@@ -233,6 +249,9 @@ impl fmt::Display for KRoute {
         if let Some(src) = self.src {
             write!(f, " src {src}")?;
         }
+        if let Some(mtu) = self.mtu {
+            write!(f, " mtu {mtu}")?;
+        }
         write!(f, " table {}", self.table)
     }
 }
@@ -290,7 +309,7 @@ impl fmt::Display for KernelDiff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Device, KILO_TABLE, MAIN_TABLE, Route, Rule};
+    use crate::plan::{KILO_TABLE, MAIN_TABLE, Route, Rule};
 
     fn devices() -> Devices {
         Devices {
@@ -354,11 +373,25 @@ mod tests {
 
     #[test]
     fn unresolvable_device_is_reported_and_the_rest_kept() {
-        let d = desired(&plan(), &devices(), &links());
+        let devices = Devices {
+            tunnel: Some("tunl0".into()),
+            ..devices()
+        };
+        let d = desired(&plan(), &devices, &links());
         assert_eq!(d.routes.len(), 1);
         assert_eq!(d.rules.len(), 1);
         assert_eq!(d.problems.len(), 1);
         assert!(d.problems[0].contains("10.0.0.9/32"), "{:?}", d.problems);
+    }
+
+    #[test]
+    fn without_a_tunnel_device_tunnel_routes_leave_by_the_private_interface() {
+        let d = desired(&plan(), &devices(), &links());
+        assert!(d.problems.is_empty(), "{:?}", d.problems);
+        let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
+        assert_eq!((r.oif, r.mtu), (2, Some(1480)), "{r}");
+        // Other routes keep the device's own MTU.
+        assert!(d.routes.iter().filter(|r| r.table != KILO_TABLE).all(|r| r.mtu.is_none()));
     }
 
     #[test]
@@ -392,6 +425,7 @@ mod tests {
             src: None,
             oif: 5,
             onlink: false,
+            mtu: None,
         };
         let observed = KernelState {
             links: l.clone(),
