@@ -196,9 +196,11 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
             &["kube-bridge".to_string()],
             false,
         );
-        let failed = dp.sync(&too_big).is_err();
+        let failed = dp.sync(&too_big, &Default::default()).is_err();
         let after_failure = [attached("kwg0"), attached("kube-bridge")];
-        let writes = dp.sync(&fits).expect("a plan that fits");
+        let writes = dp
+            .sync(&fits, &Default::default())
+            .expect("a plan that fits");
         let after_success = [attached("kwg0"), attached("kube-bridge")];
         dp.clean_up().unwrap();
         (failed, after_failure, writes, after_success)

@@ -206,8 +206,8 @@ impl std::fmt::Display for DryRun {
     }
 }
 
-/// Runs the reconcilers in dependency order: link, WireGuard device, addresses, routes, rules,
-/// datapath, and (with [`Reconciler::with_cni`]) the CNI configuration file.
+/// Runs the reconcilers in dependency order: link, WireGuard device, datapath (before the
+/// routes that send into its encapsulation), addresses, routes, rules, and (with [`Reconciler::with_cni`]) the CNI configuration file.
 pub struct Reconciler<K, W, D> {
     pub kernel: K,
     pub wireguard: W,
@@ -290,6 +290,13 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
 
+        // The datapath before the routes: what they send out of the private interface must find
+        // the encapsulation there already.
+        match self.datapath.sync(&plan.datapath, &plan.ipip) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+
         let want = state::desired(plan, &devices, &observed.links);
         report.problems.extend(want.problems.iter().cloned());
         let d = state::diff(&link, self.link_want(), &want, &observed);
@@ -300,11 +307,6 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             report
                 .problems
                 .extend(errors.into_iter().map(|e| e.to_string()));
-        }
-
-        match self.datapath.sync(&plan.datapath, &plan.ipip) {
-            Ok(w) => report.writes += w,
-            Err(e) => report.problems.push(e.to_string()),
         }
         if let Some(cni) = &mut self.cni {
             let (w, problem) = cni.reconcile(&plan.cni_ranges);
