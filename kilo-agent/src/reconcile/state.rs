@@ -415,7 +415,11 @@ mod tests {
     #[test]
     fn changed_gateway_replaces_and_stale_entries_are_deleted() {
         let l = links();
-        let d = desired(&plan(), &devices(), &l);
+        let devices = Devices {
+            tunnel: Some("tunl0".into()),
+            ..devices()
+        };
+        let d = desired(&plan(), &devices, &l);
         let mut old = d.routes.iter().next().unwrap().clone();
         old.gateway = Some("10.4.0.3".parse().unwrap());
         let stale = KRoute {
