@@ -234,7 +234,9 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
     use aya::programs::TcAttachType::{Egress, Ingress};
     let ns = NetNs::new("dpipip");
     ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
-    ns.sh("ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up");
+    ns.sh(
+        "ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up",
+    );
     let fs = support::bpffs::BpfFs::new();
     let config = DatapathConfig {
         pin_dir: Some(fs.pin_dir("kilo")),
@@ -248,10 +250,13 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         remote: "192.168.50.2".parse().unwrap(),
     });
     let neighbour = IpipPlan {
-        encapsulate: BTreeMap::from([(net("10.42.2.0/24"), DatapathEntry {
-            next_hop: hop,
-            ..entry(EntryKind::Node, "n2")
-        })]),
+        encapsulate: BTreeMap::from([(
+            net("10.42.2.0/24"),
+            DatapathEntry {
+                next_hop: hop,
+                ..entry(EntryKind::Node, "n2")
+            },
+        )]),
         sources: BTreeMap::from([(net("192.168.50.2/32"), entry(EntryKind::Node, "n2"))]),
         decapsulate: BTreeMap::from([(net("10.42.1.0/24"), entry(EntryKind::Node, "n1"))]),
     };
@@ -276,26 +281,21 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         // A neighbour: both programs, three entries; then idle.
         let w = dp.sync(&nat, &neighbour).unwrap();
-        assert_eq!(
-            (w.get("link_attach"), w.get("map_insert")),
-            (2, 3),
-            "{w}"
-        );
+        assert_eq!((w.get("link_attach"), w.get("map_insert")), (2, 3), "{w}");
         assert!(attached_at("eth0", Egress) && attached_at("eth0", Ingress));
         assert!(dp.sync(&nat, &neighbour).unwrap().is_empty());
         // A restarted agent adopts the pinned links and maps: nothing to write.
         drop(dp);
-        assert!(attached_at("eth0", Egress), "pinned links outlive the agent");
+        assert!(
+            attached_at("eth0", Egress),
+            "pinned links outlive the agent"
+        );
         let mut dp = open();
         let w = dp.sync(&nat, &neighbour).unwrap();
         assert!(w.is_empty(), "adopting wrote {w}");
         // The neighbour leaves: entries deleted, programs detached.
         let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
-        assert_eq!(
-            (w.get("link_detach"), w.get("map_delete")),
-            (2, 3),
-            "{w}"
-        );
+        assert_eq!((w.get("link_detach"), w.get("map_delete")), (2, 3), "{w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         dp.clean_up().unwrap();
     });

@@ -110,9 +110,7 @@ fn moved(before: &Counters, after: &Counters) -> (Vec<Decision>, Vec<(Role, IpNe
     let e = after
         .entries
         .iter()
-        .filter(|e| {
-            e.counter.packets > before.entry(e.role, &e.net).unwrap_or_default().packets
-        })
+        .filter(|e| e.counter.packets > before.entry(e.role, &e.net).unwrap_or_default().packets)
         .map(|e| (e.role, e.net))
         .collect();
     (d, e)
@@ -177,7 +175,12 @@ fn encapsulation_leaves_everything_else_byte_for_byte() {
         with_eth(ipv4("10.42.1.5", "10.42.3.7", 6, &[0; 20])),
         with_eth(ipv4(ME, "8.8.8.8", 17, &[0; 12])),
         // IPIP already (our own, seen again after a redirect): never wrapped twice.
-        with_eth(ipv4(ME, NEIGHBOUR, 4, &ipv4("10.42.1.5", "10.42.2.7", 1, &[0; 8]))),
+        with_eth(ipv4(
+            ME,
+            NEIGHBOUR,
+            4,
+            &ipv4("10.42.1.5", "10.42.2.7", 1, &[0; 8]),
+        )),
         // IPv6 and ARP.
         frame(&[], v6("fd00::1"), v6("fd00::2")),
         arp,

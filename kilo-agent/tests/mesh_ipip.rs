@@ -332,11 +332,7 @@ fn is_pod(a: &Ipv4Addr) -> bool {
 /// Kilo node's `tunl0` would) to `outer_dst`, carrying a UDP datagram from `inner_src` to
 /// `inner_dst:port`.
 fn send_ipip(ns: &NetNs, outer_dst: &str, inner_src: &str, inner_dst: &str, port: u16) {
-    let inner = udp_to(
-        inner_src.parse().unwrap(),
-        inner_dst.parse().unwrap(),
-        port,
-    );
+    let inner = udp_to(inner_src.parse().unwrap(), inner_dst.parse().unwrap(), port);
     let dst: Ipv4Addr = outer_dst.parse().unwrap();
     ns.run(move || {
         // SAFETY: a raw socket this closure owns, a sockaddr_in of the right size.
@@ -407,7 +403,10 @@ fn two_locations_with_default_encapsulation() {
             assert_eq!(got, sent(1 << 20), "TCP to {dst}\n{}", mesh.logs());
         }
     });
-    let (n1, n2): (Ipv4Addr, Ipv4Addr) = ("192.168.50.1".parse().unwrap(), "192.168.50.2".parse().unwrap());
+    let (n1, n2): (Ipv4Addr, Ipv4Addr) = (
+        "192.168.50.1".parse().unwrap(),
+        "192.168.50.2".parse().unwrap(),
+    );
     let ipip = frames
         .iter()
         .filter(|(p, s, d)| *p == 4 && [(n1, n2), (n2, n1)].contains(&(*s, *d)))
@@ -417,7 +416,10 @@ fn two_locations_with_default_encapsulation() {
         .filter(|(_, s, d)| is_pod(s) || is_pod(d))
         .collect();
     assert!(ipip > 100, "{ipip} IPIP frames between n1 and n2");
-    assert!(bare.is_empty(), "bare pod addresses on the underlay: {bare:?}");
+    assert!(
+        bare.is_empty(),
+        "bare pod addresses on the underlay: {bare:?}"
+    );
 
     // The route to the other location leaves by eth0, toward the leader, 20 bytes short.
     let route = mesh.nodes[1].ns.sh("ip route show 10.42.3.0/24");
@@ -437,7 +439,13 @@ fn two_locations_with_default_encapsulation() {
 
     // Kilo's wire format: IPIP made by the kernel from n2 reaches n1's pod...
     let listener = Listener::new(&mesh.nodes[0].pod, false, 7001);
-    send_ipip(&mesh.nodes[1].ns, "192.168.50.1", "10.42.2.2", "10.42.1.2", 7001);
+    send_ipip(
+        &mesh.nodes[1].ns,
+        "192.168.50.1",
+        "10.42.2.2",
+        "10.42.1.2",
+        7001,
+    );
     assert_eq!(listener.source(), Some("10.42.2.2".parse().unwrap()));
     // ...and the same from outside the location is dropped and counted.
     let stranger = NetNs::new("ipx");
@@ -489,7 +497,11 @@ fn crosssubnet_encapsulates_only_across_subnets() {
     let between = |a: Ipv4Addr, b: Ipv4Addr| {
         move |(_, s, d): &&(u8, Ipv4Addr, Ipv4Addr)| [(a, b), (b, a)].contains(&(*s, *d))
     };
-    let (c1, c2, c3) = (addr("192.168.70.1"), addr("192.168.70.2"), addr("192.168.71.3"));
+    let (c1, c2, c3) = (
+        addr("192.168.70.1"),
+        addr("192.168.70.2"),
+        addr("192.168.71.3"),
+    );
     let plain = frames
         .iter()
         .filter(between(addr("10.42.11.2"), addr("10.42.12.2")))
@@ -508,7 +520,10 @@ fn crosssubnet_encapsulates_only_across_subnets() {
         .iter()
         .filter(between(addr("10.42.11.2"), addr("10.42.13.2")))
         .count();
-    assert!(plain >= 6, "{plain} plain frames between the same-subnet pods");
+    assert!(
+        plain >= 6,
+        "{plain} plain frames between the same-subnet pods"
+    );
     assert_eq!(ipip_within, 0, "IPIP inside a subnet");
     assert!(ipip_across >= 6, "{ipip_across} IPIP frames across subnets");
     assert_eq!(bare_across, 0, "bare pod addresses across subnets");

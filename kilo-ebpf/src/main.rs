@@ -157,7 +157,11 @@ pub fn kilo_encap(ctx: TcContext) -> i32 {
     let flags = u64::from(BPF_F_ADJ_ROOM_ENCAP_L3_IPV4);
     if (ctx.adjust_room(IP_HLEN as i32, mac, flags).is_err()
         && ctx
-            .adjust_room(IP_HLEN as i32, mac, flags | u64::from(BPF_F_ADJ_ROOM_FIXED_GSO))
+            .adjust_room(
+                IP_HLEN as i32,
+                mac,
+                flags | u64::from(BPF_F_ADJ_ROOM_FIXED_GSO),
+            )
             .is_err())
         || ctx.store(ETH_HLEN, &outer, 0).is_err()
     {
@@ -208,7 +212,11 @@ pub fn kilo_decap(ctx: TcContext) -> i32 {
     };
     let flags = u64::from(BPF_F_ADJ_ROOM_DECAP_L3_IPV4);
     if ctx
-        .adjust_room(-(IP_HLEN as i32), bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, flags)
+        .adjust_room(
+            -(IP_HLEN as i32),
+            bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
+            flags,
+        )
         .is_err()
     {
         run.count(Decision::Malformed as u32);

@@ -156,7 +156,11 @@ impl AgentDatapath {
 
     /// Attaches the IPIP programs to the private interface when `want`s and they are not (or
     /// the device was recreated); detaches them when it does not.
-    fn attach_ipip(&mut self, datapath: &mut Datapath, want: bool) -> Result<Writes, DatapathError> {
+    fn attach_ipip(
+        &mut self,
+        datapath: &mut Datapath,
+        want: bool,
+    ) -> Result<Writes, DatapathError> {
         let mut writes = Writes::default();
         let Some(private) = self.devices.private.as_deref() else {
             return Ok(writes);

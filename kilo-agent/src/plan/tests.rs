@@ -143,10 +143,22 @@ fn cross_plan_from_c_encapsulated() {
     };
     assert!(ipip.encapsulate.values().all(|e| e.next_hop == Some(hop)));
     assert_eq!(keys(&ipip.sources), nets("192.168.2.2/32"));
-    for served in ["10.2.3.0/24", "192.168.2.1/32", "10.2.1.0/24", "10.5.0.0/24"] {
-        assert!(ipip.decapsulate.contains_key(&served.parse().unwrap()), "{served}");
+    for served in [
+        "10.2.3.0/24",
+        "192.168.2.1/32",
+        "10.2.1.0/24",
+        "10.5.0.0/24",
+    ] {
+        assert!(
+            ipip.decapsulate.contains_key(&served.parse().unwrap()),
+            "{served}"
+        );
     }
-    assert!(!ipip.decapsulate.contains_key(&"10.2.4.0/24".parse().unwrap()));
+    assert!(
+        !ipip
+            .decapsulate
+            .contains_key(&"10.2.4.0/24".parse().unwrap())
+    );
     // Kilo's other encapsulators leave it to the CNI's device.
     let flannel = Settings {
         compatibility: Compatibility::Flannel,

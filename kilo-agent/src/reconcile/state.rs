@@ -391,7 +391,12 @@ mod tests {
         let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
         assert_eq!((r.oif, r.mtu), (2, Some(1480)), "{r}");
         // Other routes keep the device's own MTU.
-        assert!(d.routes.iter().filter(|r| r.table != KILO_TABLE).all(|r| r.mtu.is_none()));
+        assert!(
+            d.routes
+                .iter()
+                .filter(|r| r.table != KILO_TABLE)
+                .all(|r| r.mtu.is_none())
+        );
     }
 
     #[test]
