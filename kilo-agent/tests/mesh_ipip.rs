@@ -9,8 +9,8 @@
 //!   its MTU minus 20; the counters moved. A plain IPIP packet built by the kernel (what a Kilo
 //!   node's `tunl0` sends) from a node of the location reaches the pod; the same from an
 //!   address outside the location is dropped and counted.
-//! - `--encapsulate=crosssubnet`, one location over two subnets: plain between same-subnet
-//!   nodes, IPIP across subnets.
+//! - `--encapsulate=crosssubnet`, one location over two subnets joined by a router: plain
+//!   between same-subnet nodes, IPIP across subnets (through the router, which knows no pods).
 mod support;
 
 use std::{
@@ -468,23 +468,23 @@ fn crosssubnet_encapsulates_only_across_subnets() {
     if !support::require_root("crosssubnet_encapsulates_only_across_subnets") {
         return;
     }
-    let spec = |name, addr, gateway, pods| Spec {
+    let spec = |name, under, addr, gateway, pods| Spec {
         name,
         location: "lab",
-        under: 0,
+        under,
         addr,
         gateway,
         pods,
     };
-    // One underlay (one L2 segment), two subnets.
+    // Two subnets joined by a router that knows nothing of pods: only IPIP crosses it.
     let mesh = Mesh::new(
         &[
-            spec("c1", "192.168.70.1/24", "192.168.70.254", 11),
-            spec("c2", "192.168.70.2/24", "192.168.70.254", 12),
-            spec("c3", "192.168.71.3/24", "192.168.71.254", 13),
+            spec("c1", 0, "192.168.50.1/24", "192.168.50.254", 11),
+            spec("c2", 0, "192.168.50.2/24", "192.168.50.254", 12),
+            spec("c3", 1, "192.168.60.3/24", "192.168.60.254", 13),
         ],
-        1,
-        false,
+        2,
+        true,
         &["--encapsulate=crosssubnet"],
     );
     mesh.ping(0, "10.42.12.2");
@@ -493,14 +493,20 @@ fn crosssubnet_encapsulates_only_across_subnets() {
         mesh.ping(0, "10.42.12.2");
         mesh.ping(0, "10.42.13.2");
     });
+    // c3's pods: toward the router (c3 is off the link), 20 bytes short.
+    let route = mesh.nodes[0].ns.sh("ip route show 10.42.13.0/24");
+    assert!(
+        route.contains("via 192.168.50.254 dev eth0") && route.contains("mtu 1480"),
+        "{route}"
+    );
     let addr = |s: &str| s.parse::<Ipv4Addr>().unwrap();
     let between = |a: Ipv4Addr, b: Ipv4Addr| {
         move |(_, s, d): &&(u8, Ipv4Addr, Ipv4Addr)| [(a, b), (b, a)].contains(&(*s, *d))
     };
     let (c1, c2, c3) = (
-        addr("192.168.70.1"),
-        addr("192.168.70.2"),
-        addr("192.168.71.3"),
+        addr("192.168.50.1"),
+        addr("192.168.50.2"),
+        addr("192.168.60.3"),
     );
     let plain = frames
         .iter()

@@ -19,7 +19,10 @@ pub mod netlink;
 pub mod state;
 pub mod wireguard;
 
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 pub use kilo_common::Counter;
 
@@ -56,6 +59,15 @@ pub trait Kernel {
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError>;
     /// Applies every change it can; one failure does not stop the others.
     async fn apply(&mut self, diff: &KernelDiff) -> (Writes, Vec<KernelError>);
+    /// The gateway of the kernel's route to each of `targets` that is not on the `private`
+    /// link itself (IPIP's outer destinations behind a router). Default: all on the link.
+    async fn underlay(
+        &mut self,
+        _targets: &BTreeSet<IpAddr>,
+        _private: u32,
+    ) -> Result<BTreeMap<IpAddr, IpAddr>, KernelError> {
+        Ok(BTreeMap::new())
+    }
 }
 
 /// An in-memory kernel: links, addresses, our routes and rules, with write counting.
@@ -241,6 +253,24 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         }
     }
 
+    /// Where the underlay sends the outer packets of what the datapath encapsulates (see
+    /// [`Kernel::underlay`]); all on the link when it cannot say (logged).
+    async fn underlay(&mut self, plan: &Plan, observed: &KernelState) -> BTreeMap<IpAddr, IpAddr> {
+        let devices = &self.settings.devices;
+        let targets = state::ipip_gateways(plan, devices);
+        let private = devices.private.as_ref().and_then(|p| observed.links.get(p));
+        let (Some(private), false) = (private, targets.is_empty()) else {
+            return BTreeMap::new();
+        };
+        match self.kernel.underlay(&targets, private.index).await {
+            Ok(hops) => hops,
+            Err(e) => {
+                tracing::warn!(error = %e, "the underlay's routes to IPIP next hops");
+                BTreeMap::new()
+            }
+        }
+    }
+
     /// Makes the node match the plan, writing only the difference.
     pub async fn reconcile(&mut self, plan: &Plan) -> Result<Report, KernelError> {
         let mut report = Report::default();
@@ -297,7 +327,8 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
 
-        let want = state::desired(plan, &devices, &observed.links);
+        let underlay = self.underlay(plan, &observed).await;
+        let want = state::desired(plan, &devices, &observed.links, &underlay);
         report.problems.extend(want.problems.iter().cloned());
         let d = state::diff(&link, self.link_want(), &want, &observed);
         if !d.is_empty() {
@@ -348,7 +379,8 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 }
             }
         };
-        let want = state::desired(plan, &devices, &observed.links);
+        let underlay = self.underlay(plan, &observed).await;
+        let want = state::desired(plan, &devices, &observed.links, &underlay);
         out.problems.extend(want.problems.iter().cloned());
         out.kernel = state::diff(&link, self.link_want(), &want, &observed);
         match self.datapath.describe(&plan.datapath, &plan.ipip) {

@@ -365,6 +365,53 @@ impl Kernel for NetlinkKernel {
         Ok(w)
     }
 
+    async fn underlay(
+        &mut self,
+        targets: &BTreeSet<IpAddr>,
+        private: u32,
+    ) -> Result<std::collections::BTreeMap<IpAddr, IpAddr>, KernelError> {
+        use netlink_packet_core::{NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+        let mut out = std::collections::BTreeMap::new();
+        for target in targets {
+            let mut m = RouteMessage::default();
+            m.header.address_family = match target {
+                IpAddr::V4(_) => AddressFamily::Inet,
+                IpAddr::V6(_) => AddressFamily::Inet6,
+            };
+            m.header.destination_prefix_length = if target.is_ipv4() { 32 } else { 128 };
+            m.attributes
+                .push(RouteAttribute::Destination((*target).into()));
+            let mut req = NetlinkMessage::from(RouteNetlinkMessage::GetRoute(m));
+            req.header.flags = NLM_F_REQUEST;
+            let mut handle = self.handle.clone();
+            let mut resp = handle.request(req).map_err(|e| KernelError::Netlink {
+                op: format!("route to {target}"),
+                message: e.to_string(),
+            })?;
+            while let Some(msg) = resp.next().await {
+                match msg.payload {
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => {
+                        let (mut gateway, mut oif) = (None, 0);
+                        for a in &r.attributes {
+                            match a {
+                                RouteAttribute::Gateway(g) => gateway = route_ip(g),
+                                RouteAttribute::Oif(i) => oif = *i,
+                                _ => {}
+                            }
+                        }
+                        if let Some(g) = gateway.filter(|_| oif == private) {
+                            out.insert(*target, g);
+                        }
+                        break;
+                    }
+                    NetlinkPayload::Error(e) if e.code.is_some() => break,
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
         self.handle
             .link()

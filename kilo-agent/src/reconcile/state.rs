@@ -86,11 +86,31 @@ pub struct Desired {
 /// private interface's MTU minus this).
 pub const IPIP_OVERHEAD: u32 = 20;
 
+/// The next hops of the routes the datapath encapsulates: their gateways (IPIP's outer
+/// destinations, from the plan) when a device has to carry them, i.e. without a tunnel device.
+pub fn ipip_gateways(plan: &Plan, devices: &Devices) -> BTreeSet<IpAddr> {
+    if devices.tunnel.is_some() {
+        return BTreeSet::new();
+    }
+    plan.routes
+        .iter()
+        .filter(|r| r.device == Device::Tunnel)
+        .filter_map(|r| r.gateway)
+        .collect()
+}
+
 /// Translates the plan into kernel terms. A route through a device that does not exist is
 /// reported and skipped; everything else is still applied. Without a tunnel device, the routes
 /// through `Device::Tunnel` go out of the private interface, where the datapath encapsulates
-/// them, with its MTU minus [`IPIP_OVERHEAD`].
-pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkState>) -> Desired {
+/// them, with its MTU minus [`IPIP_OVERHEAD`], and through `underlay[gateway]` when the
+/// gateway is not on that link (the outer packet goes to the gateway through that router, as
+/// Kilo's `tunl0` routes it).
+pub fn desired(
+    plan: &Plan,
+    devices: &Devices,
+    links: &BTreeMap<String, LinkState>,
+    underlay: &BTreeMap<IpAddr, IpAddr>,
+) -> Desired {
     let mut out = Desired {
         addresses: plan.addresses.iter().copied().collect(),
         ..Desired::default()
@@ -117,7 +137,10 @@ pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkStat
         out.routes.insert(KRoute {
             table: route.table,
             dst: route.dst.trunc(),
-            gateway: route.gateway,
+            gateway: route.gateway.map(|g| match underlay.get(&g) {
+                Some(hop) if datapath_ipip => *hop,
+                _ => g,
+            }),
             src: route.src,
             oif,
             onlink: route.onlink && route.gateway.is_some(),
@@ -377,7 +400,7 @@ mod tests {
             tunnel: Some("tunl0".into()),
             ..devices()
         };
-        let d = desired(&plan(), &devices, &links());
+        let d = desired(&plan(), &devices, &links(), &BTreeMap::new());
         assert_eq!(d.routes.len(), 1);
         assert_eq!(d.rules.len(), 1);
         assert_eq!(d.problems.len(), 1);
@@ -386,7 +409,7 @@ mod tests {
 
     #[test]
     fn without_a_tunnel_device_tunnel_routes_leave_by_the_private_interface() {
-        let d = desired(&plan(), &devices(), &links());
+        let d = desired(&plan(), &devices(), &links(), &BTreeMap::new());
         assert!(d.problems.is_empty(), "{:?}", d.problems);
         let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
         assert_eq!((r.oif, r.mtu), (2, Some(1480)), "{r}");
@@ -397,12 +420,24 @@ mod tests {
                 .filter(|r| r.table != KILO_TABLE)
                 .all(|r| r.mtu.is_none())
         );
+        // A gateway off the link: through the underlay's router toward it.
+        let router: IpAddr = "192.168.0.254".parse().unwrap();
+        let mut plan = plan();
+        plan.routes[1].gateway = Some("192.168.9.9".parse().unwrap());
+        assert_eq!(
+            ipip_gateways(&plan, &devices()),
+            BTreeSet::from(["192.168.9.9".parse().unwrap()])
+        );
+        let underlay = BTreeMap::from([("192.168.9.9".parse().unwrap(), router)]);
+        let d = desired(&plan, &devices(), &links(), &underlay);
+        let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
+        assert_eq!(r.gateway, Some(router), "{r}");
     }
 
     #[test]
     fn matching_kernel_gives_an_empty_diff() {
         let l = links();
-        let d = desired(&plan(), &devices(), &l);
+        let d = desired(&plan(), &devices(), &l, &BTreeMap::new());
         let observed = KernelState {
             links: l.clone(),
             addresses: d.addresses.clone(),
@@ -424,7 +459,7 @@ mod tests {
             tunnel: Some("tunl0".into()),
             ..devices()
         };
-        let d = desired(&plan(), &devices, &l);
+        let d = desired(&plan(), &devices, &l, &BTreeMap::new());
         let mut old = d.routes.iter().next().unwrap().clone();
         old.gateway = Some("10.4.0.3".parse().unwrap());
         let stale = KRoute {
