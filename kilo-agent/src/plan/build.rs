@@ -505,8 +505,8 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
 
 /// The address Kilo puts on the IPIP device (tunl0) when it encapsulates inside a location
 /// (`--encapsulate` not `never`, `--local`): the first address of the local IPv4 pod CIDR, /32.
-/// Not part of [`Plan`] (whose fields other components construct); the agent applies it with
-/// the tunnel device.
+/// Kilo's only: kg has no `tunl0` (the datapath encapsulates); kept to check the plan against
+/// Kilo's output.
 pub fn tunnel_address(t: &Topology, s: &Settings) -> Option<IpNet> {
     if s.encapsulate == Encapsulation::Never || !s.local {
         return None;
