@@ -300,3 +300,65 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         dp.clean_up().unwrap();
     });
 }
+
+/// The same without TCX (kernels before 6.6): clsact filters, the decapsulation before any
+/// other program at ingress; detached with the neighbour or at clean-up, the clsact qdisc
+/// with them.
+#[test]
+fn ipip_programs_attach_and_detach_as_netlink_filters() {
+    if !support::require_root("ipip_programs_attach_and_detach_as_netlink_filters") {
+        return;
+    }
+    let ns = NetNs::new("dpipnl");
+    ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
+    ns.sh(
+        "ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up",
+    );
+    let fs = support::bpffs::BpfFs::new();
+    let config = DatapathConfig {
+        pin_dir: Some(fs.pin_dir("kilo")),
+        nft_table: format!("krsipnl{}", std::process::id()),
+        attach: kilo_agent::datapath::AttachMode::Netlink,
+        ..DatapathConfig::default()
+    };
+    let neighbour = IpipPlan {
+        sources: BTreeMap::from([(net("192.168.50.2/32"), entry(EntryKind::Node, "n2"))]),
+        ..IpipPlan::default()
+    };
+    let filters = |ns: &NetNs| {
+        ns.sh("tc filter show dev eth0 ingress; echo ---; tc filter show dev eth0 egress")
+    };
+    let (attached, detached) = ns.run(|| {
+        let mut dp = AgentDatapath::new(
+            Datapath::open(config).expect("open datapath"),
+            Devices {
+                wireguard: "kwg0".into(),
+                private: Some("eth0".into()),
+                tunnel: None,
+            },
+            &[],
+            false,
+        );
+        let nat = DatapathPlan::default();
+        let w = dp.sync(&nat, &neighbour).unwrap();
+        assert_eq!(w.get("link_attach"), 3, "kwg0 and both on eth0: {w}");
+        let attached = filters(&ns);
+        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        assert_eq!(w.get("link_detach"), 2, "{w}");
+        let show =
+            || String::from_utf8_lossy(&ns.try_sh("tc qdisc show dev eth0").stdout).into_owned();
+        let mut detached = show();
+        // Clean-up takes them (and the qdisc) too.
+        dp.sync(&nat, &neighbour).unwrap();
+        dp.clean_up().unwrap();
+        detached += &show();
+        (attached, detached)
+    });
+    let (ingress, egress) = attached.split_once("---").unwrap();
+    assert!(
+        ingress.contains("kilo_decap") && ingress.contains("pref 1106"),
+        "{attached}"
+    );
+    assert!(egress.contains("kilo_encap"), "{attached}");
+    assert!(!detached.contains("clsact"), "qdisc left: {detached}");
+}

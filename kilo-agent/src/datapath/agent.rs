@@ -169,11 +169,18 @@ impl AgentDatapath {
         if self.ipip == Some(index) {
             return Ok(writes);
         }
-        for hook in [Hook::Decap, Hook::Encap] {
-            writes += match index {
-                Some(_) => datapath.attach_hook(private, hook)?,
-                None => datapath.detach_hook(private, hook)?,
-            };
+        // Detached in the reverse order: the clsact qdisc (netlink mode) is the first one's.
+        match index {
+            Some(_) => {
+                for hook in [Hook::Decap, Hook::Encap] {
+                    writes += datapath.attach_hook(private, hook)?;
+                }
+            }
+            None => {
+                for hook in [Hook::Encap, Hook::Decap] {
+                    writes += datapath.detach_hook(private, hook)?;
+                }
+            }
         }
         self.ipip = Some(index);
         Ok(writes)

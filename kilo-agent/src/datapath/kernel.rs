@@ -764,8 +764,13 @@ impl Datapath {
             return Ok(writes);
         };
         for sub in ["links", "netlink"] {
-            for ifname in list_dir(&dir.join(sub))? {
-                writes += detach_pinned(&dir, &ifname)?;
+            // An interface's attachments in the reverse order of their making (its NAT
+            // program, then `:decap`, then `:encap`), so the one that added a clsact qdisc goes
+            // last and takes it along.
+            let mut attachments = list_dir(&dir.join(sub))?;
+            attachments.sort_by(|a, b| b.cmp(a));
+            for attachment in attachments {
+                writes += detach_pinned(&dir, &attachment)?;
             }
         }
         for name in list_dir(&dir.join("maps"))? {
