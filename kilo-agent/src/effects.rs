@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, fmt, ops::AddAssign, sync::Arc};
 use ipnet::IpNet;
 use kilo_common::Counter;
 
-use crate::plan::{DatapathPlan, Device};
+use crate::plan::{DatapathPlan, Device, IpipPlan};
 
 /// Writes made to the kernel (or a backend), counted by kind (`map_insert`, `route_add`, ...).
 /// A reconcile with nothing to do returns an empty `Writes`.
@@ -60,6 +60,9 @@ impl fmt::Display for Writes {
 pub struct Devices {
     pub wireguard: String,
     pub private: Option<String>,
+    /// The device of the routes through `Device::Tunnel`: the CNI's (`flannel.1`,
+    /// `cilium_tunl`), or `None`: the datapath encapsulates at egress of the private interface,
+    /// so those routes go out of it, with its MTU minus the 20 bytes of the outer header.
     pub tunnel: Option<String>,
 }
 
@@ -90,9 +93,13 @@ pub enum DatapathSyncError {
 /// The eBPF datapath as the agent sees it; the datapath module provides the real one.
 pub trait DatapathSync {
     /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError>;
+    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError>;
     /// Lines describing what `sync` would change (for `--dry-run`).
-    fn describe(&mut self, _plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+    fn describe(
+        &mut self,
+        _plan: &DatapathPlan,
+        _ipip: &IpipPlan,
+    ) -> Result<Vec<String>, DatapathSyncError> {
         Ok(Vec::new())
     }
     /// Removes map entries, programs, pins and the NAT rule.
@@ -105,11 +112,15 @@ pub trait DatapathSync {
 }
 
 impl DatapathSync for Box<dyn DatapathSync> {
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
-        (**self).sync(plan)
+    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
+        (**self).sync(plan, ipip)
     }
-    fn describe(&mut self, plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
-        (**self).describe(plan)
+    fn describe(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+    ) -> Result<Vec<String>, DatapathSyncError> {
+        (**self).describe(plan, ipip)
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         (**self).clean_up()
@@ -124,7 +135,7 @@ impl DatapathSync for Box<dyn DatapathSync> {
 pub struct NoDatapath;
 
 impl DatapathSync for NoDatapath {
-    fn sync(&mut self, _: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+    fn sync(&mut self, _: &DatapathPlan, _: &IpipPlan) -> Result<Writes, DatapathSyncError> {
         Ok(Writes::default())
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {

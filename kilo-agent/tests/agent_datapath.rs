@@ -4,7 +4,9 @@
 //! loader that adopts the pins, as an operator's tool would) is restored with exactly one write
 //! at the next read-back (within `READ_BACK_EVERY` reconciles; idle ones compare the plan with
 //! the agent's record), and clean-up removes programs, pins and the NAT table. A first sync that
-//! fails part-way attaches no program.
+//! fails part-way attaches no program. The IPIP programs are attached to the private interface
+//! only while the plan has a location neighbour, adopted by a restarted agent without a write,
+//! and detached when the neighbours are gone.
 mod support;
 
 use std::{collections::BTreeMap, path::PathBuf};
@@ -13,7 +15,7 @@ use ipnet::IpNet;
 use kilo_agent::{
     datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathMaps as _, READ_BACK_EVERY, Role},
     mesh::Key,
-    plan::{DatapathEntry, DatapathPlan, EntryKind, Plan},
+    plan::{DatapathEntry, DatapathPlan, EntryKind, IpipPlan, NextHop, Plan},
     reconcile::{
         DatapathSync as _, Reconciler, Settings, netlink::NetlinkKernel, state::Devices,
         wireguard::FakeWireGuard, wireguard::system_resolver,
@@ -196,9 +198,11 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
             &["kube-bridge".to_string()],
             false,
         );
-        let failed = dp.sync(&too_big).is_err();
+        let failed = dp.sync(&too_big, &Default::default()).is_err();
         let after_failure = [attached("kwg0"), attached("kube-bridge")];
-        let writes = dp.sync(&fits).expect("a plan that fits");
+        let writes = dp
+            .sync(&fits, &Default::default())
+            .expect("a plan that fits");
         let after_success = [attached("kwg0"), attached("kube-bridge")];
         dp.clean_up().unwrap();
         (failed, after_failure, writes, after_success)
@@ -211,4 +215,150 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
     );
     assert_eq!(writes.get("link_attach"), 2, "{writes}");
     assert_eq!(after_success, [true, true]);
+}
+
+/// Whether a program is attached at TCX `hook` of `ifname`.
+fn attached_at(ifname: &str, hook: aya::programs::TcAttachType) -> bool {
+    use aya::programs::SchedClassifier;
+    let index = kilo_agent::datapath::ifindex(ifname).unwrap();
+    let (_, progs) = SchedClassifier::query_tcx(index, hook).unwrap();
+    !progs.is_empty()
+}
+
+#[test]
+fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
+    if !support::require_root("ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted")
+    {
+        return;
+    }
+    use aya::programs::TcAttachType::{Egress, Ingress};
+    let ns = NetNs::new("dpipip");
+    ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
+    ns.sh(
+        "ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up",
+    );
+    let fs = support::bpffs::BpfFs::new();
+    let config = DatapathConfig {
+        pin_dir: Some(fs.pin_dir("kilo")),
+        nft_table: format!("krsipip{}", std::process::id()),
+        attach: kilo_agent::datapath::AttachMode::Tcx,
+        ..DatapathConfig::default()
+    };
+    let nat = DatapathPlan::default();
+    let hop = Some(NextHop::Ipip {
+        local: "192.168.50.1".parse().unwrap(),
+        remote: "192.168.50.2".parse().unwrap(),
+    });
+    let neighbour = IpipPlan {
+        encapsulate: BTreeMap::from([(
+            net("10.42.2.0/24"),
+            DatapathEntry {
+                next_hop: hop,
+                ..entry(EntryKind::Node, "n2")
+            },
+        )]),
+        sources: BTreeMap::from([(net("192.168.50.2/32"), entry(EntryKind::Node, "n2"))]),
+        decapsulate: BTreeMap::from([(net("10.42.1.0/24"), entry(EntryKind::Node, "n1"))]),
+    };
+    ns.run(move || {
+        let devices = Devices {
+            wireguard: "kwg0".into(),
+            private: Some("eth0".into()),
+            tunnel: None,
+        };
+        let open = || {
+            AgentDatapath::new(
+                Datapath::open(config.clone()).expect("open datapath"),
+                devices.clone(),
+                &[],
+                false,
+            )
+        };
+        let mut dp = open();
+        // Alone in its location: nothing on eth0.
+        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        assert_eq!(w.get("link_attach"), 1, "kwg0 only: {w}");
+        assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
+        // A neighbour: both programs, three entries; then idle.
+        let w = dp.sync(&nat, &neighbour).unwrap();
+        assert_eq!((w.get("link_attach"), w.get("map_insert")), (2, 3), "{w}");
+        assert!(attached_at("eth0", Egress) && attached_at("eth0", Ingress));
+        assert!(dp.sync(&nat, &neighbour).unwrap().is_empty());
+        // A restarted agent adopts the pinned links and maps: nothing to write.
+        drop(dp);
+        assert!(
+            attached_at("eth0", Egress),
+            "pinned links outlive the agent"
+        );
+        let mut dp = open();
+        let w = dp.sync(&nat, &neighbour).unwrap();
+        assert!(w.is_empty(), "adopting wrote {w}");
+        // The neighbour leaves: entries deleted, programs detached.
+        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        assert_eq!((w.get("link_detach"), w.get("map_delete")), (2, 3), "{w}");
+        assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
+        dp.clean_up().unwrap();
+    });
+}
+
+/// The same without TCX (kernels before 6.6): clsact filters, the decapsulation before any
+/// other program at ingress; detached with the neighbour or at clean-up, the clsact qdisc
+/// with them.
+#[test]
+fn ipip_programs_attach_and_detach_as_netlink_filters() {
+    if !support::require_root("ipip_programs_attach_and_detach_as_netlink_filters") {
+        return;
+    }
+    let ns = NetNs::new("dpipnl");
+    ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
+    ns.sh(
+        "ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up",
+    );
+    let fs = support::bpffs::BpfFs::new();
+    let config = DatapathConfig {
+        pin_dir: Some(fs.pin_dir("kilo")),
+        nft_table: format!("krsipnl{}", std::process::id()),
+        attach: kilo_agent::datapath::AttachMode::Netlink,
+        ..DatapathConfig::default()
+    };
+    let neighbour = IpipPlan {
+        sources: BTreeMap::from([(net("192.168.50.2/32"), entry(EntryKind::Node, "n2"))]),
+        ..IpipPlan::default()
+    };
+    let filters = |ns: &NetNs| {
+        ns.sh("tc filter show dev eth0 ingress; echo ---; tc filter show dev eth0 egress")
+    };
+    let (attached, detached) = ns.run(|| {
+        let mut dp = AgentDatapath::new(
+            Datapath::open(config).expect("open datapath"),
+            Devices {
+                wireguard: "kwg0".into(),
+                private: Some("eth0".into()),
+                tunnel: None,
+            },
+            &[],
+            false,
+        );
+        let nat = DatapathPlan::default();
+        let w = dp.sync(&nat, &neighbour).unwrap();
+        assert_eq!(w.get("link_attach"), 3, "kwg0 and both on eth0: {w}");
+        let attached = filters(&ns);
+        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        assert_eq!(w.get("link_detach"), 2, "{w}");
+        let show =
+            || String::from_utf8_lossy(&ns.try_sh("tc qdisc show dev eth0").stdout).into_owned();
+        let mut detached = show();
+        // Clean-up takes them (and the qdisc) too.
+        dp.sync(&nat, &neighbour).unwrap();
+        dp.clean_up().unwrap();
+        detached += &show();
+        (attached, detached)
+    });
+    let (ingress, egress) = attached.split_once("---").unwrap();
+    assert!(
+        ingress.contains("kilo_decap") && ingress.contains("pref 1106"),
+        "{attached}"
+    );
+    assert!(egress.contains("kilo_encap"), "{attached}");
+    assert!(!detached.contains("clsact"), "qdisc left: {detached}");
 }

@@ -1,7 +1,8 @@
 //! Mesh tier: the demo (`xtask/scripts/demo.sh`) as a test. Three nodes in two locations, each a
 //! network namespace with a pod behind a bridge, wireguard-go, and the real `kg` and `kgctl`
-//! binaries on the file backend. Asserts what the demo shows: pods reach each other across
-//! locations through WireGuard (also from a non-leader), the internet host sees the node's
+//! binaries on the file backend, with Kilo's default `--encapsulate=always`. Asserts what the
+//! demo shows: pods reach each other across locations through WireGuard (also from a
+//! non-leader, whose traffic reaches its leader in IPIP), the internet host sees the node's
 //! address (masqueraded) while a pod in another location sees the pod's own, n1's datapath
 //! counters saw that traffic (the masquerade decision, the pod CIDR's NAT-source entry), and
 //! nothing is left behind (namespaces, processes, pins).
@@ -36,6 +37,7 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         "pod3 saw the packet from 10.42.1.2",
         "latest handshake",
         "kilo_leader 1",
+        "10.42.3.0/24 via 192.168.50.1 dev eth0 proto 107 src 192.168.50.2 onlink mtu 1480",
         "\"subnet\": \"10.42.1.0/24\"",
         "demo OK",
     ] {
@@ -48,6 +50,10 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         "kilo_datapath_bytes_total{decision=\"masquerade\"}",
         "kilo_datapath_entry_packets_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"}",
         "kilo_datapath_entry_bytes_total{role=\"nat_source\",cidr=\"10.42.1.0/24\",kind=\"local_pods\",owner=\"n1\"}",
+        // pod2's packets reached n1 in IPIP from n2, and the replies went back that way.
+        "kilo_datapath_packets_total{decision=\"decapsulated\"}",
+        "kilo_datapath_packets_total{decision=\"encapsulated\"}",
+        "kilo_datapath_entry_packets_total{role=\"ipip_source\",cidr=\"192.168.50.2/32\",kind=\"node\",owner=\"n2\"}",
     ] {
         let value = metric(&stdout, series);
         assert!(value > 0, "{series} is {value} in:\n{stdout}");

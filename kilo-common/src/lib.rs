@@ -6,6 +6,10 @@
 //!   [`LpmData`] (the family, then the address) with prefix length [`FAMILY_BITS`] + the CIDR's
 //!   length, value [`EntryValue`]. One trie holds both families; a lookup is one call, and an
 //!   entry one write, replaced atomically by the kernel.
+//! - [`MAP_ENCAP`], [`MAP_IPIP_SRC`], [`MAP_DECAP`]: IPIP inside a location, same keys and
+//!   values: destinations to encapsulate at egress of the private interface (the entry's
+//!   [`ENTRY_IPIP`] addresses), the outer sources accepted at its ingress (Kilo's `KILO-IPIP`),
+//!   and the inner destinations this node serves.
 //! - [`MAP_CONFIG`]: array of one [`Config`].
 //! - [`MAP_COUNTERS`]: the per-CPU packet and byte counters, a plain (mmapable) array of
 //!   [`Counter`] laid out CPU by CPU: CPU `c`'s region starts at `c * stride`
@@ -17,6 +21,9 @@
 pub const MAP_MESH: &str = "KILO_MESH";
 pub const MAP_NAT_SRC: &str = "KILO_NAT_SRC";
 pub const MAP_MASQ_DST: &str = "KILO_MASQ_DST";
+pub const MAP_ENCAP: &str = "KILO_ENCAP";
+pub const MAP_IPIP_SRC: &str = "KILO_IPIP_SRC";
+pub const MAP_DECAP: &str = "KILO_DECAP";
 pub const MAP_CONFIG: &str = "KILO_CONFIG";
 pub const MAP_COUNTERS: &str = "KILO_COUNTERS";
 /// aya-log's ring buffer (pinned too, so an adopted program and a new one log to the same).
@@ -26,13 +33,17 @@ pub const MAP_LOGS: &str = "AYA_LOGS";
 pub const PROG_L2: &str = "kilo_ingress";
 /// The classifier for raw-IP devices (WireGuard, TUN): the packet starts at the IP header.
 pub const PROG_L3: &str = "kilo_ingress_l3";
+/// The classifier at egress of the private interface that adds the outer IPv4 header.
+pub const PROG_ENCAP: &str = "kilo_encap";
+/// The classifier at ingress of the private interface that removes it (or drops the packet).
+pub const PROG_DECAP: &str = "kilo_decap";
 /// A classifier that returns at once: the benchmarks' baseline, in its own object
 /// (`kilo-ebpf-bench`), never loaded by the agent.
 pub const PROG_NOOP: &str = "kilo_noop";
 
 /// What the pinned maps mean: [`Config::layout`]. Raise it whenever a map's meaning changes
 /// (not only its size), so an upgraded agent replaces the pins instead of adopting them.
-pub const LAYOUT: u32 = 2;
+pub const LAYOUT: u32 = 3;
 
 /// Default capacity of each trie (entries are allocated as inserted).
 pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 16;
@@ -40,7 +51,7 @@ pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 16;
 pub const DEFAULT_COUNTER_SLOTS: u32 = 1 << 14;
 /// Counters at the start of each CPU's region of [`MAP_COUNTERS`] that count decisions
 /// ([`Decision::COUNT`] rounded up to whole 64-byte lines, so entry counters start on one).
-pub const DECISION_SLOTS: u32 = 8;
+pub const DECISION_SLOTS: u32 = 12;
 /// The [`Config::counter_stride`] for `slots` entry counters: [`DECISION_SLOTS`] + `slots`,
 /// rounded up to whole 64-byte lines.
 pub const fn counter_stride(slots: u32) -> u32 {
@@ -113,6 +124,9 @@ pub const ENTRY_REDIRECT: u32 = 2;
 /// `EntryValue::flags`: redirect with `bpf_redirect_neigh` toward `nh_addr` (needs ENTRY_REDIRECT).
 pub const ENTRY_NEIGH: u32 = 4;
 
+/// `EntryValue::flags`: encapsulate in IPv4 (protocol 4) from `nh_addr[4..8]` to `nh_addr[..4]`.
+pub const ENTRY_IPIP: u32 = 8;
+
 /// The value of every trie entry.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,7 +140,8 @@ pub struct EntryValue {
     pub ifindex: u32,
     /// Gateway family (`FAMILY_V4`/`FAMILY_V6`) for `bpf_redirect_neigh`, 0 for none.
     pub nh_family: u32,
-    /// Gateway address, IPv4 in the first 4 bytes (network order).
+    /// Gateway address, IPv4 in the first 4 bytes (network order). With [`ENTRY_IPIP`]: the
+    /// outer destination in bytes 0..4, the outer source in bytes 4..8.
     pub nh_addr: [u8; 16],
 }
 
@@ -155,17 +170,27 @@ pub enum Decision {
     Masquerade = 4,
     /// Fast path: redirected to the entry's egress.
     Redirect = 5,
+    /// Wrapped in an outer IPv4 header (egress of the private interface).
+    Encapsulated = 6,
+    /// Outer IPv4 header removed (ingress of the private interface).
+    Decapsulated = 7,
+    /// IPIP from a source outside the location, or to a destination this node does not
+    /// serve: dropped (Kilo's `KILO-IPIP`).
+    IpipRefused = 8,
 }
 
 impl Decision {
-    pub const COUNT: u32 = 6;
-    pub const ALL: [Decision; 6] = [
+    pub const COUNT: u32 = 9;
+    pub const ALL: [Decision; 9] = [
         Decision::NotIp,
         Decision::Malformed,
         Decision::Pass,
         Decision::Mesh,
         Decision::Masquerade,
         Decision::Redirect,
+        Decision::Encapsulated,
+        Decision::Decapsulated,
+        Decision::IpipRefused,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -176,6 +201,9 @@ impl Decision {
             Decision::Mesh => "mesh",
             Decision::Masquerade => "masquerade",
             Decision::Redirect => "redirect",
+            Decision::Encapsulated => "encapsulated",
+            Decision::Decapsulated => "decapsulated",
+            Decision::IpipRefused => "ipip_refused",
         }
     }
 }

@@ -45,7 +45,7 @@ for i in 1 2 3; do
   cp "$ROOT/manifests/overlays/kubeadm/cni-conf.json" "$WORK/n$i.conflist"
   ip netns exec "$P-n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
     --cni-path "$WORK/n$i.conflist" \
-    --create-interface=false --interface "$WG$i" --encapsulate never \
+    --create-interface=false --interface "$WG$i" \
     --private-key "$WORK/n$i.key" --bpffs-dir "/sys/fs/bpf/$P-n$i" \
     --listen "127.0.0.1:1107" --resync-period 10s --log-level info \
     >"$WORK/kg-n$i.log" 2>&1 &
@@ -70,8 +70,9 @@ inns n1 wg show "${WG}1"
 
 say "pod1 (east) -> pod3 (west): through the WireGuard tunnel between the two leaders"
 inns pod1 busybox ping -c3 -W2 10.42.3.2
-say "pod2 (east, not a leader) -> pod3 (west): via its leader n1"
+say "pod2 (east, not a leader) -> pod3 (west): via its leader n1, in IPIP on east's underlay (Kilo's default --encapsulate=always, done by the eBPF datapath: no ipip module)"
 inns pod2 busybox ping -c3 -W2 10.42.3.2
+inns n2 ip route show 10.42.3.0/24
 say "pod1 -> the internet host: masqueraded (the eBPF program marks, one static nft rule masquerades)"
 udp_probe inet "internet host" 192.168.50.100
 say "pod1 -> pod3 again, as seen by pod3: the pod's own address (mesh traffic is never masqueraded)"

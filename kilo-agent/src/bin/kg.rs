@@ -164,15 +164,18 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let devices = Devices {
         wireguard: flags.interface.clone(),
         private: ips.private.map(|a| a.interface),
-        tunnel: (flags.encapsulate != Encapsulate::Never).then(|| {
-            // The encapsulating device of Kilo's encapsulators.
-            match flags.compatibility {
-                Compatibility::Flannel => "flannel.1",
-                Compatibility::Cilium if host.mtus.contains_key("cilium_tunl") => "cilium_tunl",
-                _ => "tunl0",
-            }
-            .to_string()
-        }),
+        // The encapsulating device of Kilo's encapsulators; for its own (IPIP) none: the
+        // datapath encapsulates at the private interface (without the datapath, a `tunl0`
+        // made by hand, if any).
+        tunnel: match flags.compatibility {
+            _ if flags.encapsulate == Encapsulate::Never => None,
+            Compatibility::Flannel => Some("flannel.1"),
+            Compatibility::Cilium if host.mtus.contains_key("cilium_tunl") => Some("cilium_tunl"),
+            Compatibility::Cilium => Some("tunl0"),
+            Compatibility::None if flags.datapath => None,
+            Compatibility::None => Some("tunl0"),
+        }
+        .map(str::to_string),
     };
     let datapath = datapath(&flags, devices.clone())?;
     let reconciler = Reconciler::new(

@@ -1,6 +1,8 @@
 //! The datapath as the agent's reconciler drives it ([`DatapathSync`]): attaches the program to
-//! the WireGuard interface and the pod-facing interfaces as they appear, keeps the static
-//! masquerade rule and the fast-path flag, and syncs the maps with the plan. Each step writes
+//! the WireGuard interface and the pod-facing interfaces as they appear, and the IPIP programs to
+//! the private interface while the plan has a location neighbour (detached when it has none, so
+//! such nodes pay nothing), keeps the static masquerade rule and the fast-path flag, and syncs
+//! the maps with the plan. Each step writes
 //! only when the kernel differs, so an idle reconcile writes nothing. The program is attached
 //! only to maps that have held a whole plan once: after a first sync that failed part-way it
 //! waits for one that completes. [`FakeDatapath`] is the same in memory, for fast tests.
@@ -16,15 +18,15 @@ use std::{
 };
 
 use super::{
-    Counters, Datapath, DatapathError, DatapathMaps as _, FakeMaps, NoResolver, Role, ifindex,
-    read_counters, sync::plan_role, sync_maps,
+    Counters, Datapath, DatapathError, DatapathMaps as _, FakeMaps, Hook, NoResolver, Plans, Role,
+    ifindex, read_counters, sync_maps,
 };
 use crate::{
     effects::{
         DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
         MapUsage, Writes,
     },
-    plan::{DatapathPlan, Device, EntryKind},
+    plan::{DatapathPlan, Device, EntryKind, IpipPlan},
 };
 
 /// What the reconciler and the metrics share.
@@ -33,6 +35,7 @@ struct Shared {
     datapath: Option<Datapath>,
     /// The last plan synced (for the owner labels).
     plan: DatapathPlan,
+    ipip: IpipPlan,
 }
 
 /// Reads the shared datapath's counters (see [`DatapathStatsSource`]).
@@ -60,12 +63,18 @@ impl DatapathStatsSource for Stats {
             .as_ref()
             .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))?;
         let counters = datapath.counters().map_err(failed)?;
-        Ok(stats(&counters, &shared.plan))
+        Ok(stats(
+            &counters,
+            Plans {
+                nat: &shared.plan,
+                ipip: &shared.ipip,
+            },
+        ))
     }
 }
 
 /// The datapath's counters, labelled with the owners `plan` gives the entries.
-pub fn stats(counters: &Counters, plan: &DatapathPlan) -> DatapathStats {
+pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> DatapathStats {
     let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
     let entries = counters
         .labelled(plan)
@@ -125,6 +134,9 @@ pub struct AgentDatapath {
     fast_path: bool,
     /// Interfaces this process attached to, with the ifindex it saw (a recreated device has a new one).
     attached: BTreeMap<String, u32>,
+    /// The private interface's index while the IPIP programs are attached there; `None` before
+    /// the first sync (a pinned attachment of an earlier run may exist).
+    ipip: Option<Option<u32>>,
 }
 
 impl AgentDatapath {
@@ -145,12 +157,46 @@ impl AgentDatapath {
             shared: Stats(Arc::new(Mutex::new(Shared {
                 datapath: Some(datapath),
                 plan: DatapathPlan::default(),
+                ipip: IpipPlan::default(),
             }))),
             interfaces,
             devices,
             fast_path,
             attached: BTreeMap::new(),
+            ipip: None,
         }
+    }
+
+    /// Attaches the IPIP programs to the private interface when `want`s and they are not (or
+    /// the device was recreated); detaches them when it does not.
+    fn attach_ipip(
+        &mut self,
+        datapath: &mut Datapath,
+        want: bool,
+    ) -> Result<Writes, DatapathError> {
+        let mut writes = Writes::default();
+        let Some(private) = self.devices.private.as_deref() else {
+            return Ok(writes);
+        };
+        let index = ifindex(private).ok().filter(|_| want);
+        if self.ipip == Some(index) {
+            return Ok(writes);
+        }
+        // Detached in the reverse order: the clsact qdisc (netlink mode) is the first one's.
+        match index {
+            Some(_) => {
+                for hook in [Hook::Decap, Hook::Encap] {
+                    writes += datapath.attach_hook(private, hook)?;
+                }
+            }
+            None => {
+                for hook in [Hook::Encap, Hook::Decap] {
+                    writes += datapath.detach_hook(private, hook)?;
+                }
+            }
+        }
+        self.ipip = Some(index);
+        Ok(writes)
     }
 
     /// The shared state, locked (held only for the duration of one call).
@@ -171,7 +217,7 @@ fn failed(e: DatapathError) -> DatapathSyncError {
 }
 
 impl DatapathSync for AgentDatapath {
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
         let mut writes = Writes::default();
         let shared = self.shared.clone();
         let mut shared = shared.lock();
@@ -182,7 +228,9 @@ impl DatapathSync for AgentDatapath {
         let index = [Device::WireGuard, Device::Private, Device::Tunnel]
             .map(|d| (d, self.devices.name(d).and_then(|n| ifindex(n).ok())));
         let resolver = |device: Device| index.iter().find(|(d, _)| *d == device)?.1;
-        let synced = datapath.sync(plan, &resolver).map_err(failed);
+        let synced = datapath
+            .sync(Plans { nat: plan, ipip }, &resolver)
+            .map_err(failed);
         // Attached only to maps that have held a whole plan: a program bound to fresh maps
         // (first start, or pins replaced by an upgrade) never decides on empty or half-written
         // ones, and one already attached keeps its maps until then.
@@ -200,15 +248,28 @@ impl DatapathSync for AgentDatapath {
                 }
             }
         }
+        let ipip_attached = if ready {
+            self.attach_ipip(datapath, !ipip.is_empty()).map_err(failed)
+        } else {
+            Ok(Writes::default())
+        };
         // Label what the maps now hold (all of the new plan's entries, or some on a failure).
         if shared.plan != *plan {
             shared.plan = plan.clone();
         }
+        if shared.ipip != *ipip {
+            shared.ipip = ipip.clone();
+        }
         writes += synced?;
+        writes += ipip_attached?;
         Ok(writes)
     }
 
-    fn describe(&mut self, plan: &DatapathPlan) -> Result<Vec<String>, DatapathSyncError> {
+    fn describe(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+    ) -> Result<Vec<String>, DatapathSyncError> {
         let mut shared = self.lock();
         let maps = loaded(&mut shared)?.maps();
         let mut lines = Vec::new();
@@ -219,7 +280,7 @@ impl DatapathSync for AgentDatapath {
                 .into_iter()
                 .map(|(net, _)| net)
                 .collect();
-            let want = plan_role(plan, role);
+            let want = Plans { nat: plan, ipip }.role(role);
             for (net, entry) in want {
                 if !have.contains(net) {
                     lines.push(format!("+ datapath {role} {net} ({})", entry.owner));
@@ -234,6 +295,7 @@ impl DatapathSync for AgentDatapath {
 
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         self.attached.clear();
+        self.ipip = None;
         let taken = self.lock().datapath.take();
         match taken {
             Some(datapath) => datapath.cleanup().map_err(failed),
@@ -257,6 +319,7 @@ struct FakeShared {
     maps: FakeMaps,
     /// The last plan synced (for the owner labels).
     plan: DatapathPlan,
+    ipip: IpipPlan,
 }
 
 impl Default for FakeShared {
@@ -264,6 +327,7 @@ impl Default for FakeShared {
         FakeShared {
             maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
             plan: DatapathPlan::default(),
+            ipip: IpipPlan::default(),
         }
     }
 }
@@ -282,7 +346,7 @@ impl FakeDatapath {
         self.lock().maps = maps;
     }
 
-    /// Entries in all three maps.
+    /// Entries in all the maps.
     pub fn len(&self) -> usize {
         self.lock().maps.tries.values().map(BTreeMap::len).sum()
     }
@@ -293,17 +357,22 @@ impl FakeDatapath {
 }
 
 impl DatapathSync for FakeDatapath {
-    fn sync(&mut self, plan: &DatapathPlan) -> Result<Writes, DatapathSyncError> {
+    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
         let mut shared = self.lock();
-        let writes = sync_maps(&mut shared.maps, plan, &NoResolver).map_err(failed);
+        let writes =
+            sync_maps(&mut shared.maps, Plans { nat: plan, ipip }, &NoResolver).map_err(failed);
         if shared.plan != *plan {
             shared.plan = plan.clone();
+        }
+        if shared.ipip != *ipip {
+            shared.ipip = ipip.clone();
         }
         writes
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         let mut shared = self.lock();
         shared.plan = DatapathPlan::default();
+        shared.ipip = IpipPlan::default();
         sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(failed)
     }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
@@ -315,6 +384,12 @@ impl DatapathStatsSource for FakeDatapath {
     fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
         let shared = self.lock();
         let counters = read_counters(&shared.maps).map_err(failed)?;
-        Ok(stats(&counters, &shared.plan))
+        Ok(stats(
+            &counters,
+            Plans {
+                nat: &shared.plan,
+                ipip: &shared.ipip,
+            },
+        ))
     }
 }

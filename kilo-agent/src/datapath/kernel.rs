@@ -2,9 +2,11 @@
 //!
 //! Pin layout under `pin_dir` (on a bpffs; `/sys/fs/bpf` is mounted if it is not one yet):
 //! `maps/<MAP>` for every map (adopted on start: entries and counters survive restarts),
-//! `links/<ifname>` for TCX links (the program stays attached while the agent is down), and an
-//! empty directory `netlink/<ifname>` marking a netlink (clsact) attachment, which outlives the
-//! process by itself. Without a `pin_dir` nothing is pinned and everything goes with the value.
+//! `links/<attachment>` for TCX links (the program stays attached while the agent is down), and
+//! an empty directory `netlink/<attachment>` marking a netlink (clsact) attachment, which
+//! outlives the process by itself. An attachment is named `<ifname>` for the NAT program at
+//! ingress, `<ifname>:encap` and `<ifname>:decap` for the IPIP programs ([`Hook`]; interface
+//! names never hold a colon). Without a `pin_dir` nothing is pinned and everything goes with the value.
 use std::{
     borrow::Cow,
     collections::BTreeMap,
@@ -27,7 +29,8 @@ use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, CONFIG_SYNCED, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
     DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, EntryValue, LAYOUT, LpmData, MAP_CONFIG, MAP_COUNTERS,
-    MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_L2, PROG_L3, counter_stride,
+    MAP_DECAP, MAP_ENCAP, MAP_IPIP_SRC, MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_DECAP,
+    PROG_ENCAP, PROG_L2, PROG_L3, counter_stride,
 };
 
 use super::{
@@ -36,9 +39,9 @@ use super::{
     keys,
     nft::{self, MasqueradeRule},
     qdisc,
-    sync::{Counters, DatapathMaps, MapSync, Resolver},
+    sync::{Counters, DatapathMaps, MapSync, Plans, Resolver},
 };
-use crate::{effects::Writes, plan::DatapathPlan};
+use crate::effects::Writes;
 
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
@@ -74,6 +77,62 @@ impl Framing {
         match self {
             Framing::L2 => PROG_L2,
             Framing::L3 => PROG_L3,
+        }
+    }
+}
+
+/// Which program an attachment runs, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    /// Ingress of the WireGuard or a pod-facing interface: the NAT decision (program by framing).
+    Nat,
+    /// Egress of the private interface (Ethernet): IPIP encapsulation.
+    Encap,
+    /// Ingress of the private interface (Ethernet): IPIP decapsulation and filter, before any
+    /// other program there.
+    Decap,
+}
+
+impl Hook {
+    /// The attachment's name (its pin): see the module doc.
+    pub fn attachment(self, ifname: &str) -> String {
+        match self {
+            Hook::Nat => ifname.to_owned(),
+            Hook::Encap => format!("{ifname}:encap"),
+            Hook::Decap => format!("{ifname}:decap"),
+        }
+    }
+
+    /// The interface and hook of an attachment's name.
+    fn parse(attachment: &str) -> (&str, Hook) {
+        match attachment.split_once(':') {
+            Some((ifname, "encap")) => (ifname, Hook::Encap),
+            Some((ifname, "decap")) => (ifname, Hook::Decap),
+            _ => (attachment, Hook::Nat),
+        }
+    }
+
+    fn attach_type(self) -> TcAttachType {
+        match self {
+            Hook::Encap => TcAttachType::Egress,
+            Hook::Nat | Hook::Decap => TcAttachType::Ingress,
+        }
+    }
+
+    /// The netlink filter's priority (lower runs first).
+    fn priority(self) -> u16 {
+        match self {
+            Hook::Decap => NL_PRIORITY - 1,
+            Hook::Nat | Hook::Encap => NL_PRIORITY,
+        }
+    }
+
+    fn program(self, framing: Framing) -> Result<&'static str, String> {
+        match (self, framing) {
+            (Hook::Nat, f) => Ok(f.program()),
+            (Hook::Encap, Framing::L2) => Ok(PROG_ENCAP),
+            (Hook::Decap, Framing::L2) => Ok(PROG_DECAP),
+            (_, Framing::L3) => Err("IPIP needs an Ethernet private interface".into()),
         }
     }
 }
@@ -164,12 +223,14 @@ impl DatapathConfig {
 
 type Trie = LpmTrie<MapData, LpmData, EntryValue>;
 
-/// The program's maps, opened from the loaded object: the three tries, the config and the
-/// counters.
+/// The program's maps, opened from the loaded object: the tries, the config and the counters.
 pub struct KernelMaps {
     mesh: Trie,
     nat_src: Trie,
     masq_dst: Trie,
+    encap: Trie,
+    ipip_src: Trie,
+    decap: Trie,
     config: Array<MapData, Config>,
     counters: CounterArray,
     capacity: usize,
@@ -190,6 +251,9 @@ impl KernelMaps {
             mesh: take(ebpf, MAP_MESH)?,
             nat_src: take(ebpf, MAP_NAT_SRC)?,
             masq_dst: take(ebpf, MAP_MASQ_DST)?,
+            encap: take(ebpf, MAP_ENCAP)?,
+            ipip_src: take(ebpf, MAP_IPIP_SRC)?,
+            decap: take(ebpf, MAP_DECAP)?,
             config: take(ebpf, MAP_CONFIG)?,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
@@ -204,6 +268,9 @@ impl KernelMaps {
             Role::Mesh => &self.mesh,
             Role::NatSource => &self.nat_src,
             Role::MasqueradeDestination => &self.masq_dst,
+            Role::Encapsulate => &self.encap,
+            Role::IpipSource => &self.ipip_src,
+            Role::Decapsulate => &self.decap,
         }
     }
 
@@ -212,6 +279,9 @@ impl KernelMaps {
             Role::Mesh => &mut self.mesh,
             Role::NatSource => &mut self.nat_src,
             Role::MasqueradeDestination => &mut self.masq_dst,
+            Role::Encapsulate => &mut self.encap,
+            Role::IpipSource => &mut self.ipip_src,
+            Role::Decapsulate => &mut self.decap,
         }
     }
 }
@@ -375,7 +445,7 @@ impl Datapath {
         if let Some(maps) = &pins {
             remove_stale_pins(maps)?;
         }
-        for name in [PROG_L2, PROG_L3] {
+        for name in [PROG_L2, PROG_L3, PROG_ENCAP, PROG_DECAP] {
             program_mut(&mut ebpf, name)?
                 .load()
                 .map_err(|e| DatapathError::program(name, e))?;
@@ -412,18 +482,20 @@ impl Datapath {
         self.program_named(framing.program())
     }
 
-    fn program_named(&self, name: &str) -> &SchedClassifier {
+    /// A loaded program by name (`kilo_common::PROG_*`).
+    pub fn program_named(&self, name: &str) -> &SchedClassifier {
         self.ebpf
             .program(name)
             .and_then(|p| <&SchedClassifier>::try_from(p).ok())
             .expect("programs are loaded in open")
     }
 
-    /// Makes the maps equal to `plan` (see [`MapSync`]); the first sync to complete marks
-    /// the maps [`CONFIG_SYNCED`] (one config write).
-    pub fn sync(
+    /// Makes the maps equal to `plan` (see [`MapSync`]; a [`DatapathPlan`](crate::plan::DatapathPlan)
+    /// alone clears the IPIP maps); the first sync to complete marks the maps
+    /// [`CONFIG_SYNCED`] (one config write).
+    pub fn sync<'a>(
         &mut self,
-        plan: &DatapathPlan,
+        plan: impl Into<Plans<'a>>,
         resolver: &dyn Resolver,
     ) -> Result<Writes, DatapathError> {
         let mut writes = self.sync.sync(&mut self.maps, plan, resolver)?;
@@ -502,13 +574,26 @@ impl Datapath {
         }
     }
 
-    /// Attaches at ingress of `ifname` (in the calling thread's network namespace), choosing
-    /// the program by the device's framing. Idempotent: an attachment pinned by an earlier run is
-    /// adopted (and moved to this run's program, atomically, only if the program differs).
+    /// Attaches the NAT program at ingress of `ifname` (see [`Datapath::attach_hook`]).
     pub fn attach(&mut self, ifname: &str) -> Result<Writes, DatapathError> {
+        self.attach_hook(ifname, Hook::Nat)
+    }
+
+    /// Attaches `hook`'s program to `ifname` (in the calling thread's network namespace),
+    /// choosing the NAT program by the device's framing. Idempotent: an attachment pinned by an
+    /// earlier run is adopted (and moved to this run's program, atomically, only if the program
+    /// differs).
+    pub fn attach_hook(&mut self, ifname: &str, hook: Hook) -> Result<Writes, DatapathError> {
         let ifindex = ifindex(ifname)?;
         let framing = framing(ifname)?;
-        let prog_name = framing.program();
+        let prog_name = hook
+            .program(framing)
+            .map_err(|reason| DatapathError::Interface {
+                name: ifname.to_owned(),
+                reason,
+            })?;
+        let attachment = hook.attachment(ifname);
+        let attach_type = hook.attach_type();
         let mode = self.mode();
         let pin_dir = self.config.pin_dir.clone();
         let link_err = |e: Box<dyn std::error::Error + Send + Sync>| DatapathError::Link {
@@ -519,14 +604,14 @@ impl Datapath {
         let prog = program_mut(&mut self.ebpf, prog_name)?;
         match mode {
             AttachMode::Tcx | AttachMode::Auto => {
-                let pin = pin_dir.as_ref().map(|d| d.join("links").join(ifname));
+                let pin = pin_dir.as_ref().map(|d| d.join("links").join(&attachment));
                 if let Some(pin) = &pin
                     && pin.exists()
                 {
                     let pinned = PinnedLink::from_pin(pin).map_err(|e| link_err(Box::new(e)))?;
                     let link = FdLink::from(pinned);
                     let prog_id = link.info().map_err(|e| link_err(Box::new(e)))?.program_id();
-                    let (_, attached) = SchedClassifier::query_tcx(ifindex, TcAttachType::Ingress)
+                    let (_, attached) = SchedClassifier::query_tcx(ifindex, attach_type)
                         .map_err(|e| link_err(Box::new(e)))?;
                     match attached.iter().find(|p| p.id() == prog_id) {
                         Some(running) => {
@@ -561,8 +646,12 @@ impl Datapath {
                     .attach(
                         ifindex,
                         TcAttach::Tcx {
-                            attach_type: TcAttachType::Ingress,
-                            order: LinkOrder::default(),
+                            attach_type,
+                            order: if hook == Hook::Decap {
+                                LinkOrder::first()
+                            } else {
+                                LinkOrder::default()
+                            },
                         },
                     )
                     .map_err(|e| DatapathError::program(prog_name, e))?;
@@ -581,7 +670,7 @@ impl Datapath {
                         fd.pin(&pin).map_err(|e| link_err(Box::new(e)))?;
                     }
                     None => {
-                        self.held.insert(ifname.to_owned(), Held::Link(link));
+                        self.held.insert(attachment.clone(), Held::Link(link));
                     }
                 }
             }
@@ -590,8 +679,8 @@ impl Datapath {
                 let created_qdisc = tc::qdisc_add_clsact(ifindex).is_ok();
                 let existing = SchedClassifierLink::attached(
                     ifindex,
-                    TcAttachType::Ingress.into(),
-                    NL_PRIORITY,
+                    attach_type.into(),
+                    hook.priority(),
                     NL_HANDLE,
                     None,
                 )
@@ -606,9 +695,9 @@ impl Datapath {
                             .attach(
                                 ifindex,
                                 TcAttach::Netlink {
-                                    parent: TcAttachType::Ingress.into(),
+                                    parent: attach_type.into(),
                                     options: NlOptions {
-                                        priority: NL_PRIORITY,
+                                        priority: hook.priority(),
                                         handle: NL_HANDLE,
                                         classid: None,
                                     },
@@ -626,7 +715,7 @@ impl Datapath {
                     Some(dir) => {
                         // The filter outlives us by itself; remember it (and whether the qdisc
                         // is ours) for clean-up.
-                        let marker = dir.join("netlink").join(ifname);
+                        let marker = dir.join("netlink").join(&attachment);
                         let marker = if created_qdisc {
                             marker.join(QDISC_MARK)
                         } else {
@@ -639,7 +728,7 @@ impl Datapath {
                         std::mem::forget(link);
                     }
                     None => {
-                        self.held.insert(ifname.to_owned(), Held::Link(link));
+                        self.held.insert(attachment.clone(), Held::Link(link));
                     }
                 }
             }
@@ -647,14 +736,23 @@ impl Datapath {
         Ok(writes)
     }
 
-    /// Detaches from `ifname` and removes its pin.
+    /// Detaches the NAT program from `ifname` and removes its pin.
     pub fn detach(&mut self, ifname: &str) -> Result<Writes, DatapathError> {
+        self.detach_attachment(&Hook::Nat.attachment(ifname))
+    }
+
+    /// Detaches `hook`'s program from `ifname` and removes its pin.
+    pub fn detach_hook(&mut self, ifname: &str, hook: Hook) -> Result<Writes, DatapathError> {
+        self.detach_attachment(&hook.attachment(ifname))
+    }
+
+    fn detach_attachment(&mut self, attachment: &str) -> Result<Writes, DatapathError> {
         let mut writes = Writes::default();
-        if self.held.remove(ifname).is_some() {
+        if self.held.remove(attachment).is_some() {
             writes.add("link_detach", 1);
         }
         if let Some(dir) = self.config.pin_dir.clone() {
-            writes += detach_pinned(&dir, ifname)?;
+            writes += detach_pinned(&dir, attachment)?;
         }
         Ok(writes)
     }
@@ -664,15 +762,20 @@ impl Datapath {
     pub fn cleanup(mut self) -> Result<Writes, DatapathError> {
         let mut writes = nft::remove_masquerade(&self.config.nft_table)?;
         let held: Vec<String> = self.held.keys().cloned().collect();
-        for ifname in held {
-            writes += self.detach(&ifname)?;
+        for attachment in held {
+            writes += self.detach_attachment(&attachment)?;
         }
         let Some(dir) = self.config.pin_dir.clone() else {
             return Ok(writes);
         };
         for sub in ["links", "netlink"] {
-            for ifname in list_dir(&dir.join(sub))? {
-                writes += detach_pinned(&dir, &ifname)?;
+            // An interface's attachments in the reverse order of their making (its NAT
+            // program, then `:decap`, then `:encap`), so the one that added a clsact qdisc goes
+            // last and takes it along.
+            let mut attachments = list_dir(&dir.join(sub))?;
+            attachments.sort_by(|a, b| b.cmp(a));
+            for attachment in attachments {
+                writes += detach_pinned(&dir, &attachment)?;
             }
         }
         for name in list_dir(&dir.join("maps"))? {
@@ -704,10 +807,13 @@ fn program_mut<'a>(
 }
 
 /// The maps pinned under `maps/`.
-const PINNED_MAPS: [&str; 6] = [
+const PINNED_MAPS: [&str; 9] = [
     MAP_MESH,
     MAP_NAT_SRC,
     MAP_MASQ_DST,
+    MAP_ENCAP,
+    MAP_IPIP_SRC,
+    MAP_DECAP,
     MAP_CONFIG,
     MAP_COUNTERS,
     MAP_LOGS,
@@ -778,10 +884,11 @@ fn pinned_maps(prog: &aya::programs::ProgramInfo) -> Option<Vec<u32>> {
     Some(named.collect())
 }
 
-/// Detaches the pinned TCX link or the marked netlink filter of `ifname`.
-fn detach_pinned(dir: &Path, ifname: &str) -> Result<Writes, DatapathError> {
+/// Detaches the pinned TCX link or the marked netlink filter of `attachment` (see [`Hook`]).
+fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, DatapathError> {
     let mut writes = Writes::default();
-    let pin = dir.join("links").join(ifname);
+    let (ifname, hook) = Hook::parse(attachment);
+    let pin = dir.join("links").join(attachment);
     if pin.exists() {
         let link = PinnedLink::from_pin(&pin).map_err(|e| DatapathError::Link {
             name: ifname.to_owned(),
@@ -795,13 +902,13 @@ fn detach_pinned(dir: &Path, ifname: &str) -> Result<Writes, DatapathError> {
         drop(link);
         writes.add("link_detach", 1);
     }
-    let marker = dir.join("netlink").join(ifname);
+    let marker = dir.join("netlink").join(attachment);
     if marker.exists() {
         // The interface may be gone already (and its filter with it).
         if let Ok(link) = SchedClassifierLink::attached(
             ifname_cstr(ifname)?.as_c_str(),
-            TcAttachType::Ingress.into(),
-            NL_PRIORITY,
+            hook.attach_type().into(),
+            hook.priority(),
             NL_HANDLE,
             None,
         ) {

@@ -4,8 +4,8 @@ use std::net::IpAddr;
 use aya::maps::lpm_trie::Key;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_common::{
-    ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4, FAMILY_V6,
-    LpmData,
+    ENTRY_IPIP, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4,
+    FAMILY_V6, LpmData,
 };
 
 use super::sync::Resolver;
@@ -111,6 +111,12 @@ pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver)
                 }
             }
         }
+        Some(NextHop::Ipip { local, remote }) => {
+            value.flags |= ENTRY_IPIP;
+            value.nh_family = FAMILY_V4;
+            value.nh_addr[..4].copy_from_slice(&remote.octets());
+            value.nh_addr[4..8].copy_from_slice(&local.octets());
+        }
         None => {}
     }
     value
@@ -119,6 +125,7 @@ pub fn entry_value(entry: &DatapathEntry, counter: u32, resolver: &dyn Resolver)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::datapath::NoResolver;
 
     #[test]
     fn keys_round_trip_and_carry_the_family() {
@@ -199,5 +206,14 @@ mod tests {
         e.kind = EntryKind::Service;
         e.next_hop = None;
         assert_eq!(entry_value(&e, 5, &resolver).flags, ENTRY_SERVICE);
+        // IPIP needs no device: the outer destination, then the outer source.
+        e.kind = EntryKind::Node;
+        e.next_hop = Some(NextHop::Ipip {
+            local: "192.168.0.1".parse().unwrap(),
+            remote: "192.168.0.2".parse().unwrap(),
+        });
+        let v = entry_value(&e, 5, &NoResolver);
+        assert_eq!((v.flags, v.nh_family), (ENTRY_IPIP, FAMILY_V4));
+        assert_eq!(&v.nh_addr[..8], &[192, 168, 0, 2, 192, 168, 0, 1]);
     }
 }

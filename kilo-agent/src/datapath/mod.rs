@@ -12,7 +12,9 @@
 //!   and read the tries back only at start, after a failed write and every
 //!   [`READ_BACK_EVERY`] syncs.
 //! - [`AgentDatapath`] and [`FakeDatapath`] (agent.rs): the datapath behind the reconcilers'
-//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory.
+//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory. The real one
+//!   also attaches the IPIP programs to the private interface while the plan has a location
+//!   neighbour ([`IpipPlan`](crate::plan::IpipPlan)), and detaches them when it has none.
 //! - [`logs`]: the program's aya-log records as `tracing` events.
 //! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
 //!
@@ -33,12 +35,12 @@ pub use kilo_common::{Counter, Decision};
 
 pub use agent::{AgentDatapath, FakeDatapath, stats};
 pub use kernel::{
-    AttachMode, Datapath, DatapathConfig, Framing, KernelMaps, OBJECT, framing, ifindex,
+    AttachMode, Datapath, DatapathConfig, Framing, Hook, KernelMaps, OBJECT, framing, ifindex,
 };
 pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{
-    Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, READ_BACK_EVERY, Resolver,
-    read_counters, sync_maps,
+    Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, Plans, READ_BACK_EVERY,
+    Resolver, read_counters, sync_maps,
 };
 
 /// A netlink socket of `protocol`, bound, whose reads give up after 5 s (a reply never comes
@@ -76,10 +78,23 @@ pub enum Role {
     NatSource,
     /// `masquerade_destinations`: this location's allowed-location IPs.
     MasqueradeDestination,
+    /// `ipip.encapsulate`: wrapped in IPIP at egress of the private interface.
+    Encapsulate,
+    /// `ipip.sources`: outer sources whose IPIP is accepted.
+    IpipSource,
+    /// `ipip.decapsulate`: inner destinations this node serves.
+    Decapsulate,
 }
 
 impl Role {
-    pub const ALL: [Role; 3] = [Role::Mesh, Role::NatSource, Role::MasqueradeDestination];
+    pub const ALL: [Role; 6] = [
+        Role::Mesh,
+        Role::NatSource,
+        Role::MasqueradeDestination,
+        Role::Encapsulate,
+        Role::IpipSource,
+        Role::Decapsulate,
+    ];
 
     /// The map (and pin) name.
     pub const fn map_name(self) -> &'static str {
@@ -87,6 +102,9 @@ impl Role {
             Role::Mesh => kilo_common::MAP_MESH,
             Role::NatSource => kilo_common::MAP_NAT_SRC,
             Role::MasqueradeDestination => kilo_common::MAP_MASQ_DST,
+            Role::Encapsulate => kilo_common::MAP_ENCAP,
+            Role::IpipSource => kilo_common::MAP_IPIP_SRC,
+            Role::Decapsulate => kilo_common::MAP_DECAP,
         }
     }
 
@@ -96,6 +114,9 @@ impl Role {
             Role::Mesh => "mesh_destination",
             Role::NatSource => "nat_source",
             Role::MasqueradeDestination => "masquerade_destination",
+            Role::Encapsulate => "encapsulate",
+            Role::IpipSource => "ipip_source",
+            Role::Decapsulate => "decapsulate",
         }
     }
 }

@@ -1,9 +1,11 @@
-//! The map diff: make the three tries equal to a [`DatapathPlan`] writing only the
+//! The map diff: make the tries equal to a [`DatapathPlan`] and an [`IpipPlan`] ([`Plans`]),
+//! writing only the
 //! difference (one write per changed entry, none when nothing changed), behind the
 //! [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! Order: new and changed entries go in mesh destinations first, stale ones go NAT sources and
-//! masquerade destinations first, mesh destinations last. So while a topology grows or shrinks
+//! masquerade destinations first, mesh destinations last. IPIP: accepted sources and served
+//! destinations go in before destinations to encapsulate, and stale ones go out after them. So while a topology grows or shrinks
 //! a packet is never marked that neither the old nor the new topology would mark, and a failure
 //! part-way (a full trie) leaves everything the old topology had plus some of the new.
 //!
@@ -23,7 +25,7 @@ use kilo_common::{Config, Counter, Decision, EntryValue, NO_COUNTER};
 use super::{DatapathError, Role, keys};
 use crate::{
     effects::Writes,
-    plan::{DatapathEntry, DatapathPlan, Device, EntryKind},
+    plan::{DatapathEntry, DatapathPlan, Device, EntryKind, IpipPlan},
 };
 
 /// Maps a plan's devices to interface indices (for the fast path's egress).
@@ -66,13 +68,61 @@ pub trait DatapathMaps {
     fn set_config(&mut self, config: &Config) -> Result<(), DatapathError>;
 }
 
-pub(super) fn plan_role(plan: &DatapathPlan, role: Role) -> &BTreeMap<IpNet, DatapathEntry> {
-    match role {
-        Role::Mesh => &plan.mesh_destinations,
-        Role::NatSource => &plan.nat_sources,
-        Role::MasqueradeDestination => &plan.masquerade_destinations,
+/// Everything the maps hold: the NAT roles' plan and the IPIP roles'. A [`DatapathPlan`]
+/// alone means no IPIP.
+#[derive(Debug, Clone, Copy)]
+pub struct Plans<'a> {
+    pub nat: &'a DatapathPlan,
+    pub ipip: &'a IpipPlan,
+}
+
+static NO_IPIP: IpipPlan = IpipPlan {
+    encapsulate: BTreeMap::new(),
+    sources: BTreeMap::new(),
+    decapsulate: BTreeMap::new(),
+};
+
+impl<'a> From<&'a DatapathPlan> for Plans<'a> {
+    fn from(nat: &'a DatapathPlan) -> Self {
+        Plans {
+            nat,
+            ipip: &NO_IPIP,
+        }
     }
 }
+
+impl<'a> Plans<'a> {
+    /// The entries of one role.
+    pub fn role(self, role: Role) -> &'a BTreeMap<IpNet, DatapathEntry> {
+        match role {
+            Role::Mesh => &self.nat.mesh_destinations,
+            Role::NatSource => &self.nat.nat_sources,
+            Role::MasqueradeDestination => &self.nat.masquerade_destinations,
+            Role::Encapsulate => &self.ipip.encapsulate,
+            Role::IpipSource => &self.ipip.sources,
+            Role::Decapsulate => &self.ipip.decapsulate,
+        }
+    }
+}
+
+/// The order new and changed entries are written in (see the module doc).
+const UPSERT_ORDER: [Role; 6] = [
+    Role::Mesh,
+    Role::NatSource,
+    Role::MasqueradeDestination,
+    Role::IpipSource,
+    Role::Decapsulate,
+    Role::Encapsulate,
+];
+/// The order stale entries are deleted in.
+const DELETE_ORDER: [Role; 6] = [
+    Role::Encapsulate,
+    Role::IpipSource,
+    Role::Decapsulate,
+    Role::NatSource,
+    Role::MasqueradeDestination,
+    Role::Mesh,
+];
 
 /// Syncs between full read-backs of the maps.
 pub const READ_BACK_EVERY: u32 = 10;
@@ -92,12 +142,13 @@ pub struct MapSync {
 impl MapSync {
     /// Makes the maps equal to `plan`, writing only the difference. Writes are counted as
     /// `map_insert`, `map_update`, `map_delete` and `counter_reset`.
-    pub fn sync<M: DatapathMaps + ?Sized>(
+    pub fn sync<'a, M: DatapathMaps + ?Sized>(
         &mut self,
         maps: &mut M,
-        plan: &DatapathPlan,
+        plan: impl Into<Plans<'a>>,
         resolver: &dyn Resolver,
     ) -> Result<Writes, DatapathError> {
+        let plan = plan.into();
         self.since_read += 1;
         let record = match self.record.take() {
             Some(r) if self.since_read < READ_BACK_EVERY => r,
@@ -108,7 +159,7 @@ impl MapSync {
         };
         if Role::ALL
             .iter()
-            .all(|r| unchanged(plan_role(plan, *r), &record[r], resolver))
+            .all(|r| unchanged(plan.role(*r), &record[r], resolver))
         {
             self.record = Some(record);
             return Ok(Writes::default());
@@ -140,9 +191,9 @@ impl MapSync {
 }
 
 /// Makes the maps equal to `plan` after reading them all back (see [`MapSync::sync`]).
-pub fn sync_maps<M: DatapathMaps + ?Sized>(
+pub fn sync_maps<'a, M: DatapathMaps + ?Sized>(
     maps: &mut M,
-    plan: &DatapathPlan,
+    plan: impl Into<Plans<'a>>,
     resolver: &dyn Resolver,
 ) -> Result<Writes, DatapathError> {
     MapSync::default().sync(maps, plan, resolver)
@@ -177,12 +228,12 @@ struct Diff<'a, M: ?Sized> {
 }
 
 impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
-    fn apply(&mut self, plan: &DatapathPlan, resolver: &dyn Resolver) -> Result<(), DatapathError> {
-        for role in Role::ALL {
-            self.upsert(role, plan_role(plan, role), resolver)?;
+    fn apply(&mut self, plan: Plans, resolver: &dyn Resolver) -> Result<(), DatapathError> {
+        for role in UPSERT_ORDER {
+            self.upsert(role, plan.role(role), resolver)?;
         }
-        for role in [Role::NatSource, Role::MasqueradeDestination, Role::Mesh] {
-            self.delete_stale(role, plan_role(plan, role))?;
+        for role in DELETE_ORDER {
+            self.delete_stale(role, plan.role(role))?;
         }
         Ok(())
     }
@@ -304,10 +355,12 @@ impl Counters {
     /// not know, e.g. left over from an adopted topology, get the owner "").
     pub fn labelled<'a>(
         &'a self,
-        plan: &'a DatapathPlan,
+        plan: impl Into<Plans<'a>>,
     ) -> impl Iterator<Item = (&'a EntryCounter, &'a str)> + 'a {
+        let plan = plan.into();
         self.entries.iter().map(move |e| {
-            let owner = plan_role(plan, e.role)
+            let owner = plan
+                .role(e.role)
                 .get(&e.net)
                 .map(|d| d.owner.as_str())
                 .unwrap_or("");

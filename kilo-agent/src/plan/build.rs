@@ -12,6 +12,10 @@
 //!   keeps one peer per key; Kilo's config would silently replace the first entry's allowed
 //!   IPs with the second's). `kgctl showconf` still prints Kilo's text.
 //! - IPIP (tunl0) carries IPv4 only: IPv6 routes inside a location use the private interface.
+//! - IPIP is the datapath's ([`IpipPlan`]): the routes still name `tunl0` here (Kilo's text),
+//!   the reconciler sends them out of the private interface, where the datapath encapsulates by
+//!   destination. So the node's own traffic to a location node's private IP is wrapped too
+//!   (Kilo wraps only what its pods and kilo0 send there, by ip rules into table 1107).
 //! - Routes to a destination whose family differs from the WireGuard subnet's go to the
 //!   WireGuard interface without a gateway (WireGuard picks the peer by allowed IP).
 use std::{
@@ -24,8 +28,8 @@ use std::{
 use ipnet::IpNet;
 
 use super::{
-    DatapathEntry, DatapathPlan, Device, EntryKind, KILO_TABLE, MAIN_TABLE, NextHop, Plan, Route,
-    Rule, WireGuardPeer, WireGuardPlan,
+    DatapathEntry, DatapathPlan, Device, EntryKind, IpipPlan, KILO_TABLE, MAIN_TABLE, NextHop,
+    Plan, Route, Rule, WireGuardPeer, WireGuardPlan,
 };
 use crate::{
     mesh::{self, Granularity, ObjectError, Snapshot},
@@ -483,6 +487,7 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
             Vec::new()
         },
     };
+    let datapath = datapath(t, s);
     Plan {
         addresses: if t.leader {
             vec![t.wireguard_cidr]
@@ -490,9 +495,10 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
             Vec::new()
         },
         wireguard,
+        ipip: ipip(t, s, &routes, &datapath),
         routes,
         rules: rt.rules.into_iter().collect(),
-        datapath: datapath(t, s),
+        datapath,
         cni_ranges: if s.cni {
             t.pod_cidrs.clone()
         } else {
@@ -503,8 +509,8 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
 
 /// The address Kilo puts on the IPIP device (tunl0) when it encapsulates inside a location
 /// (`--encapsulate` not `never`, `--local`): the first address of the local IPv4 pod CIDR, /32.
-/// Not part of [`Plan`] (whose fields other components construct); the agent applies it with
-/// the tunnel device.
+/// Kilo's only: kg has no `tunl0` (the datapath encapsulates); kept to check the plan against
+/// Kilo's output.
 pub fn tunnel_address(t: &Topology, s: &Settings) -> Option<IpNet> {
     if s.encapsulate == Encapsulation::Never || !s.local {
         return None;
@@ -528,6 +534,75 @@ pub fn ipip_sources(t: &Topology, s: &Settings) -> Vec<IpNet> {
         .filter(IpAddr::is_ipv4)
         .map(host_net)
         .collect()
+}
+
+/// The datapath's IPIP maps, with Kilo's own encapsulator only (with `--compatibility` the
+/// CNI's device encapsulates): every route through `tunl0` becomes a destination to wrap toward
+/// its gateway; the location's other nodes may send IPIP; and what this node serves is its own
+/// pod CIDRs and addresses, plus, on a leader, every destination it routes into WireGuard.
+fn ipip(t: &Topology, s: &Settings, routes: &[Route], d: &DatapathPlan) -> IpipPlan {
+    let mut out = IpipPlan::default();
+    let local = t.private_ips.iter().find_map(|n| match n.addr() {
+        IpAddr::V4(a) => Some(a),
+        IpAddr::V6(_) => None,
+    });
+    let Some(local) = local.filter(|_| s.compatibility == Compatibility::None) else {
+        return out;
+    };
+    let entry = |kind, owner: &str, next_hop| DatapathEntry {
+        kind,
+        owner: owner.to_string(),
+        next_hop,
+    };
+    for r in routes.iter().filter(|r| r.device == Device::Tunnel) {
+        let Some(IpAddr::V4(remote)) = r.gateway else {
+            continue;
+        };
+        let hop = Some(NextHop::Ipip { local, remote });
+        let e = match d.mesh_destinations.get(&r.dst) {
+            Some(m) => entry(m.kind, &m.owner, hop),
+            None => entry(EntryKind::Node, &remote.to_string(), hop),
+        };
+        out.encapsulate.entry(r.dst).or_insert(e);
+    }
+    let accepted: BTreeSet<IpNet> = ipip_sources(t, s).into_iter().collect();
+    for seg in t.segments.iter().filter(|x| x.group == t.logical_location) {
+        for n in seg.nodes.iter().filter(|n| n.name != t.hostname) {
+            for ip in n.internal_ips.iter().map(|i| host_net(i.addr())) {
+                if accepted.contains(&ip) && !t.private_ips.iter().any(|p| p.addr() == ip.addr()) {
+                    out.sources
+                        .entry(ip)
+                        .or_insert_with(|| entry(EntryKind::Node, &n.name, None));
+                }
+            }
+        }
+    }
+    if out.sources.is_empty() {
+        return out;
+    }
+    let own = t
+        .pod_cidrs
+        .iter()
+        .copied()
+        .chain(t.private_ips.iter().map(|p| host_net(p.addr())))
+        .chain(t.leader.then(|| host_net(t.wireguard_cidr.addr())));
+    for net in own.filter(|n| n.addr().is_ipv4()) {
+        out.decapsulate
+            .entry(net.trunc())
+            .or_insert_with(|| entry(EntryKind::Node, &t.hostname, None));
+    }
+    if t.leader {
+        for r in routes.iter().filter(|r| r.device == Device::WireGuard) {
+            if r.dst.addr().is_ipv4() {
+                let e = match d.mesh_destinations.get(&r.dst) {
+                    Some(m) => entry(m.kind, &m.owner, None),
+                    None => entry(EntryKind::AllowedLocation, "", None),
+                };
+                out.decapsulate.entry(r.dst).or_insert(e);
+            }
+        }
+    }
+    out
 }
 
 /// The datapath maps that replace Kilo's iptables rules (`Topology.Rules`).

@@ -12,7 +12,10 @@
 //! golden files' layout (`Device` as Kilo's test names kilo0/eth0/tunl0) for tests and dry runs.
 mod build;
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+};
 
 pub use build::{
     Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build,
@@ -38,6 +41,8 @@ pub struct Plan {
     /// Sorted and free of duplicates.
     pub rules: Vec<Rule>,
     pub datapath: DatapathPlan,
+    /// IPIP inside the location, done by the datapath instead of Kilo's `tunl0`.
+    pub ipip: IpipPlan,
     /// The IPAM ranges of the bridge CNI configuration (`--cni`): the node's pod CIDRs. Empty
     /// without `--cni`.
     pub cni_ranges: Vec<IpNet>,
@@ -106,6 +111,28 @@ pub struct DatapathPlan {
     pub masquerade_destinations: BTreeMap<IpNet, DatapathEntry>,
 }
 
+/// The datapath's IPIP maps: Kilo's `tunl0` routes and `KILO-IPIP` chain, as sets of CIDRs
+/// (IPv4 only; keys truncated). Empty with `--encapsulate=never`, without `--local`, with
+/// `--compatibility` (the CNI's device encapsulates) and on a node with no location neighbour.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IpipPlan {
+    /// Destinations of the routes Kilo points at `tunl0`, each with its [`NextHop::Ipip`]:
+    /// wrapped at egress of the private interface.
+    pub encapsulate: BTreeMap<IpNet, DatapathEntry>,
+    /// Kilo's `KILO-IPIP -s X -j ACCEPT`: the private IPs of the location's other nodes.
+    pub sources: BTreeMap<IpNet, DatapathEntry>,
+    /// Inner destinations this node serves (its own pod CIDRs and addresses; a leader also
+    /// what it routes into WireGuard): IPIP to anything else is refused.
+    pub decapsulate: BTreeMap<IpNet, DatapathEntry>,
+}
+
+impl IpipPlan {
+    /// Whether anything may be encapsulated or decapsulated (else no program is attached).
+    pub fn is_empty(&self) -> bool {
+        self.encapsulate.is_empty() && self.sources.is_empty()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DatapathEntry {
     pub kind: EntryKind,
@@ -138,6 +165,9 @@ pub enum NextHop {
     WireGuard,
     /// To a gateway (the location's leader) through a device.
     Gateway { address: IpAddr, device: Device },
+    /// Inside an outer IPv4 header from `local` (this node's private IP) to `remote` (the next
+    /// hop's), out of the private interface.
+    Ipip { local: Ipv4Addr, remote: Ipv4Addr },
 }
 
 #[cfg(test)]

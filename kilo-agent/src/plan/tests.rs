@@ -128,12 +128,55 @@ fn cross_plan_from_c_encapsulated() {
         tunnel_address(&t, &settings(Encapsulation::Always, true)),
         Some("10.2.3.1/32".parse().unwrap())
     );
-    // crosssubnet: d is inside c's /24, so no encapsulation.
+    // The datapath's IPIP: every tunl0 route's destination, wrapped toward its gateway; d may
+    // send IPIP; c serves its own pods and address, and (leading itself in cross) what it
+    // routes into kilo0.
+    let ipip = &plan.ipip;
+    let keys = |m: &BTreeMap<IpNet, DatapathEntry>| m.keys().copied().collect::<Vec<_>>();
+    assert_eq!(
+        keys(&ipip.encapsulate),
+        nets("10.2.4.0/24,10.4.0.4/32,192.168.2.2/32")
+    );
+    let hop = NextHop::Ipip {
+        local: "192.168.2.1".parse().unwrap(),
+        remote: "192.168.2.2".parse().unwrap(),
+    };
+    assert!(ipip.encapsulate.values().all(|e| e.next_hop == Some(hop)));
+    assert_eq!(keys(&ipip.sources), nets("192.168.2.2/32"));
+    for served in [
+        "10.2.3.0/24",
+        "192.168.2.1/32",
+        "10.2.1.0/24",
+        "10.5.0.0/24",
+    ] {
+        assert!(
+            ipip.decapsulate.contains_key(&served.parse().unwrap()),
+            "{served}"
+        );
+    }
+    assert!(
+        !ipip
+            .decapsulate
+            .contains_key(&"10.2.4.0/24".parse().unwrap())
+    );
+    // Kilo's other encapsulators leave it to the CNI's device.
+    let flannel = Settings {
+        compatibility: Compatibility::Flannel,
+        ..settings(Encapsulation::Always, true)
+    };
+    assert_eq!(build(&t, &flannel).ipip, IpipPlan::default());
+    // crosssubnet: d is inside c's /24, so no encapsulation (but d may still send IPIP).
     let plan = build(&t, &settings(Encapsulation::CrossSubnet, true));
     let r = routes(&plan);
     assert!(r.contains("route 10.2.4.0/24 via 192.168.2.2 dev eth0 onlink"));
     assert!(r.contains("route 10.4.0.4/32 via 192.168.2.2 dev eth0 onlink"));
     assert!(plan.rules.is_empty());
+    assert!(plan.ipip.encapsulate.is_empty());
+    assert_eq!(keys(&plan.ipip.sources), nets("192.168.2.2/32"));
+    assert_eq!(
+        build(&t, &settings(Encapsulation::Never, true)).ipip,
+        IpipPlan::default()
+    );
     // --local=false: nothing inside the location.
     let plan = build(&t, &settings(Encapsulation::Always, false));
     assert!(!routes(&plan).iter().any(|r| r.contains("192.168.2.2 dev")));

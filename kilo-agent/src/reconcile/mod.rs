@@ -19,7 +19,10 @@ pub mod netlink;
 pub mod state;
 pub mod wireguard;
 
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 pub use kilo_common::Counter;
 
@@ -56,6 +59,15 @@ pub trait Kernel {
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError>;
     /// Applies every change it can; one failure does not stop the others.
     async fn apply(&mut self, diff: &KernelDiff) -> (Writes, Vec<KernelError>);
+    /// The gateway of the kernel's route to each of `targets` that is not on the `private`
+    /// link itself (IPIP's outer destinations behind a router). Default: all on the link.
+    async fn underlay(
+        &mut self,
+        _targets: &BTreeSet<IpAddr>,
+        _private: u32,
+    ) -> Result<BTreeMap<IpAddr, IpAddr>, KernelError> {
+        Ok(BTreeMap::new())
+    }
 }
 
 /// An in-memory kernel: links, addresses, our routes and rules, with write counting.
@@ -206,8 +218,8 @@ impl std::fmt::Display for DryRun {
     }
 }
 
-/// Runs the reconcilers in dependency order: link, WireGuard device, addresses, routes, rules,
-/// datapath, and (with [`Reconciler::with_cni`]) the CNI configuration file.
+/// Runs the reconcilers in dependency order: link, WireGuard device, datapath (before the
+/// routes that send into its encapsulation), addresses, routes, rules, and (with [`Reconciler::with_cni`]) the CNI configuration file.
 pub struct Reconciler<K, W, D> {
     pub kernel: K,
     pub wireguard: W,
@@ -238,6 +250,24 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         LinkWant {
             up: true,
             mtu: self.settings.mtu,
+        }
+    }
+
+    /// Where the underlay sends the outer packets of what the datapath encapsulates (see
+    /// [`Kernel::underlay`]); all on the link when it cannot say (logged).
+    async fn underlay(&mut self, plan: &Plan, observed: &KernelState) -> BTreeMap<IpAddr, IpAddr> {
+        let devices = &self.settings.devices;
+        let targets = state::ipip_gateways(plan, devices);
+        let private = devices.private.as_ref().and_then(|p| observed.links.get(p));
+        let (Some(private), false) = (private, targets.is_empty()) else {
+            return BTreeMap::new();
+        };
+        match self.kernel.underlay(&targets, private.index).await {
+            Ok(hops) => hops,
+            Err(e) => {
+                tracing::warn!(error = %e, "the underlay's routes to IPIP next hops");
+                BTreeMap::new()
+            }
         }
     }
 
@@ -290,7 +320,15 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
 
-        let want = state::desired(plan, &devices, &observed.links);
+        // The datapath before the routes: what they send out of the private interface must find
+        // the encapsulation there already.
+        match self.datapath.sync(&plan.datapath, &plan.ipip) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+
+        let underlay = self.underlay(plan, &observed).await;
+        let want = state::desired(plan, &devices, &observed.links, &underlay);
         report.problems.extend(want.problems.iter().cloned());
         let d = state::diff(&link, self.link_want(), &want, &observed);
         if !d.is_empty() {
@@ -300,11 +338,6 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             report
                 .problems
                 .extend(errors.into_iter().map(|e| e.to_string()));
-        }
-
-        match self.datapath.sync(&plan.datapath) {
-            Ok(w) => report.writes += w,
-            Err(e) => report.problems.push(e.to_string()),
         }
         if let Some(cni) = &mut self.cni {
             let (w, problem) = cni.reconcile(&plan.cni_ranges);
@@ -346,10 +379,11 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 }
             }
         };
-        let want = state::desired(plan, &devices, &observed.links);
+        let underlay = self.underlay(plan, &observed).await;
+        let want = state::desired(plan, &devices, &observed.links, &underlay);
         out.problems.extend(want.problems.iter().cloned());
         out.kernel = state::diff(&link, self.link_want(), &want, &observed);
-        match self.datapath.describe(&plan.datapath) {
+        match self.datapath.describe(&plan.datapath, &plan.ipip) {
             Ok(lines) => out.datapath = lines,
             Err(e) => out.problems.push(e.to_string()),
         }
@@ -441,6 +475,7 @@ mod tests {
                 table: KILO_TABLE,
             }],
             datapath: DatapathPlan::default(),
+            ipip: Default::default(),
             cni_ranges: Vec::new(),
         }
     }

@@ -17,8 +17,8 @@ use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkFlags, LinkMessage},
     route::{
-        RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol,
-        RouteScope, RouteType,
+        RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteMetric,
+        RouteProtocol, RouteScope, RouteType,
     },
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
@@ -171,8 +171,15 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
     let mut gateway = None;
     let mut src = None;
     let mut oif = 0;
+    let mut mtu = None;
     for a in &m.attributes {
         match a {
+            RouteAttribute::Metrics(metrics) => {
+                mtu = metrics.iter().find_map(|x| match x {
+                    RouteMetric::Mtu(v) => Some(*v),
+                    _ => None,
+                });
+            }
             RouteAttribute::Table(t) => table = *t,
             RouteAttribute::Destination(d) => dst = route_ip(d),
             RouteAttribute::Gateway(g) => gateway = route_ip(g),
@@ -193,6 +200,7 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
         src,
         oif,
         onlink: gateway.is_some() && m.header.flags.contains(RouteFlags::Onlink),
+        mtu,
     })
 }
 
@@ -251,6 +259,10 @@ fn route_message(r: &KRoute) -> RouteMessage {
         m.attributes.push(RouteAttribute::PrefSource(src.into()));
     }
     m.attributes.push(RouteAttribute::Oif(r.oif));
+    if let Some(mtu) = r.mtu {
+        m.attributes
+            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+    }
     if r.onlink {
         m.header.flags |= RouteFlags::Onlink;
     }
@@ -351,6 +363,53 @@ impl Kernel for NetlinkKernel {
         let mut w = Writes::default();
         w.add("link_add", 1);
         Ok(w)
+    }
+
+    async fn underlay(
+        &mut self,
+        targets: &BTreeSet<IpAddr>,
+        private: u32,
+    ) -> Result<std::collections::BTreeMap<IpAddr, IpAddr>, KernelError> {
+        use netlink_packet_core::{NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+        let mut out = std::collections::BTreeMap::new();
+        for target in targets {
+            let mut m = RouteMessage::default();
+            m.header.address_family = match target {
+                IpAddr::V4(_) => AddressFamily::Inet,
+                IpAddr::V6(_) => AddressFamily::Inet6,
+            };
+            m.header.destination_prefix_length = if target.is_ipv4() { 32 } else { 128 };
+            m.attributes
+                .push(RouteAttribute::Destination((*target).into()));
+            let mut req = NetlinkMessage::from(RouteNetlinkMessage::GetRoute(m));
+            req.header.flags = NLM_F_REQUEST;
+            let mut handle = self.handle.clone();
+            let mut resp = handle.request(req).map_err(|e| KernelError::Netlink {
+                op: format!("route to {target}"),
+                message: e.to_string(),
+            })?;
+            while let Some(msg) = resp.next().await {
+                match msg.payload {
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => {
+                        let (mut gateway, mut oif) = (None, 0);
+                        for a in &r.attributes {
+                            match a {
+                                RouteAttribute::Gateway(g) => gateway = route_ip(g),
+                                RouteAttribute::Oif(i) => oif = *i,
+                                _ => {}
+                            }
+                        }
+                        if let Some(g) = gateway.filter(|_| oif == private) {
+                            out.insert(*target, g);
+                        }
+                        break;
+                    }
+                    NetlinkPayload::Error(e) if e.code.is_some() => break,
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
@@ -557,6 +616,7 @@ mod tests {
             src: Some("10.0.0.1".parse().unwrap()),
             oif: 3,
             onlink: true,
+            mtu: Some(1480),
         };
         assert_eq!(parse_route(&route_message(&r)), Some(r));
         let rule = KRule {
@@ -585,6 +645,7 @@ mod tests {
             src: None,
             oif: 9,
             onlink: false,
+            mtu: None,
         });
         let ours = foreign.clone();
         foreign.header.protocol = RouteProtocol::Bird;

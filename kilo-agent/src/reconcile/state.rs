@@ -12,7 +12,7 @@ use std::{
 use ipnet::IpNet;
 
 pub use crate::effects::Devices;
-use crate::plan::Plan;
+use crate::plan::{Device, Plan};
 
 /// The state of one link, as far as the agent cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +32,8 @@ pub struct KRoute {
     pub oif: u32,
     /// Only meaningful with a gateway (the kernel reports it only then).
     pub onlink: bool,
+    /// The route's MTU metric (routes the datapath encapsulates leave room for the outer header).
+    pub mtu: Option<u32>,
 }
 
 /// An ip rule in kernel terms (`from SRC to DST iif IF lookup TABLE`).
@@ -80,17 +82,48 @@ pub struct Desired {
     pub problems: Vec<String>,
 }
 
+/// The outer IPv4 header the datapath adds to what it encapsulates (Kilo gives `tunl0` the
+/// private interface's MTU minus this).
+pub const IPIP_OVERHEAD: u32 = 20;
+
+/// The next hops of the routes the datapath encapsulates: their gateways (IPIP's outer
+/// destinations, from the plan) when a device has to carry them, i.e. without a tunnel device.
+pub fn ipip_gateways(plan: &Plan, devices: &Devices) -> BTreeSet<IpAddr> {
+    if devices.tunnel.is_some() {
+        return BTreeSet::new();
+    }
+    plan.routes
+        .iter()
+        .filter(|r| r.device == Device::Tunnel)
+        .filter_map(|r| r.gateway)
+        .collect()
+}
+
 /// Translates the plan into kernel terms. A route through a device that does not exist is
-/// reported and skipped; everything else is still applied.
-pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkState>) -> Desired {
+/// reported and skipped; everything else is still applied. Without a tunnel device, the routes
+/// through `Device::Tunnel` go out of the private interface, where the datapath encapsulates
+/// them, with its MTU minus [`IPIP_OVERHEAD`], and through `underlay[gateway]` when the
+/// gateway is not on that link (the outer packet goes to the gateway through that router, as
+/// Kilo's `tunl0` routes it).
+pub fn desired(
+    plan: &Plan,
+    devices: &Devices,
+    links: &BTreeMap<String, LinkState>,
+    underlay: &BTreeMap<IpAddr, IpAddr>,
+) -> Desired {
     let mut out = Desired {
         addresses: plan.addresses.iter().copied().collect(),
         ..Desired::default()
     };
     for route in &plan.routes {
-        let index = devices
-            .name(route.device)
-            .and_then(|name| links.get(name).map(|l| l.index));
+        let datapath_ipip = route.device == Device::Tunnel && devices.tunnel.is_none();
+        let device = if datapath_ipip {
+            Device::Private
+        } else {
+            route.device
+        };
+        let link = devices.name(device).and_then(|name| links.get(name));
+        let index = link.map(|l| l.index);
         let Some(oif) = index else {
             out.problems.push(format!(
                 "route {} (table {}): device {:?} ({}) not found",
@@ -104,10 +137,16 @@ pub fn desired(plan: &Plan, devices: &Devices, links: &BTreeMap<String, LinkStat
         out.routes.insert(KRoute {
             table: route.table,
             dst: route.dst.trunc(),
-            gateway: route.gateway,
+            gateway: route.gateway.map(|g| match underlay.get(&g) {
+                Some(hop) if datapath_ipip => *hop,
+                _ => g,
+            }),
             src: route.src,
             oif,
             onlink: route.onlink && route.gateway.is_some(),
+            mtu: link
+                .filter(|_| datapath_ipip)
+                .map(|l| l.mtu.saturating_sub(IPIP_OVERHEAD)),
         });
     }
     for rule in &plan.rules {
@@ -233,6 +272,9 @@ impl fmt::Display for KRoute {
         if let Some(src) = self.src {
             write!(f, " src {src}")?;
         }
+        if let Some(mtu) = self.mtu {
+            write!(f, " mtu {mtu}")?;
+        }
         write!(f, " table {}", self.table)
     }
 }
@@ -290,7 +332,7 @@ impl fmt::Display for KernelDiff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Device, KILO_TABLE, MAIN_TABLE, Route, Rule};
+    use crate::plan::{KILO_TABLE, MAIN_TABLE, Route, Rule};
 
     fn devices() -> Devices {
         Devices {
@@ -354,7 +396,11 @@ mod tests {
 
     #[test]
     fn unresolvable_device_is_reported_and_the_rest_kept() {
-        let d = desired(&plan(), &devices(), &links());
+        let devices = Devices {
+            tunnel: Some("tunl0".into()),
+            ..devices()
+        };
+        let d = desired(&plan(), &devices, &links(), &BTreeMap::new());
         assert_eq!(d.routes.len(), 1);
         assert_eq!(d.rules.len(), 1);
         assert_eq!(d.problems.len(), 1);
@@ -362,9 +408,36 @@ mod tests {
     }
 
     #[test]
+    fn without_a_tunnel_device_tunnel_routes_leave_by_the_private_interface() {
+        let d = desired(&plan(), &devices(), &links(), &BTreeMap::new());
+        assert!(d.problems.is_empty(), "{:?}", d.problems);
+        let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
+        assert_eq!((r.oif, r.mtu), (2, Some(1480)), "{r}");
+        // Other routes keep the device's own MTU.
+        assert!(
+            d.routes
+                .iter()
+                .filter(|r| r.table != KILO_TABLE)
+                .all(|r| r.mtu.is_none())
+        );
+        // A gateway off the link: through the underlay's router toward it.
+        let router: IpAddr = "192.168.0.254".parse().unwrap();
+        let mut plan = plan();
+        plan.routes[1].gateway = Some("192.168.9.9".parse().unwrap());
+        assert_eq!(
+            ipip_gateways(&plan, &devices()),
+            BTreeSet::from(["192.168.9.9".parse().unwrap()])
+        );
+        let underlay = BTreeMap::from([("192.168.9.9".parse().unwrap(), router)]);
+        let d = desired(&plan, &devices(), &links(), &underlay);
+        let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
+        assert_eq!(r.gateway, Some(router), "{r}");
+    }
+
+    #[test]
     fn matching_kernel_gives_an_empty_diff() {
         let l = links();
-        let d = desired(&plan(), &devices(), &l);
+        let d = desired(&plan(), &devices(), &l, &BTreeMap::new());
         let observed = KernelState {
             links: l.clone(),
             addresses: d.addresses.clone(),
@@ -382,7 +455,11 @@ mod tests {
     #[test]
     fn changed_gateway_replaces_and_stale_entries_are_deleted() {
         let l = links();
-        let d = desired(&plan(), &devices(), &l);
+        let devices = Devices {
+            tunnel: Some("tunl0".into()),
+            ..devices()
+        };
+        let d = desired(&plan(), &devices, &l, &BTreeMap::new());
         let mut old = d.routes.iter().next().unwrap().clone();
         old.gateway = Some("10.4.0.3".parse().unwrap());
         let stale = KRoute {
@@ -392,6 +469,7 @@ mod tests {
             src: None,
             oif: 5,
             onlink: false,
+            mtu: None,
         };
         let observed = KernelState {
             links: l.clone(),

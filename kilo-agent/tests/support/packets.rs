@@ -13,6 +13,8 @@ pub const ETH_P_8021AD: u16 = 0x88a8;
 pub const SKB_SIZE: usize = 192;
 const SKB_MARK: usize = 8;
 const SKB_IFINDEX: usize = 40;
+const SKB_GSO_SEGS: usize = 164;
+const SKB_GSO_SIZE: usize = 176;
 
 /// An Ethernet header with VLAN tags (`(tpid, vid)`, outermost first) and the final ethertype.
 pub fn eth(tags: &[(u16, u16)], proto: u16) -> Vec<u8> {
@@ -162,6 +164,28 @@ pub fn run(prog: &SchedClassifier, data: &[u8], mark: u32, ifindex: u32, repeat:
     Run {
         verdict: res.return_value,
         mark: u32::from_ne_bytes(ctx_out[SKB_MARK..SKB_MARK + 4].try_into().unwrap()),
+        data: out,
+    }
+}
+
+/// Runs `prog` once on `data` as a GSO packet of `segs` segments of `size` bytes.
+pub fn run_gso(prog: &SchedClassifier, data: &[u8], size: u32, segs: u32) -> Run {
+    let mut ctx = [0u8; SKB_SIZE];
+    ctx[SKB_GSO_SEGS..SKB_GSO_SEGS + 4].copy_from_slice(&segs.to_ne_bytes());
+    ctx[SKB_GSO_SIZE..SKB_GSO_SIZE + 4].copy_from_slice(&size.to_ne_bytes());
+    let mut out = vec![0u8; data.len() + 256];
+    let res = prog
+        .test_run(TestRunOptions {
+            data_in: Some(data),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN (GSO): {e}"));
+    out.truncate(res.data_size_out as usize);
+    Run {
+        verdict: res.return_value,
+        mark: 0,
         data: out,
     }
 }
