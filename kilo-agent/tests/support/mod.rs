@@ -8,6 +8,7 @@ pub mod apistub;
 pub mod bpffs;
 pub mod netns;
 pub mod packets;
+pub mod report;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
 /// classifier), embedded only by the tests and benchmarks.
