@@ -359,7 +359,8 @@ fn main() {
     ];
     let wgv = Command::new("wireguard-go").arg("--version").output();
     if let Ok(o) = wgv {
-        report::meta("wireguard-go", String::from_utf8_lossy(&o.stdout).trim());
+        let v = String::from_utf8_lossy(&o.stdout);
+        report::meta("wireguard-go", v.lines().next().unwrap_or_default().trim());
     }
     report::meta("idle window", &format!("{} s", idle.as_secs()));
 

@@ -63,7 +63,7 @@ use kilo_agent::{
 };
 use std::collections::BTreeMap;
 
-use support::{arg, netns::sh};
+use support::{arg, netns::sh, report};
 
 const SENDER_CPU: usize = 0;
 const RPS_CPU: usize = 1;
@@ -942,6 +942,205 @@ const CASES: [Case; 11] = [
     },
 ];
 
+type Samples = BTreeMap<(usize, usize), Vec<f64>>;
+
+fn case(name: &str) -> usize {
+    CASES.iter().position(|c| c.name == name).unwrap()
+}
+
+/// The median of the per-round differences a - b (or ratios a / b).
+fn paired(a: &[f64], b: &[f64], ratio: bool) -> Vec<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| if ratio { x / y } else { x - y })
+        .collect()
+}
+
+/// Part 1 into the report: NET_RX ns per packet, the program's own run time, and the
+/// differences and ratios the targets are judged on.
+fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
+    let id = "softirq";
+    report::table(
+        id,
+        "Live, one flow: the NET_RX softirq time per packet the router received",
+        "ns",
+    );
+    for (c, k) in CASES.iter().enumerate() {
+        for (m, (mode, _, _)) in modes.iter().enumerate() {
+            report::cell(id, k.name, mode, &p1[&(c, m)]);
+        }
+    }
+    report::note(
+        id,
+        "Pod -> router -> receiver namespaces; the sender writes raw frames on CPU 0. Same-CPU: \
+         the router's softirq runs right after each frame on the sender's CPU; cross-CPU: RPS \
+         steers it to CPU 1, frames paced 10 us apart. Two raw-tracepoint programs sum the \
+         NET_RX softirq time of every CPU (this kernel has no IRQ time accounting); the sink \
+         row is the cost of one veth delivery + softirq + drop, about the receiver's share.",
+    );
+    if !prog.is_empty() {
+        let id = "prog";
+        report::table(
+            id,
+            "Live: the attached program's own run time (BPF stats)",
+            "ns per run",
+        );
+        for name in [
+            "forward, empty program",
+            "forward, ours (mesh hit)",
+            "mesh + conntrack, empty program",
+            "mesh + conntrack, ours",
+            "NAT all, empty program",
+            "masquerade, ours (mark + rule)",
+        ] {
+            for (m, (mode, _, _)) in modes.iter().enumerate() {
+                if let Some(v) = prog.get(&(case(name), m)) {
+                    report::cell(id, name, mode, v);
+                }
+            }
+        }
+        let mut worst = f64::MIN;
+        for (label, a, b) in [
+            (
+                "ours - empty, mesh hit",
+                "forward, ours (mesh hit)",
+                "forward, empty program",
+            ),
+            (
+                "ours - empty, mesh + conntrack",
+                "mesh + conntrack, ours",
+                "mesh + conntrack, empty program",
+            ),
+            (
+                "ours - empty, masquerade",
+                "masquerade, ours (mark + rule)",
+                "NAT all, empty program",
+            ),
+        ] {
+            for (m, (mode, _, _)) in modes.iter().enumerate() {
+                let d = paired(&prog[&(case(a), m)], &prog[&(case(b), m)], false);
+                worst = worst.max(report::median(&d));
+                report::cell(id, label, mode, &d);
+            }
+        }
+        report::note(
+            id,
+            "BPF_ENABLE_STATS: the kernel's run_time_ns / run_cnt of the attached program \
+             (includes the stats' own two clock reads, the same for both). The differences are \
+             per round (paired). 1,000 mesh entries.",
+        );
+        report::target(
+            "live: the program's own cost at 1,000 entries within +45 ns of the empty program",
+            &format!(
+                "+{worst:.1} ns at worst (mesh hit, mesh + conntrack, masquerade; both CPU modes)"
+            ),
+            worst <= 45.0,
+        );
+    }
+    let id = "fast-path";
+    report::table(
+        id,
+        "Live: the fast path against netfilter (router's softirq time)",
+        "ratio",
+    );
+    let (fast, nf, sink) = (
+        case("mesh, ours fast path"),
+        case("mesh + conntrack, no program"),
+        0,
+    );
+    let mut worst = f64::MIN;
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        let whole = paired(&p1[&(fast, m)], &p1[&(nf, m)], true);
+        let f: Vec<f64> = paired(&p1[&(fast, m)], &p1[&(sink, m)], false);
+        let n: Vec<f64> = paired(&p1[&(nf, m)], &p1[&(sink, m)], false);
+        worst = worst.max(report::median(&whole));
+        report::cell(id, "fast path / netfilter without a program", mode, &whole);
+        report::cell(
+            id,
+            "the same, router only (minus the sink)",
+            mode,
+            &paired(&f, &n, true),
+        );
+    }
+    report::note(
+        id,
+        "Mesh traffic, per round: ours with the fast path (redirect to the egress, no routing, \
+         conntrack or netfilter) against forwarding through conntrack and our NAT table with no \
+         program. Below 1: the fast path is cheaper.",
+    );
+    report::target(
+        "live: with the fast path, mesh traffic cheaper for the router than netfilter without any program",
+        &format!("fast path / netfilter = {worst:.2} at worst"),
+        worst < 1.0,
+    );
+}
+
+/// Part 2 into the report: new connections per second, ours against NAT-all, by N.
+fn report_part2(
+    p2: &BTreeMap<(usize, usize, bool), Vec<f64>>,
+    ns_list: &[usize],
+    modes: &[(&str, u32, u64)],
+) {
+    let id = "new-flows";
+    report::table(
+        id,
+        "Live: new connections per second through the router, by mesh entries",
+        "flows/s",
+    );
+    let rate = |v: &[f64]| v.iter().map(|ns| 1e9 / ns).collect::<Vec<f64>>();
+    let mut worst = f64::MAX;
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        for (i, &n) in ns_list.iter().enumerate() {
+            let col = n.to_string();
+            report::cell(
+                id,
+                &format!("NAT everything, no program ({mode})"),
+                &col,
+                &rate(&p2[&(i, m, false)]),
+            );
+            report::cell(
+                id,
+                &format!("ours: mark + one masquerade rule ({mode})"),
+                &col,
+                &rate(&p2[&(i, m, true)]),
+            );
+        }
+    }
+    report::note(
+        id,
+        "One packet per new UDP flow (unique ports), conntrack flushed before each run; flows/s = \
+         1e9 / NET_RX ns per new-flow packet (one core). BPF stats off.",
+    );
+    report::plot(id, "mesh entries", "new flows per second", true, false);
+    let id = "new-flows-ratio";
+    report::table(
+        id,
+        "Live: new connections, ours / NAT everything (paired per round)",
+        "ratio",
+    );
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        for (i, &n) in ns_list.iter().enumerate() {
+            // flows/s ours / NAT-all = NAT-all ns / ours ns.
+            let r = paired(&p2[&(i, m, false)], &p2[&(i, m, true)], true);
+            worst = worst.min(report::median(&r));
+            report::cell(id, mode, &n.to_string(), &r);
+        }
+    }
+    report::plot(id, "mesh entries", "ours / NAT everything", true, false);
+    report::target(
+        "live: new connections within 5% of NAT-everything at every N",
+        &format!(
+            "ours / NAT-all = {worst:.3} at worst (N = {})",
+            ns_list
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        worst >= 0.95,
+    );
+}
+
 /// (name, RPS mask of the router's pod-facing veth, sender pacing in ns).
 const MODES: [(&str, u32, u64); 2] = [
     ("same-CPU", 0, 0),
@@ -954,9 +1153,17 @@ fn main() {
         println!("bench_live: needs root (network namespaces, BPF, nftables); skipped");
         return;
     }
-    let packets = arg::<u64>("--packets", 100_000);
-    let flows = arg::<u64>("--flows", 20_000) as u32;
-    let rounds = arg::<u64>("--rounds", 10) as usize;
+    let quick = report::quick();
+    let packets = arg::<u64>("--packets", if quick { 10_000 } else { 50_000 });
+    let flows = arg::<u64>("--flows", if quick { 5_000 } else { 20_000 }) as u32;
+    let rounds = arg::<u64>("--rounds", if quick { 2 } else { 7 }) as usize;
+    report::meta(
+        "live runs",
+        &format!(
+            "{packets} frames of one UDP flow per run, {flows} new flows per run, {rounds} rounds, \
+             cases interleaved round by round"
+        ),
+    );
     // `--only 1` or `--only 2`: one part; `--no-prog-stats`: without BPF_ENABLE_STATS (whose
     // clock reads add to every program run, so to the hook cost).
     let only = arg::<u64>("--only", 0);
@@ -1233,6 +1440,7 @@ fn main() {
             }
             println!();
         }
+        report_part1(&p1, &prog, modes);
     }
 
     // Part 2: new connections (one packet each, unique destination ports), N entries. Against
@@ -1245,7 +1453,11 @@ fn main() {
             "# new flows: {flows} new UDP flows per run (one packet each, unique ports), conntrack \
          flushed before each run; flows/s = 1e9 / NET_RX ns per new-flow packet (one core)"
         );
-        let ns_list = [10usize, 1_000, 10_000, 100_000];
+        let ns_list: &[usize] = if quick {
+            &[10, 1_000]
+        } else {
+            &[10, 1_000, 10_000, 100_000]
+        };
         let mut p2: BTreeMap<(usize, usize, bool), Vec<f64>> = BTreeMap::new();
         for (i, &n) in ns_list.iter().enumerate() {
             let w = router.dp.sync(&plan(n), &resolver).expect("sync");
@@ -1285,6 +1497,7 @@ fn main() {
             }
         }
         router.set(Prog::None, Nf::Off);
+        report_part2(&p2, ns_list, modes);
         println!();
         println!(
             "{:<16} {:>7} {:>17} {:>17} {:>10} {:>10} {:>6} {:>7}",

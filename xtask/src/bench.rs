@@ -471,8 +471,14 @@ fn render(out: &Path, start: &Start, quick: bool, ran: &[Ran]) -> Result<String>
             if let Some(p) = &t.plot {
                 std::fs::create_dir_all(&plots)?;
                 let name = format!("{}-{}.svg", r.what, slug(id));
-                plot(&plots.join(&name), t, p).with_context(|| format!("plotting {}", t.title))?;
-                let _ = writeln!(md, "![{}](docs/bench/{name})\n", t.title);
+                match plot(&plots.join(&name), t, p) {
+                    Ok(()) => {
+                        let _ = writeln!(md, "![{}](docs/bench/{name})\n", t.title);
+                    }
+                    Err(e) => {
+                        let _ = writeln!(md, "(no plot: {e})\n");
+                    }
+                }
             }
         }
     }
@@ -523,7 +529,9 @@ fn update_readme(out: &Path, ran: &[Ran]) -> Result<()> {
     Ok(())
 }
 
+/// A column as a number: `1,000`, `N=1000`.
 fn parse_x(s: &str) -> Option<f64> {
+    let s = s.rsplit('=').next().unwrap_or(s);
     s.replace([',', '_'], "").trim().parse().ok()
 }
 
@@ -635,6 +643,7 @@ mod tests {
         assert_eq!(num(12.34), "12.3");
         assert_eq!(num(0.01234), "0.012");
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(parse_x("N=1,000"), Some(1000.0));
     }
 
     /// Records become a table with medians and ranges, and a plot with one series per row.
