@@ -2,8 +2,8 @@
 //! examples (`kilo-agent/examples/bench_<what>.rs`, every one by default) and renders what they
 //! measured into `DIR/BENCHMARKS.md` (DIR defaults to the repository root), SVG plots in
 //! `DIR/docs/bench/`, and the summary table between the `bench-summary` markers of
-//! `DIR/README.md` when there is one. With WHAT, only that benchmark runs and the report is
-//! written only with `--out`. `--quick` runs every part at small sizes (a minute or two);
+//! `DIR/README.md` when there is one. With WHAT, only that benchmark runs and, without `--out`,
+//! its section is printed instead. `--quick` runs every part at small sizes (a minute or two);
 //! `--debug` runs debug builds (what the test suite does, to spare a release build).
 //!
 //! # Result format
@@ -140,16 +140,18 @@ pub fn bench(args: &[String]) -> Result<()> {
             records,
         });
     }
-    let out = match (&o.out, &o.what) {
-        (Some(out), _) => Some(out.clone()),
-        (None, None) => Some(root_dir()),
-        (None, Some(_)) => None,
-    };
-    if let Some(out) = out {
-        let report = render(&out, &started, o.quick, &ran)?;
-        std::fs::write(out.join("BENCHMARKS.md"), report)?;
-        update_readme(&out, &ran)?;
-        eprintln!("report: {}", out.join("BENCHMARKS.md").display());
+    match (&o.out, &o.what) {
+        (None, Some(_)) => {
+            // One benchmark: its section on stdout (plots under target/bench), no report.
+            print!("{}", render(&results, &started, o.quick, &ran)?);
+        }
+        (out, _) => {
+            let out = out.clone().unwrap_or_else(root_dir);
+            let report = render(&out, &started, o.quick, &ran)?;
+            std::fs::write(out.join("BENCHMARKS.md"), report)?;
+            update_readme(&out, &started, o.quick, &ran)?;
+            eprintln!("report: {}", out.join("BENCHMARKS.md").display());
+        }
     }
     let failed: Vec<&str> = ran
         .iter()
@@ -252,8 +254,11 @@ fn push_unique(v: &mut Vec<String>, s: &str) {
     }
 }
 
+/// A benchmark's tables in order, its facts (key, value) and its target records.
+type Parsed = (Vec<(String, Table)>, Vec<(String, String)>, Vec<Value>);
+
 /// The tables of one benchmark, in order, with its facts and targets.
-fn tables(records: &[Value]) -> (Vec<(String, Table)>, Vec<(String, String)>, Vec<Value>) {
+fn tables(records: &[Value]) -> Parsed {
     let mut tables: Vec<(String, Table)> = Vec::new();
     let mut meta = Vec::new();
     let mut targets = Vec::new();
@@ -485,8 +490,6 @@ fn render(out: &Path, start: &Start, quick: bool, ran: &[Ran]) -> Result<String>
     Ok(md)
 }
 
-type Parsed = (Vec<(String, Table)>, Vec<(String, String)>, Vec<Value>);
-
 fn targets_table(parsed: &[Parsed]) -> String {
     let mut md = String::from("| target | measured | met |\n|---|---|---|\n");
     for (_, _, targets) in parsed {
@@ -509,7 +512,7 @@ fn targets_table(parsed: &[Parsed]) -> String {
 
 /// Replaces the table between `<!-- bench-summary -->` and `<!-- /bench-summary -->` in
 /// `out/README.md`, if both are there.
-fn update_readme(out: &Path, ran: &[Ran]) -> Result<()> {
+fn update_readme(out: &Path, start: &Start, quick: bool, ran: &[Ran]) -> Result<()> {
     let path = out.join("README.md");
     let Ok(readme) = std::fs::read_to_string(&path) else {
         return Ok(());
@@ -519,9 +522,15 @@ fn update_readme(out: &Path, ran: &[Ran]) -> Result<()> {
         return Ok(());
     };
     let parsed: Vec<_> = ran.iter().map(|r| tables(&r.records)).collect();
+    let mode = if quick {
+        "quick run (small sizes: not figures to quote)"
+    } else {
+        "run"
+    };
     let text = format!(
-        "{}{begin}\n{}{}",
+        "{}{begin}\nThe targets, from the {mode} of {} in [BENCHMARKS.md](BENCHMARKS.md):\n\n{}{}",
         &readme[..a],
+        start.date,
         targets_table(&parsed),
         &readme[b..]
     );
