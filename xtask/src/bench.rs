@@ -1,10 +1,12 @@
-//! `cargo xtask bench [WHAT] [--quick] [--debug] [--out DIR] [-- ARGS]`: runs the benchmark
+//! `cargo xtask bench [WHAT] [--quick] [--debug] [--no-run] [--out DIR] [-- ARGS]`: runs the benchmark
 //! examples (`kilo-agent/examples/bench_<what>.rs`, every one by default) and renders what they
 //! measured into `DIR/BENCHMARKS.md` (DIR defaults to the repository root), SVG plots in
 //! `DIR/docs/bench/`, and the summary table between the `bench-summary` markers of
 //! `DIR/README.md` when there is one. With WHAT, only that benchmark runs and, without `--out`,
 //! its section is printed instead. `--quick` runs every part at small sizes (a minute or two);
-//! `--debug` runs debug builds (what the test suite does, to spare a release build).
+//! `--debug` runs debug builds (what the test suite does, to spare a release build);
+//! `--no-run` renders again from the last results (`target/bench/<what>.jsonl`), e.g. after
+//! running one benchmark alone.
 //!
 //! # Result format
 //! Any `bench_<what>` example takes part: it appends one JSON object per line to the file that
@@ -42,6 +44,7 @@ struct Options {
     what: Option<String>,
     quick: bool,
     debug: bool,
+    no_run: bool,
     out: Option<PathBuf>,
     rest: Vec<String>,
 }
@@ -53,6 +56,7 @@ fn parse(args: &[String]) -> Result<Options> {
         match a.as_str() {
             "--quick" => o.quick = true,
             "--debug" => o.debug = true,
+            "--no-run" => o.no_run = true,
             "--out" => o.out = Some(it.next().context("--out DIR")?.into()),
             "--" => o.rest = it.by_ref().cloned().collect(),
             s if s.starts_with('-') => bail!("unknown option {s}"),
@@ -97,13 +101,15 @@ pub fn bench(args: &[String]) -> Result<()> {
         None => all,
     };
     let profile = if o.debug { "debug" } else { "release" };
-    let mut build = cargo();
-    // The default members, as `cargo test` builds them: the same features, no rebuild.
-    build.args(["build", "--examples", "--bins"]);
-    if !o.debug {
-        build.arg("--release");
+    if !o.no_run {
+        let mut build = cargo();
+        // The default members, as `cargo test` builds them: the same features, no rebuild.
+        build.args(["build", "--examples", "--bins"]);
+        if !o.debug {
+            build.arg("--release");
+        }
+        run(&mut build)?;
     }
-    run(&mut build)?;
     let bin = root_dir().join("target").join(profile);
     let results = root_dir().join("target/bench");
     std::fs::create_dir_all(&results)?;
@@ -111,6 +117,17 @@ pub fn bench(args: &[String]) -> Result<()> {
     let mut ran = Vec::new();
     for what in &chosen {
         let json = results.join(format!("{what}.jsonl"));
+        if o.no_run {
+            let records = read_records(&json)?;
+            let ok = !records.is_empty();
+            ran.push(Ran {
+                what: what.clone(),
+                seconds: 0.0,
+                ok,
+                records,
+            });
+            continue;
+        }
         let _ = std::fs::remove_file(&json);
         let mut cmd = Command::new(bin.join("examples").join(format!("bench_{what}")));
         cmd.current_dir(root_dir())
@@ -127,12 +144,7 @@ pub fn bench(args: &[String]) -> Result<()> {
             .with_context(|| format!("starting bench_{what}"))?;
         let seconds = t.elapsed().as_secs_f64();
         eprintln!("bench_{what}: {status} after {seconds:.0} s");
-        let records = std::fs::read_to_string(&json)
-            .unwrap_or_default()
-            .lines()
-            .map(serde_json::from_str)
-            .collect::<Result<Vec<Value>, _>>()
-            .with_context(|| format!("{}", json.display()))?;
+        let records = read_records(&json)?;
         ran.push(Ran {
             what: what.clone(),
             seconds,
@@ -162,6 +174,16 @@ pub fn bench(args: &[String]) -> Result<()> {
         bail!("benchmarks failed: {failed:?}");
     }
     Ok(())
+}
+
+/// The records a benchmark wrote (none if it wrote no file).
+fn read_records(json: &Path) -> Result<Vec<Value>> {
+    std::fs::read_to_string(json)
+        .unwrap_or_default()
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<Vec<Value>, _>>()
+        .with_context(|| format!("{}", json.display()))
 }
 
 /// What is known of the run before it starts.
@@ -337,6 +359,15 @@ pub fn num(v: f64) -> String {
         format!("{v:.2}")
     } else {
         format!("{v:.3}")
+    }
+}
+
+/// An axis label: whole numbers without decimals.
+fn axis(v: f64) -> String {
+    if v.fract() == 0.0 {
+        format!("{v:.0}")
+    } else {
+        num(v)
     }
 }
 
@@ -589,10 +620,25 @@ fn plot(path: &Path, t: &Table, spec: &Value) -> Result<()> {
     };
     let (x0, x1) = pad(x0, x1, log_x);
     let (y0, y1) = pad(y0, y1, log_y);
-    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    let root = SVGBackend::new(path, (960, 420)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut b = ChartBuilder::on(&root);
-    b.caption(&t.title, ("sans-serif", 18))
+    // The chart on the left, its legend beside it (never over a line).
+    let (chart, legend) = root.split_horizontally(620);
+    let color = |i: usize| Palette99::pick(i).to_rgba();
+    for (i, (name, _)) in series.iter().enumerate() {
+        let y = 40 + 22 * i as i32;
+        legend.draw(&PathElement::new(
+            vec![(4, y), (28, y)],
+            color(i).stroke_width(3),
+        ))?;
+        legend.draw(&Text::new(
+            name.clone(),
+            (34, y - 7),
+            ("sans-serif", 13).into_font(),
+        ))?;
+    }
+    let mut b = ChartBuilder::on(&chart);
+    b.caption(&t.title, ("sans-serif", 16))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(64);
@@ -604,21 +650,17 @@ fn plot(path: &Path, t: &Table, spec: &Value) -> Result<()> {
             c.configure_mesh()
                 .x_desc(str_of(spec, "x"))
                 .y_desc(y_desc.as_str())
+                .x_labels(6)
+                .x_label_formatter(&|v| axis(*v))
+                .y_label_formatter(&|v| axis(*v))
                 .draw()?;
-            for (i, (name, pts)) in series.iter().enumerate() {
-                let color = Palette99::pick(i).to_rgba();
-                c.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
-                    .label(name.as_str())
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-                    });
-                c.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+            for (i, (_, pts)) in series.iter().enumerate() {
+                c.draw_series(LineSeries::new(
+                    pts.iter().copied(),
+                    color(i).stroke_width(2),
+                ))?;
+                c.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color(i).filled())))?;
             }
-            c.configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperLeft)
-                .draw()?;
         }};
     }
     match (log_x, log_y) {
