@@ -340,10 +340,14 @@ fn sorted(v: &[f64]) -> Vec<f64> {
     v
 }
 
-/// The median of `v` (the upper one of an even count).
+/// The median of `v` (the mean of the middle two of an even count).
 pub fn median(v: &[f64]) -> f64 {
     let v = sorted(v);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// A number with as many digits as it deserves.
@@ -351,7 +355,7 @@ pub fn num(v: f64) -> String {
     let a = v.abs();
     if !v.is_finite() {
         "–".into()
-    } else if a >= 100.0 || a == 0.0 {
+    } else if a >= 100.0 || v.fract() == 0.0 {
         format!("{v:.0}")
     } else if a >= 10.0 {
         format!("{v:.1}")
@@ -694,6 +698,8 @@ mod tests {
         assert_eq!(num(12.34), "12.3");
         assert_eq!(num(0.01234), "0.012");
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0]), 2.5);
+        assert_eq!(num(2.0), "2");
         assert_eq!(parse_x("N=1,000"), Some(1000.0));
     }
 
@@ -716,7 +722,7 @@ mod tests {
         assert_eq!((t.rows.len(), t.cols.len(), targets.len()), (2, 2, 1));
         assert_eq!(
             cell_text(t.cells.get(&("ours".into(), "10".into()))),
-            "2.00 (1.00–3.00)"
+            "2 (1–3)"
         );
         let path = std::env::temp_dir().join(format!("xtask-plot-{}.svg", std::process::id()));
         plot(&path, t, tables[0].1.plot.as_ref().unwrap()).unwrap();

@@ -59,13 +59,14 @@ pub fn meta(key: &str, value: &str) {
     emit(json!({"type": "meta", "key": key, "value": value}));
 }
 
-/// The median of `v` (NaN when empty).
+/// The median of `v` (the mean of the middle two of an even count; NaN when empty), as the
+/// report computes it.
 pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
