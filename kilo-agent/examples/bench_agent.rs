@@ -379,6 +379,8 @@ fn main() {
     std::thread::sleep(Duration::from_secs(if quick { 2 } else { 5 }));
 
     // Idle, all agents over the same window.
+    // Counts first, CPU last before the window and first after it: our own scrapes of /metrics
+    // stay out of the idle figure.
     let before: Vec<(u64, u64, BTreeMap<String, u64>)> = runs
         .iter()
         .map(|r| {
@@ -390,8 +392,8 @@ fn main() {
     std::thread::sleep(idle);
     let window = t.elapsed().as_secs_f64();
     for ((r, f), (cpu, rc, w)) in runs.iter().zip(&mut figs).zip(&before) {
-        let (rc1, w1) = r.counts();
         f.idle_cpu_pct = (r.cpu_ns() - cpu) as f64 / 1e9 / window * 100.0;
+        let (rc1, w1) = r.counts();
         f.idle_reconciles = rc1 - rc;
         f.idle_writes = w1.values().sum::<u64>() - w.values().sum::<u64>();
         (f.rss, f.hwm) = r.rss_mb();
