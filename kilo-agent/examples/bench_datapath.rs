@@ -1,14 +1,21 @@
-//! Datapath benchmarks (root): per-packet cost of the TC program with BPF_PROG_TEST_RUN at
-//! 10, 1,000 and 100,000 entries beside the empty program (kilo-ebpf's bench object), and the
-//! cost of `sync`: 10,000 entries from empty, 1-entry changes into 10,000 (time and map
-//! writes), and the CPU time of an idle resync at 10,000 entries (the record compared with the
-//! plan; every `READ_BACK_EVERY`-th also reads the tries back).
+//! The datapath: per-packet cost of the TC program with BPF_PROG_TEST_RUN at 10, 1,000 and
+//! 100,000 entries (mesh hit, masquerade, no match; IPv4 and IPv6) beside the empty program
+//! (kilo-ebpf's bench object), and the cost of `sync`: 10,000 entries from empty, 1-entry
+//! changes into 10,000 (time and map writes), and the CPU time of an idle resync at 10,000
+//! entries.
 //!
-//! `cargo run --release -p kilo-agent --example bench_datapath [-- --repeat N --rounds R]`
+//! `cargo xtask bench datapath [--quick] [-- --repeat N --rounds R]` (root). An idle resync
+//! compares the plan with the sync's record of what it wrote (no system call); every
+//! `READ_BACK_EVERY`-th also reads the three tries back and compares them (which repairs
+//! entries changed behind its back), and so does the first sync and the one after a failed
+//! write. `--quick`: 10 and 1,000 entries, 1,000 for the sync, fewer repetitions.
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use support::{arg, packets};
+use support::{
+    arg, packets,
+    report::{self, median},
+};
 
 use std::{
     collections::BTreeMap,
@@ -73,13 +80,6 @@ fn plan(n: usize) -> DatapathPlan {
     }
 }
 
-/// The median over `rounds` of the kernel's average ns per run.
-fn ns(prog: &aya::programs::SchedClassifier, pkt: &[u8], repeat: u32, rounds: u32) -> f64 {
-    let mut v: Vec<f64> = (0..rounds).map(|_| time(prog, pkt, repeat)).collect();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
 fn open(slots: u32) -> Datapath {
     Datapath::open(DatapathConfig {
         pin_dir: None,
@@ -90,14 +90,11 @@ fn open(slots: u32) -> Datapath {
     .expect("load the datapath (needs root)")
 }
 
-/// Syncs `plan` and prints the time and the writes.
-fn timed(dp: &mut Datapath, label: &str, plan: &DatapathPlan) {
+/// Syncs `plan`; (ms, map writes).
+fn timed(dp: &mut Datapath, plan: &DatapathPlan) -> (f64, u64) {
     let t = Instant::now();
     let w = dp.sync(plan, &NoResolver).unwrap();
-    println!(
-        "{label:<27} {:>8.1} ms, {w}",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    (t.elapsed().as_secs_f64() * 1e3, w.total())
 }
 
 /// CPU time of the calling thread.
@@ -112,10 +109,22 @@ fn cpu_time() -> std::time::Duration {
 }
 
 fn main() {
-    let repeat = arg::<u32>("--repeat", 1_000_000);
-    let rounds = arg::<u32>("--rounds", 7);
-    println!(
-        "# datapath benchmark (BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds)"
+    if !support::require_root("bench_datapath") {
+        return;
+    }
+    let quick = report::quick();
+    let repeat = arg::<u32>("--repeat", if quick { 100_000 } else { 1_000_000 });
+    let rounds = arg::<u32>("--rounds", if quick { 3 } else { 7 });
+    let sizes: &[usize] = if quick {
+        &[10, 1_000]
+    } else {
+        &[10, 1_000, 100_000]
+    };
+    report::meta(
+        "BPF_PROG_TEST_RUN",
+        &format!(
+            "{repeat} runs per round, {rounds} rounds; a cell is the rounds' median and range"
+        ),
     );
 
     // Packets: a pod to the internet, IPv4 and IPv6 (masquerade path: the destination misses
@@ -132,91 +141,189 @@ fn main() {
     let mut arp = packets::eth(&[], packets::ETH_P_ARP);
     arp.extend_from_slice(&[0u8; 28]);
     let cases: [(&str, &[u8]); 7] = [
-        ("masquerade (v4)", &masq),
-        ("masquerade (v6)", &masq6),
         ("mesh hit (v4)", &mesh_hit),
         ("mesh hit (v6)", &mesh6),
+        ("masquerade (v4)", &masq),
+        ("masquerade (v6)", &masq6),
         ("no match (v4)", &pass),
         ("no match (v6)", &pass6),
         ("not IP (ARP)", &arp),
     ];
 
-    let mut results: BTreeMap<(usize, &str), f64> = BTreeMap::new();
+    let id = "per-packet";
+    report::table(
+        id,
+        "Per packet, BPF_PROG_TEST_RUN, by entries in the tries",
+        "ns",
+    );
     let empty = support::noop();
-    let mut noop = Vec::new();
-    for n in [10usize, 1_000, 100_000] {
+    let mut results: BTreeMap<(usize, &str), f64> = BTreeMap::new();
+    let mut noop_all = Vec::new();
+    for &n in sizes {
         let mut dp = open(131_072);
         let p = plan(n);
-        let t = Instant::now();
         let w = dp.sync(&p, &NoResolver).expect("sync");
-        let fill = t.elapsed();
+        assert_eq!(w.get("map_insert"), p.mesh_destinations.len() as u64 + 3);
         let prog = dp.program(Framing::L2);
-        for (name, pkt) in cases {
-            results.insert((n, name), ns(prog, pkt, repeat, rounds));
+        let col = format!("{n}");
+        // Cases interleaved round by round, the empty program with them.
+        let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for _ in 0..rounds {
+            samples.entry("empty program").or_default().push(time(
+                support::noop_program(&empty),
+                &masq,
+                repeat,
+            ));
+            for (name, pkt) in cases {
+                samples
+                    .entry(name)
+                    .or_default()
+                    .push(time(prog, pkt, repeat));
+            }
         }
-        noop.push(ns(support::noop_program(&empty), &masq, repeat, rounds));
-        println!(
-            "entries {n:>7}: filled in {:>8.1} ms ({} map writes)",
-            fill.as_secs_f64() * 1e3,
-            w.total()
-        );
+        report::cell(id, "empty program", &col, &samples["empty program"]);
+        noop_all.extend_from_slice(&samples["empty program"]);
+        for (name, _) in cases {
+            report::cell(id, name, &col, &samples[name]);
+            results.insert((n, name), median(&samples[name]));
+        }
+        eprintln!("{n} entries: done");
     }
-    noop.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let noop = noop[noop.len() / 2];
-    println!();
-    println!(
-        "{:<18} {:>10} {:>10} {:>10} {:>10} {:>12}",
-        "ns/packet", "n=10", "n=1000", "n=100000", "100k/10", "over empty"
+    report::note(
+        id,
+        "Entries: cluster-shaped mesh destinations (per node a pod /24, an internal /32, an IPv6 \
+         /64) plus a NAT source per family and a masquerade destination. The kernel's LPM trie \
+         walks at most the prefix's length in nodes, so the cost grows with the trie's depth, \
+         not with the number of entries.",
     );
-    println!("{:<18} {:>10.1}", "empty program", noop);
+    report::plot(id, "entries", "ns per packet", true, false);
+    let noop = median(&noop_all);
+    println!("{:<18} {:>10}", "ns/packet", "entries");
+    println!("{:<18} {noop:>10.1}", "empty program");
     for (name, _) in cases {
-        let a = results[&(10, name)];
-        let b = results[&(1_000, name)];
-        let c = results[&(100_000, name)];
-        println!(
-            "{name:<18} {a:>10.1} {b:>10.1} {c:>10.1} {:>10.2} {:>+12.1}",
-            c / a,
-            b - noop
+        print!("{name:<18}");
+        for &n in sizes {
+            print!(" {:>10.1}", results[&(n, name)]);
+        }
+        println!();
+    }
+
+    // sync: from empty, idle, and 1-entry changes, `reps` times on fresh maps.
+    let big = if quick { 1_000 } else { 10_000 };
+    let reps = if quick { 2 } else { 5 };
+    let id = "sync";
+    report::table(id, &format!("sync at {big} entries"), "ms (wall) or CPU ms");
+    let mut rows: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut writes: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut idle_record = Vec::new();
+    let mut idle_read = Vec::new();
+    for _ in 0..reps {
+        let mut dp = open(131_072);
+        let p = plan(big);
+        let mut rec = |row, (ms, w): (f64, u64)| {
+            rows.entry(row).or_default().push(ms);
+            writes.insert(row, w);
+        };
+        rec("from empty", timed(&mut dp, &p));
+        rec("again, nothing changed", timed(&mut dp, &p));
+        // Idle resyncs, CPU time: whole cycles, one read-back in each.
+        let mut cpu = Vec::new();
+        for _ in 0..READ_BACK_EVERY * 2 {
+            let t = cpu_time();
+            assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
+            cpu.push((cpu_time() - t).as_secs_f64() * 1e3);
+        }
+        for cycle in cpu.chunks(READ_BACK_EVERY as usize) {
+            let mut c = cycle.to_vec();
+            c.sort_by(f64::total_cmp);
+            idle_read.push(c[c.len() - 1]);
+            idle_record.extend_from_slice(&c[..c.len() - 1]);
+        }
+        let mut added = p.clone();
+        added.mesh_destinations.insert(
+            "10.255.255.0/24".parse().unwrap(),
+            entry(EntryKind::Peer, 0),
+        );
+        rec("1 entry added", timed(&mut dp, &added));
+        let mut changed = added.clone();
+        changed.mesh_destinations.values_mut().next().unwrap().kind = EntryKind::Peer;
+        rec("1 entry changed", timed(&mut dp, &changed));
+        let mut replaced = changed.clone();
+        let first = *replaced.mesh_destinations.keys().next().unwrap();
+        replaced.mesh_destinations.remove(&first);
+        replaced.mesh_destinations.insert(
+            "10.255.254.0/24".parse().unwrap(),
+            entry(EntryKind::Peer, 1),
+        );
+        rec(
+            "1 entry replaced (one out, one in)",
+            timed(&mut dp, &replaced),
         );
     }
-    println!("(over empty: at 1,000 entries)");
-
-    // sync: 10,000 entries from empty, then 1-entry changes into 10,000.
-    println!();
-    let mut dp = open(131_072);
-    let p = plan(10_000);
-    timed(&mut dp, "sync 10,000 from empty:", &p);
-    timed(&mut dp, "sync again, no change:", &p);
-    // Idle resyncs: CPU time, with and without the periodic read-back.
-    let mut idle = Vec::new();
-    for _ in 0..READ_BACK_EVERY * 10 {
-        let t = cpu_time();
-        assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
-        idle.push((cpu_time() - t).as_secs_f64() * 1e3);
+    for (row, v) in &rows {
+        report::cell(id, row, "wall ms", v);
+        report::cell(id, row, "map writes", &[writes[row] as f64]);
     }
-    idle.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let mean = idle.iter().sum::<f64>() / idle.len() as f64;
+    report::cell(id, "idle resync, from the record", "CPU ms", &idle_record);
+    report::cell(
+        id,
+        "idle resync with the full read-back",
+        "CPU ms",
+        &idle_read,
+    );
+    let amortized = (median(&idle_record) * f64::from(READ_BACK_EVERY - 1) + median(&idle_read))
+        / f64::from(READ_BACK_EVERY);
+    report::cell(id, "idle resync, mean over a cycle", "CPU ms", &[amortized]);
+    report::note(
+        id,
+        &format!(
+            "An idle resync compares the plan with the record of what the sync wrote (no system \
+             call); every {READ_BACK_EVERY}th reads the three tries back and compares them with \
+             the plan (and repairs what differs), as do the first sync and the one after a failed \
+             write. CPU ms: the calling thread's CPU time."
+        ),
+    );
+    let q = if quick {
+        format!(" (quick run: at {big})")
+    } else {
+        String::new()
+    };
+    let one = writes["1 entry added"] == 1 && writes["1 entry changed"] == 1;
+    report::target(
+        "datapath: a 1-entry change is one map write",
+        &format!(
+            "added: {}, changed: {} (replaced: {}, one out and one in)",
+            writes["1 entry added"],
+            writes["1 entry changed"],
+            writes["1 entry replaced (one out, one in)"]
+        ),
+        one,
+    );
+    let fill = median(&rows["from empty"]);
+    report::target(
+        "datapath: sync of 10,000 entries from empty under 50 ms",
+        &format!("{fill:.1} ms{q}"),
+        fill < 50.0,
+    );
+    let read = median(&idle_read);
+    report::target(
+        "datapath: its part of an idle resync at 10,000 entries under 1 ms of CPU",
+        &format!(
+            "{:.3} ms from the record, {read:.2} ms with the full read-back (every \
+             {READ_BACK_EVERY}th), {amortized:.3} ms on average{q}",
+            median(&idle_record)
+        ),
+        read < 1.0,
+    );
+    for (row, v) in &rows {
+        println!(
+            "sync {big}: {row:<36} {:>8.2} ms, {} writes",
+            median(v),
+            writes[row]
+        );
+    }
     println!(
-        "idle resync at 10,000:      {:>8.3} ms CPU median, {:>6.3} ms mean (a read-back every {READ_BACK_EVERY}: {:.3} ms)",
-        idle[idle.len() / 2],
-        mean,
-        idle[idle.len() - 1]
+        "idle resync CPU: {:.3} ms from the record, {read:.3} ms with a read-back",
+        median(&idle_record)
     );
-    let mut added = p.clone();
-    added.mesh_destinations.insert(
-        "10.255.255.0/24".parse().unwrap(),
-        entry(EntryKind::Peer, 0),
-    );
-    timed(&mut dp, "1 entry added into 10,000:", &added);
-    let mut replaced = added.clone();
-    let first = *replaced.mesh_destinations.keys().next().unwrap();
-    replaced.mesh_destinations.remove(&first);
-    replaced.mesh_destinations.insert(
-        "10.255.254.0/24".parse().unwrap(),
-        entry(EntryKind::Peer, 1),
-    );
-    timed(&mut dp, "1 entry replaced in 10,001:", &replaced);
-    let mut changed = replaced.clone();
-    changed.mesh_destinations.values_mut().next().unwrap().kind = EntryKind::Peer;
-    timed(&mut dp, "1 entry changed in 10,001:", &changed);
 }

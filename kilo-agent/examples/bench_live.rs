@@ -1,9 +1,12 @@
-//! Live datapath benchmarks (root): the router's CPU time per packet in a pod -> router ->
-//! receiver chain of network namespaces, and new connections per second through the router.
-//! Without root it says so and exits 0.
+//! The datapath live, in a pod -> router -> receiver chain of network namespaces: the attached
+//! program's own run time (BPF stats) for mesh and masquerade traffic beside the empty program,
+//! the router's softirq time per packet with the fast path against netfilter, and new
+//! connections per second against NAT-everything at N = 10 to 100,000 mesh entries.
 //!
-//! `cargo xtask bench live [--packets N --flows N --rounds R]`
-//! (or `cargo run --release -p kilo-agent --example bench_live -- ...`).
+//! `cargo xtask bench live [--quick] [-- --packets N --flows N --rounds R]` (root; without root
+//! it says so and exits 0). The softirq clock below stays because the router's cost (fast path
+//! against netfilter, new connections per second) is the NET_RX softirq time, which nothing
+//! else on this kernel measures.
 //!
 //! Method. A thread pinned to CPU 0 in the pod namespace sends raw Ethernet/IPv4/UDP frames
 //! (AF_PACKET, qdisc bypassed, `sendmmsg`) to the router. Veth delivery queues each frame on a
@@ -33,9 +36,9 @@
 //! The empty program is kilo-ebpf's bench object (`kilo_noop`), which the agent never loads.
 //! Conntrack is flushed (ctnetlink) before every run, so each run's first frame sets up NAT
 //! under that run's rules, and the part-2 runs start from an empty table. Cases are
-//! interleaved round by round; medians, minima and medians of per-round (paired) differences
-//! are shown. The machine is shared with other work: whole-softirq differences below ~100 ns
-//! are within noise; the program run times are not.
+//! interleaved round by round; the report shows medians and ranges, and the differences and
+//! ratios per round (paired). On a shared machine whole-softirq differences below ~100 ns are
+//! within noise; the program run times are not.
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -63,7 +66,7 @@ use kilo_agent::{
 };
 use std::collections::BTreeMap;
 
-use support::{arg, netns::sh};
+use support::{arg, netns::sh, report};
 
 const SENDER_CPU: usize = 0;
 const RPS_CPU: usize = 1;
@@ -840,19 +843,6 @@ fn measure(
     }
 }
 
-fn minimum(v: &mut [f64]) -> f64 {
-    v.iter().cloned().fold(f64::NAN, f64::min)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
-}
-
 struct Case {
     name: &'static str,
     prog: Prog,
@@ -942,6 +932,205 @@ const CASES: [Case; 11] = [
     },
 ];
 
+type Samples = BTreeMap<(usize, usize), Vec<f64>>;
+
+fn case(name: &str) -> usize {
+    CASES.iter().position(|c| c.name == name).unwrap()
+}
+
+/// The median of the per-round differences a - b (or ratios a / b).
+fn paired(a: &[f64], b: &[f64], ratio: bool) -> Vec<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| if ratio { x / y } else { x - y })
+        .collect()
+}
+
+/// Part 1 into the report: NET_RX ns per packet, the program's own run time, and the
+/// differences and ratios the targets are judged on.
+fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
+    let id = "softirq";
+    report::table(
+        id,
+        "Live, one flow: the NET_RX softirq time per packet the router received",
+        "ns",
+    );
+    for (c, k) in CASES.iter().enumerate() {
+        for (m, (mode, _, _)) in modes.iter().enumerate() {
+            report::cell(id, k.name, mode, &p1[&(c, m)]);
+        }
+    }
+    report::note(
+        id,
+        "Pod -> router -> receiver namespaces; the sender writes raw frames on CPU 0. Same-CPU: \
+         the router's softirq runs right after each frame on the sender's CPU; cross-CPU: RPS \
+         steers it to CPU 1, frames paced 10 us apart. Two raw-tracepoint programs sum the \
+         NET_RX softirq time of every CPU (this kernel has no IRQ time accounting); the sink \
+         row is the cost of one veth delivery + softirq + drop, about the receiver's share.",
+    );
+    if !prog.is_empty() {
+        let id = "prog";
+        report::table(
+            id,
+            "Live: the attached program's own run time (BPF stats)",
+            "ns per run",
+        );
+        for name in [
+            "forward, empty program",
+            "forward, ours (mesh hit)",
+            "mesh + conntrack, empty program",
+            "mesh + conntrack, ours",
+            "NAT all, empty program",
+            "masquerade, ours (mark + rule)",
+        ] {
+            for (m, (mode, _, _)) in modes.iter().enumerate() {
+                if let Some(v) = prog.get(&(case(name), m)) {
+                    report::cell(id, name, mode, v);
+                }
+            }
+        }
+        let mut worst = f64::MIN;
+        for (label, a, b) in [
+            (
+                "ours - empty, mesh hit",
+                "forward, ours (mesh hit)",
+                "forward, empty program",
+            ),
+            (
+                "ours - empty, mesh + conntrack",
+                "mesh + conntrack, ours",
+                "mesh + conntrack, empty program",
+            ),
+            (
+                "ours - empty, masquerade",
+                "masquerade, ours (mark + rule)",
+                "NAT all, empty program",
+            ),
+        ] {
+            for (m, (mode, _, _)) in modes.iter().enumerate() {
+                let d = paired(&prog[&(case(a), m)], &prog[&(case(b), m)], false);
+                worst = worst.max(report::median(&d));
+                report::cell(id, label, mode, &d);
+            }
+        }
+        report::note(
+            id,
+            "BPF_ENABLE_STATS: the kernel's run_time_ns / run_cnt of the attached program \
+             (includes the stats' own two clock reads, the same for both). The differences are \
+             per round (paired). 1,000 mesh entries.",
+        );
+        report::target(
+            "live: the program's own cost at 1,000 entries within +45 ns of the empty program",
+            &format!(
+                "+{worst:.1} ns at worst (mesh hit, mesh + conntrack, masquerade; both CPU modes)"
+            ),
+            worst <= 45.0,
+        );
+    }
+    let id = "fast-path";
+    report::table(
+        id,
+        "Live: the fast path against netfilter (router's softirq time)",
+        "ratio",
+    );
+    let (fast, nf, sink) = (
+        case("mesh, ours fast path"),
+        case("mesh + conntrack, no program"),
+        0,
+    );
+    let mut worst = f64::MIN;
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        let whole = paired(&p1[&(fast, m)], &p1[&(nf, m)], true);
+        let f: Vec<f64> = paired(&p1[&(fast, m)], &p1[&(sink, m)], false);
+        let n: Vec<f64> = paired(&p1[&(nf, m)], &p1[&(sink, m)], false);
+        worst = worst.max(report::median(&whole));
+        report::cell(id, "fast path / netfilter without a program", mode, &whole);
+        report::cell(
+            id,
+            "the same, router only (minus the sink)",
+            mode,
+            &paired(&f, &n, true),
+        );
+    }
+    report::note(
+        id,
+        "Mesh traffic, per round: ours with the fast path (redirect to the egress, no routing, \
+         conntrack or netfilter) against forwarding through conntrack and our NAT table with no \
+         program. Below 1: the fast path is cheaper.",
+    );
+    report::target(
+        "live: with the fast path, mesh traffic cheaper for the router than netfilter without any program",
+        &format!("fast path / netfilter = {worst:.2} at worst"),
+        worst < 1.0,
+    );
+}
+
+/// Part 2 into the report: new connections per second, ours against NAT-all, by N.
+fn report_part2(
+    p2: &BTreeMap<(usize, usize, bool), Vec<f64>>,
+    ns_list: &[usize],
+    modes: &[(&str, u32, u64)],
+) {
+    let id = "new-flows";
+    report::table(
+        id,
+        "Live: new connections per second through the router, by mesh entries",
+        "flows/s",
+    );
+    let rate = |v: &[f64]| v.iter().map(|ns| 1e9 / ns).collect::<Vec<f64>>();
+    let mut worst = f64::MAX;
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        for (i, &n) in ns_list.iter().enumerate() {
+            let col = n.to_string();
+            report::cell(
+                id,
+                &format!("NAT everything, no program ({mode})"),
+                &col,
+                &rate(&p2[&(i, m, false)]),
+            );
+            report::cell(
+                id,
+                &format!("ours: mark + one masquerade rule ({mode})"),
+                &col,
+                &rate(&p2[&(i, m, true)]),
+            );
+        }
+    }
+    report::note(
+        id,
+        "One packet per new UDP flow (unique ports), conntrack flushed before each run; flows/s = \
+         1e9 / NET_RX ns per new-flow packet (one core). BPF stats off.",
+    );
+    report::plot(id, "mesh entries", "new flows per second", true, false);
+    let id = "new-flows-ratio";
+    report::table(
+        id,
+        "Live: new connections, ours / NAT everything (paired per round)",
+        "ratio",
+    );
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        for (i, &n) in ns_list.iter().enumerate() {
+            // flows/s ours / NAT-all = NAT-all ns / ours ns.
+            let r = paired(&p2[&(i, m, false)], &p2[&(i, m, true)], true);
+            worst = worst.min(report::median(&r));
+            report::cell(id, mode, &n.to_string(), &r);
+        }
+    }
+    report::plot(id, "mesh entries", "ours / NAT everything", true, false);
+    report::target(
+        "live: new connections within 5% of NAT-everything at every N",
+        &format!(
+            "ours / NAT-all = {worst:.3} at worst (N = {})",
+            ns_list
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        worst >= 0.95,
+    );
+}
+
 /// (name, RPS mask of the router's pod-facing veth, sender pacing in ns).
 const MODES: [(&str, u32, u64); 2] = [
     ("same-CPU", 0, 0),
@@ -954,9 +1143,17 @@ fn main() {
         println!("bench_live: needs root (network namespaces, BPF, nftables); skipped");
         return;
     }
-    let packets = arg::<u64>("--packets", 100_000);
-    let flows = arg::<u64>("--flows", 20_000) as u32;
-    let rounds = arg::<u64>("--rounds", 10) as usize;
+    let quick = report::quick();
+    let packets = arg::<u64>("--packets", if quick { 10_000 } else { 50_000 });
+    let flows = arg::<u64>("--flows", if quick { 5_000 } else { 20_000 }) as u32;
+    let rounds = arg::<u64>("--rounds", if quick { 2 } else { 7 }) as usize;
+    report::meta(
+        "live runs",
+        &format!(
+            "{packets} frames of one UDP flow per run, {flows} new flows per run, {rounds} rounds, \
+             cases interleaved round by round"
+        ),
+    );
     // `--only 1` or `--only 2`: one part; `--no-prog-stats`: without BPF_ENABLE_STATS (whose
     // clock reads add to every program run, so to the hook cost).
     let only = arg::<u64>("--only", 0);
@@ -1031,54 +1228,6 @@ fn main() {
             }
             eprintln!("part 1: round {} of {rounds} done", round + 1);
         }
-        let stat = |f: fn(&mut [f64]) -> f64| -> BTreeMap<(usize, usize), f64> {
-            p1.iter().map(|(k, v)| (*k, f(&mut v.clone()))).collect()
-        };
-        let med = stat(median);
-        let min = stat(minimum);
-
-        println!();
-        print!("{:<34}", "ns/packet");
-        for (name, _, _) in modes {
-            print!(" {:>35}", name);
-        }
-        println!();
-        print!("{:<34}", "");
-        for _ in modes {
-            print!(
-                " {:>8} {:>8} {:>8} {:>8}",
-                "median", "min", "router", "prog"
-            );
-        }
-        println!();
-        for (c, case) in CASES.iter().enumerate() {
-            print!("{:<34}", case.name);
-            for m in 0..modes.len() {
-                let v = med[&(c, m)];
-                let sink = med[&(0, m)];
-                let (rx, fwd, _) = loss[&(c, m)];
-                let note = if c != 0 && fwd + fwd / 100 < rx {
-                    "*"
-                } else {
-                    " "
-                };
-                let router = if c == 0 {
-                    String::new()
-                } else {
-                    format!("{:.1}", v - sink)
-                };
-                let own = prog
-                    .get(&(c, m))
-                    .map_or(String::new(), |v| format!("{:.1}", median(&mut v.clone())));
-                print!(" {v:>8.1} {:>8.1} {router:>7}{note} {own:>8}", min[&(c, m)]);
-            }
-            println!();
-        }
-        println!(
-            "(router = median - the sink's median, i.e. without the one veth delivery + softirq \
-         + drop that the receiver adds; * = forwarded less than 99% of what it received; \
-         prog = the attached program's own run time, BPF_ENABLE_STATS, median)"
-        );
         for (m, (name, _, _)) in modes.iter().enumerate() {
             let shares: Vec<f64> = (0..CASES.len())
                 .map(|c| {
@@ -1086,153 +1235,17 @@ fn main() {
                     100.0 * rx as f64 / sent.max(1) as f64
                 })
                 .collect();
-            let lo = shares.iter().cloned().fold(f64::INFINITY, f64::min);
-            let hi = shares.iter().cloned().fold(0.0, f64::max);
-            println!(
-                "{name}: the router received {lo:.0}-{hi:.0}% of the frames sent \
-             (below 100%: its backlog was full, i.e. its CPU saturated)"
+            let lo = shares.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = shares.iter().copied().fold(0.0, f64::max);
+            report::note(
+                "softirq",
+                &format!(
+                    "{name}: the router received {lo:.0}-{hi:.0}% of the frames sent (below 100%: \
+                     its backlog was full, its CPU saturated)."
+                ),
             );
         }
-        println!();
-        let idx = |name: &str| CASES.iter().position(|c| c.name == name).unwrap();
-        let rows = [
-            (
-                "hook: empty - no program (forward)",
-                idx("forward, empty program"),
-                idx("forward, no program"),
-                None,
-            ),
-            (
-                "ours - empty (forward, mesh hit)",
-                idx("forward, ours (mesh hit)"),
-                idx("forward, empty program"),
-                Some(45.0),
-            ),
-            (
-                "ours - empty (mesh + conntrack)",
-                idx("mesh + conntrack, ours"),
-                idx("mesh + conntrack, empty program"),
-                Some(45.0),
-            ),
-            (
-                "ours - empty (masquerade, NAT)",
-                idx("masquerade, ours (mark + rule)"),
-                idx("NAT all, empty program"),
-                Some(45.0),
-            ),
-        ];
-        // The median over rounds of the per-round difference (runs of one round are minutes
-        // closer in time than the rounds are to each other).
-        let paired = |a: usize, b: usize, m: usize| {
-            let mut d: Vec<f64> = p1[&(a, m)]
-                .iter()
-                .zip(&p1[&(b, m)])
-                .map(|(x, y)| x - y)
-                .collect();
-            median(&mut d)
-        };
-        println!(
-            "differences: the median of the per-round differences (paired), and the difference \
-         of the minima"
-        );
-        print!("{:<40}", "ns/packet: paired, of minima");
-        for (name, _, _) in modes {
-            print!(" {:>28}", name);
-        }
-        println!();
-        for (label, a, b, target) in rows {
-            print!("{label:<40}");
-            for m in 0..modes.len() {
-                let d = paired(a, b, m);
-                let dm = min[&(a, m)] - min[&(b, m)];
-                let verdict = match target {
-                    Some(t) if d <= t => "met",
-                    Some(_) => "NOT met",
-                    None => "",
-                };
-                print!(" {d:>+8.1} {dm:>+8.1} {verdict:<10}");
-            }
-            println!();
-        }
-        // (label, a, b, whether the 45 ns target (at 1,000 entries) applies)
-        let ours = |what: &str, case: &str, base: &str, target: bool| {
-            (
-                format!("prog only: ours - {what}"),
-                idx(case),
-                idx(base),
-                target,
-            )
-        };
-        let prog_rows = [
-            ours(
-                "empty (forward)",
-                "forward, ours (mesh hit)",
-                "forward, empty program",
-                true,
-            ),
-            ours(
-                "empty (mesh + ct)",
-                "mesh + conntrack, ours",
-                "mesh + conntrack, empty program",
-                true,
-            ),
-            ours(
-                "empty (masquerade)",
-                "masquerade, ours (mark + rule)",
-                "NAT all, empty program",
-                true,
-            ),
-        ];
-        for (label, a, b, target) in prog_rows.into_iter().filter(|_| !prog.is_empty()) {
-            print!("{label:<40}");
-            for m in 0..modes.len() {
-                let mut d: Vec<f64> = prog[&(a, m)]
-                    .iter()
-                    .zip(&prog[&(b, m)])
-                    .map(|(x, y)| x - y)
-                    .collect();
-                let d = median(&mut d);
-                let mn = minimum(&mut prog[&(a, m)].clone()) - minimum(&mut prog[&(b, m)].clone());
-                let verdict = match (target, d <= 45.0) {
-                    (false, _) => "",
-                    (true, true) => "met",
-                    (true, false) => "NOT met",
-                };
-                print!(" {d:>+8.1} {mn:>+8.1} {verdict:<10}");
-            }
-            println!();
-        }
-        let fast = idx("mesh, ours fast path");
-        let nf = idx("mesh + conntrack, no program");
-        let plain = idx("forward, no program");
-        let ratios: [(&str, usize, usize, bool, bool); 3] = [
-            ("fast path / netfilter, no program", fast, nf, false, true),
-            ("  same, router only (minus sink)", fast, nf, true, false),
-            (
-                "fast path / plain forward (no ct)",
-                fast,
-                plain,
-                false,
-                false,
-            ),
-        ];
-        for (label, a, b, minus_sink, target) in ratios {
-            print!("{label:<40}");
-            for m in 0..modes.len() {
-                let r = |s: &BTreeMap<(usize, usize), f64>| {
-                    let z = if minus_sink { s[&(0, m)] } else { 0.0 };
-                    (s[&(a, m)] - z) / (s[&(b, m)] - z)
-                };
-                let (rm, rn) = (r(&med), r(&min));
-                let verdict = match (target, rm < 1.0) {
-                    (false, _) => "",
-                    (true, true) => "met",
-                    (true, false) => "NOT met",
-                };
-                print!(" {rm:>8.3} {rn:>8.3} {verdict:<10}");
-            }
-            println!();
-        }
+        report_part1(&p1, &prog, modes);
     }
 
     // Part 2: new connections (one packet each, unique destination ports), N entries. Against
@@ -1245,7 +1258,11 @@ fn main() {
             "# new flows: {flows} new UDP flows per run (one packet each, unique ports), conntrack \
          flushed before each run; flows/s = 1e9 / NET_RX ns per new-flow packet (one core)"
         );
-        let ns_list = [10usize, 1_000, 10_000, 100_000];
+        let ns_list: &[usize] = if quick {
+            &[10, 1_000]
+        } else {
+            &[10, 1_000, 10_000, 100_000]
+        };
         let mut p2: BTreeMap<(usize, usize, bool), Vec<f64>> = BTreeMap::new();
         for (i, &n) in ns_list.iter().enumerate() {
             let w = router.dp.sync(&plan(n), &resolver).expect("sync");
@@ -1285,45 +1302,7 @@ fn main() {
             }
         }
         router.set(Prog::None, Nf::Off);
-        println!();
-        println!(
-            "{:<16} {:>7} {:>17} {:>17} {:>10} {:>10} {:>6} {:>7}",
-            "ns/new flow",
-            "N",
-            "NAT-all med/min",
-            "ours med/min",
-            "NAT-all/s",
-            "ours/s",
-            "ratio",
-            "paired",
-        );
-        for (m, (name, _, _)) in modes.iter().enumerate() {
-            for (i, &n) in ns_list.iter().enumerate() {
-                let nat = &p2[&(i, m, false)];
-                let our = &p2[&(i, m, true)];
-                let a = median(&mut nat.clone());
-                let b = median(&mut our.clone());
-                let a_min = minimum(&mut nat.clone());
-                let b_min = minimum(&mut our.clone());
-                // Flows per second, ours / NAT-all = NAT-all ns / ours ns; "paired": the median of
-                // the per-round ratios.
-                let ratio = a / b;
-                let mut per_round: Vec<f64> = nat.iter().zip(our).map(|(x, y)| x / y).collect();
-                let paired = median(&mut per_round);
-                println!(
-                    "{:<16} {n:>7} {a:>8.1} {a_min:>8.1} {b:>8.1} {b_min:>8.1} {:>10.0} {:>10.0} \
-                 {ratio:>6.3} {paired:>7.3} {}",
-                    if i == 0 { *name } else { "" },
-                    1e9 / a,
-                    1e9 / b,
-                    if paired >= 0.95 { "met" } else { "NOT met" }
-                );
-            }
-        }
-        println!(
-            "(ratio = ours flows/s / NAT-all flows/s from the medians; paired = the median of the \
-         per-round ratios, judged against >= 0.95; BPF stats off)"
-        );
+        report_part2(&p2, ns_list, modes);
     }
     println!();
     if checks_failed.is_empty() {

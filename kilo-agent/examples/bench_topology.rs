@@ -1,12 +1,15 @@
 //! Benchmark: topology + plan for N nodes in N/100 locations plus N peers, N = 50 .. 5,000.
 //!
-//! `cargo +1.99.1 run --release -p kilo-agent --example bench_topology [-- --runs R]`
+//! `cargo xtask bench topology [--quick] [-- --runs R]` (`--quick`: up to 500 nodes).
 //!
 //! Prints, per size: the time of `plan_for` from the raw snapshot (parse + readiness +
 //! topology + plan) and of topology + plan alone from typed nodes, for the local node being a
 //! leader, in `location` granularity (and `full`/`cross` at the largest size), plus the
 //! process's peak resident memory (VmHWM, which includes the synthetic snapshot itself).
 //! Target at 5,000 nodes + 5,000 peers: under 100 ms and 100 MB.
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::{
     collections::BTreeMap,
     time::{Duration, Instant},
@@ -19,6 +22,7 @@ use kilo_agent::{
     topology::{Options, Topology},
 };
 use kube::api::ObjectMeta;
+use support::report;
 
 fn key(i: usize, tag: u8) -> String {
     let mut k = [0u8; 32];
@@ -115,7 +119,8 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (Duration, T) {
+/// (median, every run's ms, the last result).
+fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (Duration, Vec<f64>, T) {
     let mut times = Vec::with_capacity(runs);
     let mut last = None;
     for _ in 0..runs {
@@ -124,7 +129,8 @@ fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (Duration, T) {
         times.push(t.elapsed());
         last = Some(out);
     }
-    (median(times), last.expect("runs > 0"))
+    let ms = times.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    (median(times), ms, last.expect("runs > 0"))
 }
 
 fn main() {
@@ -132,7 +138,19 @@ fn main() {
         .skip_while(|a| a != "--runs")
         .nth(1)
         .and_then(|r| r.parse().ok())
-        .unwrap_or(11usize);
+        .unwrap_or(if report::quick() { 3 } else { 11usize });
+    let sizes: &[usize] = if report::quick() {
+        &[50, 500]
+    } else {
+        &[50, 500, 1000, 2500, 5000]
+    };
+    let id = "plan";
+    report::table(
+        id,
+        "Topology + plan for N nodes in N/100 locations + N Peers (local node a leader)",
+        "ms",
+    );
+    report::meta("runs per cell", &runs.to_string());
     println!(
         "{:>6} {:>5} {:>6} {:>12} {:>12} {:>7} {:>7} {:>8} {:>9}",
         "nodes",
@@ -146,7 +164,8 @@ fn main() {
         "VmHWM MiB"
     );
     let mut last = None;
-    for &n in &[50usize, 500, 1000, 2500, 5000] {
+    let mut largest = (0, 0.0, 0.0);
+    for &n in sizes {
         let locations = (n / 100).max(1);
         let snap = snapshot(n, locations, n);
         // node-00000 leads loc-000 (first public endpoint in name order).
@@ -156,7 +175,7 @@ fn main() {
             now: Some(1_700_000_010),
             ..Settings::default()
         };
-        let (full_t, planned) = time(runs, || plan::plan_for(&snap, &settings));
+        let (full_t, full_ms, planned) = time(runs, || plan::plan_for(&snap, &settings));
         assert!(planned.errors.is_empty(), "{:?}", &planned.errors[..1]);
         let p = planned.plan.expect("local node ready");
         assert!(planned.topology.as_ref().unwrap().leader);
@@ -169,10 +188,24 @@ fn main() {
             service_cidrs: settings.service_cidrs.clone(),
             persistent_keepalive: 0,
         };
-        let (tp_t, _) = time(runs, || {
+        let (tp_t, tp_ms, _) = time(runs, || {
             let t = Topology::new(&parsed.nodes, &parsed.peers, &opts).unwrap();
             plan::build(&t, &settings)
         });
+        let col = n.to_string();
+        report::cell(
+            id,
+            "plan_for from the raw snapshot (parse, readiness, topology, plan)",
+            &col,
+            &full_ms,
+        );
+        report::cell(id, "topology + plan from typed nodes", &col, &tp_ms);
+        report::cell(
+            id,
+            "peak RSS of the process, snapshot included (MiB)",
+            &col,
+            &[vm_hwm_kib() as f64 / 1024.0],
+        );
         println!(
             "{:>6} {:>5} {:>6} {:>12.2} {:>12.2} {:>7} {:>7} {:>8} {:>9.1}",
             n,
@@ -186,7 +219,15 @@ fn main() {
             vm_hwm_kib() as f64 / 1024.0
         );
         last = Some((snap, settings));
+        largest = (n, full_t.as_secs_f64() * 1e3, vm_hwm_kib() as f64 / 1024.0);
     }
+    report::plot(id, "nodes (and as many Peers)", "time", true, true);
+    let (n, ms, mib) = largest;
+    report::target(
+        "planning at 5,000 nodes + 5,000 Peers under 100 ms and 100 MB",
+        &format!("{ms:.1} ms, {mib:.0} MiB peak at {n} + {n}"),
+        ms < 100.0 && mib < 100.0,
+    );
     let (snap, settings) = last.expect("sizes");
     for g in [Granularity::Full, Granularity::Cross] {
         let s = Settings {
@@ -194,10 +235,17 @@ fn main() {
             persistent_keepalive: KeepaliveSource::Fixed(0),
             ..settings.clone()
         };
-        let (t, planned) = time(runs, || plan::plan_for(&snap, &s));
+        let (t, ms, planned) = time(runs, || plan::plan_for(&snap, &s));
         let p = planned.plan.unwrap();
+        report::cell(
+            id,
+            &format!("plan_for, {g} granularity"),
+            &sizes.last().unwrap().to_string(),
+            &ms,
+        );
         println!(
-            "{g:>8} at 5000: plan_for {:.2} ms, {} WireGuard peers, {} routes, VmHWM {:.1} MiB",
+            "{g:>8} at {}: plan_for {:.2} ms, {} WireGuard peers, {} routes, VmHWM {:.1} MiB",
+            sizes.last().unwrap(),
             t.as_secs_f64() * 1e3,
             p.wireguard.peers.len(),
             p.routes.len(),

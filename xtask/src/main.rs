@@ -2,6 +2,7 @@
 //!
 //! It runs on whatever stable toolchain the machine has, installs the pinned
 //! toolchains and tools (see `pins.rs`), then drives cargo with them.
+mod bench;
 mod pins;
 
 use std::{
@@ -45,10 +46,11 @@ enum Task {
         #[arg(long, default_value_t = 300)]
         seconds: u32,
     },
-    /// Run the benchmarks and print their reports.
+    /// Run the benchmarks and write BENCHMARKS.md and docs/bench/*.svg (see xtask/src/bench.rs):
+    /// `bench [WHAT] [--quick] [--debug] [--out DIR] [-- ARGS]`.
     Bench {
-        /// Which benchmark to run (default: all).
-        #[arg(trailing_var_arg = true)]
+        /// A benchmark (default: all) and options.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
 }
@@ -78,7 +80,7 @@ fn main() -> Result<()> {
         }
         Task::Bench { args } => {
             setup()?;
-            bench(&args)
+            bench::bench(&args)
         }
     }
 }
@@ -537,36 +539,6 @@ fn fuzz(only: Option<&str>, seconds: u32) -> Result<()> {
             .arg("--")
             .arg(format!("-max_total_time={seconds}"))
             .arg(format!("-artifact_prefix={}/", artifacts.display())))?;
-    }
-    Ok(())
-}
-
-/// Benchmarks are examples named `bench_<what>` in kilo-agent; `cargo xtask bench [what]` runs
-/// one, no argument runs them all. Each prints its own side-by-side report.
-fn bench(args: &[String]) -> Result<()> {
-    let examples = root_dir().join("kilo-agent/examples");
-    let mut all: Vec<String> = std::fs::read_dir(&examples)
-        .with_context(|| format!("reading {}", examples.display()))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.strip_prefix("bench_")
-                .and_then(|n| n.strip_suffix(".rs"))
-                .map(str::to_owned)
-        })
-        .collect();
-    all.sort();
-    let (chosen, rest): (Vec<String>, &[String]) = match args.split_first() {
-        Some((what, rest)) if all.contains(what) => (vec![what.clone()], rest),
-        Some((what, _)) => bail!("no benchmark {what:?}; have {all:?}"),
-        None => (all, &[]),
-    };
-    for what in chosen {
-        run(cargo()
-            .args(["run", "--release", "--package", "kilo-agent", "--example"])
-            .arg(format!("bench_{what}"))
-            .arg("--")
-            .args(rest))?;
     }
     Ok(())
 }

@@ -8,9 +8,12 @@ pub const NIGHTLY: &str = "nightly-2026-10-30";
 pub const BPF_LINKER: &str = "0.13.0";
 /// The LLVM major of NIGHTLY, which bpf-linker must be built for.
 pub const BPF_LINKER_LLVM: &str = "llvm-23";
-/// Debian packages the tests use.
+/// Debian packages the tests and benchmarks use (iptables and ipset: Kilo's side of
+/// `bench_control`).
 pub const DEBIAN_PACKAGES: &[&str] = &[
     "iproute2",
+    "iptables",
+    "ipset",
     "wireguard-go",
     "wireguard-tools",
     "nftables",

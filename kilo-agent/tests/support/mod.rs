@@ -9,6 +9,7 @@ pub mod bpffs;
 pub mod mesh;
 pub mod netns;
 pub mod packets;
+pub mod report;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
 /// classifier), embedded only by the tests and benchmarks.
