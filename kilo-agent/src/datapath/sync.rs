@@ -223,8 +223,24 @@ struct Diff<'a, M: ?Sized> {
     maps: &'a mut M,
     record: Record,
     writes: Writes,
-    /// The counter slots no entry holds, made on the first need.
-    free: Option<std::vec::IntoIter<u32>>,
+    /// The counter slots no entry holds, found on the first need.
+    free: Option<FreeSlots>,
+}
+
+/// The slots free when a sync began, lowest first; each is handed out once.
+struct FreeSlots {
+    used: Vec<bool>,
+    next: usize,
+}
+
+impl Iterator for FreeSlots {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        let at = self.next + self.used[self.next..].iter().position(|u| !u)?;
+        self.next = at + 1;
+        Some(at as u32)
+    }
 }
 
 impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
@@ -243,18 +259,19 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         let slots = self.maps.counter_slots();
         self.free
             .get_or_insert_with(|| {
-                let used: BTreeSet<u32> = record
-                    .values()
-                    .flat_map(|t| t.values().map(|v| v.counter))
-                    .collect();
-                let free: Vec<u32> = (0..slots).filter(|s| !used.contains(s)).collect();
-                if free.is_empty() {
+                let mut used = vec![false; slots as usize];
+                for v in record.values().flat_map(|t| t.values()) {
+                    if let Some(u) = used.get_mut(v.counter as usize) {
+                        *u = true;
+                    }
+                }
+                if used.iter().all(|u| *u) {
                     tracing::warn!(
                         slots,
                         "datapath: per-entry counter slots exhausted; new entries are not counted"
                     );
                 }
-                free.into_iter()
+                FreeSlots { used, next: 0 }
             })
             .next()
     }
