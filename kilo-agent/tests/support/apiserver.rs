@@ -218,8 +218,12 @@ impl ApiServer {
     }
 
     /// A kubeconfig (token auth, this server's CA) written to this server's directory.
+    /// Written once, atomically: kg processes read it while the test asks for it again.
     pub fn kubeconfig(&self) -> PathBuf {
         let path = self.dir.path().join("kubeconfig");
+        if path.exists() {
+            return path;
+        }
         use base64::Engine as _;
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n    \
@@ -229,7 +233,9 @@ impl ApiServer {
             self.url,
             base64::engine::general_purpose::STANDARD.encode(&self.cert.pem)
         );
-        std::fs::write(&path, text).unwrap();
+        let partial = path.with_extension("partial");
+        std::fs::write(&partial, text).unwrap();
+        std::fs::rename(&partial, &path).unwrap();
         path
     }
 
