@@ -31,6 +31,7 @@ use kilo_common::{PROG_DECAP, PROG_ENCAP};
 use support::{
     netns::{NetNs, veth},
     packets::{ETH_P_IP, eth, ip, time, v4},
+    report,
 };
 
 struct Lab {
@@ -173,9 +174,10 @@ fn main() {
     if !support::require_root("bench_encap") {
         return;
     }
-    let seconds: u32 = support::arg("--seconds", 5);
-    let rounds: usize = support::arg("--rounds", 3);
-    let repeat: u32 = support::arg("--repeat", 1_000_000);
+    let quick = report::quick();
+    let seconds: u32 = support::arg("--seconds", if quick { 1 } else { 5 });
+    let rounds: usize = support::arg("--rounds", if quick { 1 } else { 3 });
+    let repeat: u32 = support::arg("--repeat", if quick { 20_000 } else { 1_000_000 });
 
     println!("# IPIP inside a location: datapath encapsulation vs --encapsulate=never\n");
     let runs: Vec<(Figures, Figures)> = (0..rounds)
@@ -197,8 +199,25 @@ fn main() {
     );
     println!("| figure | never | always (eBPF IPIP) | always / never |");
     println!("|---|---|---|---|");
+    report::table(
+        "encap_lab",
+        "Same-location pod to pod, never against always (eBPF IPIP)",
+        "as named",
+    );
+    report::meta(
+        "encap: seconds per figure, rounds",
+        &format!("{seconds}, {rounds}"),
+    );
     let row = |name: &str, a: f64, b: f64, unit: &str| {
         println!("| {name} | {a:.2} {unit} | {b:.2} {unit} | {:.2} |", b / a);
+        report::cell("encap_lab", &format!("{name} ({unit})"), "never", &[a]);
+        report::cell("encap_lab", &format!("{name} ({unit})"), "always", &[b]);
+        report::cell(
+            "encap_lab",
+            &format!("{name} ({unit})"),
+            "always / never",
+            &[b / a],
+        );
     };
     row("TCP throughput", never.gbits, always.gbits, "Gbit/s");
     row("UDP 1400 B rate", never.udp_mpps, always.udp_mpps, "Mpps");
@@ -243,6 +262,11 @@ fn main() {
     let many = |prog, pkt: &[u8]| median((0..5).map(|_| time(prog, pkt, repeat)).collect());
     let single = |prog, pkt: &[u8]| median((0..2000).map(|_| time(prog, pkt, 1)).collect());
     let base = many(empty, &other);
+    report::table(
+        "encap_programs",
+        "The IPIP programs alone (BPF_PROG_TEST_RUN), against the empty classifier",
+        "ns per packet",
+    );
     println!("\nPrograms alone (BPF_PROG_TEST_RUN), ns per packet:\n");
     println!("| program, packet | runs | ns | minus empty |");
     println!("|---|---|---|---|");
@@ -253,6 +277,20 @@ fn main() {
     ] {
         let t = many(dp.program_named(prog), pkt);
         println!("| {name} | {repeat} x 5 | {t:.1} | {:.1} |", t - base);
+        report::cell("encap_programs", name, "minus empty (ns)", &[t - base]);
+        if prog == PROG_DECAP {
+            report::target(
+                "IPIP: the decapsulation program's cost on other traffic, a few ns over the hook",
+                &format!("+{:.1} ns", t - base),
+                t - base < 10.0,
+            );
+        } else {
+            report::target(
+                "IPIP: the encapsulation program's cost on other traffic, a few ns over the hook",
+                &format!("+{:.1} ns (one LPM-trie lookup)", t - base),
+                t - base < 10.0,
+            );
+        }
     }
     let base1 = single(empty, &other);
     println!("| empty classifier, any | 1 x 2000 | {base1:.1} | 0 |");
@@ -270,5 +308,6 @@ fn main() {
     ] {
         let t = single(dp.program_named(prog), pkt);
         println!("| {name} | 1 x 2000 | {t:.1} | {:.1} |", t - base1);
+        report::cell("encap_programs", name, "minus empty (ns)", &[t - base1]);
     }
 }
