@@ -354,7 +354,8 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
     let (a, _b) = pair();
     let wg = WgGo::start(&a);
     let sk = key();
-    let p = plan(public(&key()), &[]);
+    let remote = public(&key());
+    let p = plan(remote, &[]);
     let name = a.name.clone();
     let wgname = wg.name.clone();
     let counted = in_ns(&a, &wg.name, sk, async move |r: &mut Real| {
@@ -367,11 +368,24 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
                 .map(|l| l.index)
                 .collect::<BTreeSet<_>>(),
             wireguard_index: report.links.get(&wgname).map(|l| l.index),
+            own_port: Some(r.kernel.port()),
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(1000);
         let _watch =
             kilo_agent::reconcile::netlink::watch(std::sync::Arc::new(filter.into()), tx).unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await; // subscription in place
+        // Our own writes (a peer more: its routes) are echoes, not a reason to reconcile.
+        let mut more = plan(remote, &[public(&key())]);
+        more.routes.push(Route {
+            dst: "10.10.0.0/24".parse().unwrap(),
+            gateway: Some("10.4.0.2".parse().unwrap()),
+            src: None,
+            device: Device::WireGuard,
+            onlink: true,
+            table: MAIN_TABLE,
+        });
+        let more = r.reconcile(&more).await.unwrap();
+        assert!(more.writes.get("route_add") > 0, "{}", more.writes);
         sh(&format!(
             "ip netns exec {name} sh -c 'for i in $(seq 1 50); do ip route add 198.51.100.$i/32 dev eth0 proto bird; done; \
              ip rule add from 198.51.100.0/24 lookup 300; ip route del 10.0.0.2/32 table 1107'"
@@ -389,7 +403,7 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
     });
     assert_eq!(
         counted, 1,
-        "foreign churn (50 routes, 1 rule) must not trigger"
+        "our own writes and foreign churn (50 routes, 1 rule) must not trigger"
     );
 }
 

@@ -178,8 +178,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         .map(str::to_string),
     };
     let datapath = datapath(&flags, devices.clone())?;
+    let kernel = NetlinkKernel::connect()?;
+    let own_port = kernel.port();
     let reconciler = Reconciler::new(
-        NetlinkKernel::connect()?,
+        kernel,
         wireguard,
         datapath,
         Settings {
@@ -221,6 +223,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
 
     let (_bound, _server) = telemetry::serve(flags.listen, metrics).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(1);
+    agent.filter.lock().expect("filter lock").own_port = Some(own_port);
     let _watch = netlink::watch(agent.filter.clone(), tx)?;
     if flags.seccomp {
         seccomp::forbid_exec()?;

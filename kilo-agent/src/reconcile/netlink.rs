@@ -32,6 +32,7 @@ use super::{
 /// The kernel, through one rtnetlink connection.
 pub struct NetlinkKernel {
     handle: Handle,
+    port: u32,
 }
 
 impl NetlinkKernel {
@@ -40,10 +41,23 @@ impl NetlinkKernel {
     pub fn connect() -> Result<Self, KernelError> {
         // Strict checking lets the kernel filter dumps (routes by our protocol, addresses by
         // link), so a host with a large routing table costs us only our own routes.
-        let (conn, handle, _) = rtnetlink::new_connection_with_strict_check()
+        use netlink_sys::AsyncSocket;
+        let (mut conn, handle, _) = rtnetlink::new_connection_with_strict_check()
             .map_err(|e| KernelError::Socket(e.to_string()))?;
+        let port = conn
+            .socket_mut()
+            .socket_mut()
+            .bind_auto()
+            .map_err(|e| KernelError::Socket(e.to_string()))?
+            .port_number();
         tokio::spawn(conn);
-        Ok(NetlinkKernel { handle })
+        Ok(NetlinkKernel { handle, port })
+    }
+
+    /// The port of this connection's socket. The kernel's notifications of the changes made
+    /// through it carry this port: see [`EventFilter::own_port`].
+    pub fn port(&self) -> u32 {
+        self.port
     }
 
     async fn links(&self) -> Result<Vec<(String, LinkState)>, KernelError> {
@@ -507,6 +521,9 @@ pub struct EventFilter {
     pub indexes: BTreeSet<u32>,
     /// The WireGuard interface's index (addresses are only ours there).
     pub wireguard_index: Option<u32>,
+    /// The port of the agent's own rtnetlink socket ([`NetlinkKernel::port`]): notifications
+    /// carrying it echo the agent's own writes, which need no reconcile of their own.
+    pub own_port: Option<u32>,
 }
 
 /// Whether a notification is about one of our objects: a route or rule with our protocol marker,
@@ -583,7 +600,10 @@ pub fn watch(
                 let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
                     continue;
                 };
-                let relevant = is_relevant(inner, &filter.lock().expect("filter lock"));
+                let f = filter.lock().expect("filter lock");
+                let echo = f.own_port.is_some_and(|p| p == msg.header.port_number);
+                let relevant = !echo && is_relevant(inner, &f);
+                drop(f);
                 if relevant {
                     tracing::debug!(?inner, "kernel change to one of our objects");
                     if tx.is_closed() {
@@ -637,6 +657,7 @@ mod tests {
             names: ["kilo0".to_string()].into(),
             indexes: [5].into(),
             wireguard_index: Some(5),
+            own_port: None,
         };
         let mut foreign = route_message(&KRoute {
             table: 254,
