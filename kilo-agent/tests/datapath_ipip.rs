@@ -101,8 +101,11 @@ fn l4_packets(src: &str, dst: &str) -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+/// The decisions and the entries whose packet counters moved.
+type Moved = (Vec<Decision>, Vec<(Role, IpNet)>);
+
 /// Which decisions and entries moved between two counter readings (packets).
-fn moved(before: &Counters, after: &Counters) -> (Vec<Decision>, Vec<(Role, IpNet)>) {
+fn moved(before: &Counters, after: &Counters) -> Moved {
     let d = Decision::ALL
         .into_iter()
         .filter(|d| after.decision(*d).packets > before.decision(*d).packets)
@@ -116,6 +119,33 @@ fn moved(before: &Counters, after: &Counters) -> (Vec<Decision>, Vec<(Role, IpNe
     (d, e)
 }
 
+/// Runs `prog` on `pkt` and says which decisions and entries it counted.
+fn counted(
+    dp: &Datapath,
+    prog: &aya::programs::SchedClassifier,
+    pkt: &[u8],
+) -> (support::packets::Run, Moved) {
+    let before = dp.counters().unwrap();
+    let r = run(prog, pkt, 0, 0, 1);
+    (r, moved(&before, &dp.counters().unwrap()))
+}
+
+/// Asserts that `prog` passes every packet byte for byte and counts none.
+fn passes_untouched(dp: &Datapath, prog: &aya::programs::SchedClassifier, pkts: Vec<Vec<u8>>) {
+    let before = dp.counters().unwrap();
+    for pkt in pkts {
+        let r = run(prog, &pkt, 0, 0, 1);
+        assert_eq!((r.verdict, &r.data), (OK, &pkt), "{pkt:02x?}");
+    }
+    assert_eq!(dp.counters().unwrap(), before, "nothing counted");
+}
+
+fn arp() -> Vec<u8> {
+    let mut arp = eth(&[], ETH_P_ARP);
+    arp.extend_from_slice(&[0; 28]);
+    arp
+}
+
 #[test]
 fn encapsulates_tcp_udp_and_icmp_to_the_next_hop() {
     if !support::require_root("encapsulates_tcp_udp_and_icmp_to_the_next_hop") {
@@ -126,9 +156,7 @@ fn encapsulates_tcp_udp_and_icmp_to_the_next_hop() {
     for dst in ["10.42.2.7", NEIGHBOUR] {
         for (what, inner) in l4_packets("10.42.1.5", dst) {
             let pkt = with_eth(inner.clone());
-            let before = dp.counters().unwrap();
-            let r = run(prog, &pkt, 0, 0, 1);
-            let after = dp.counters().unwrap();
+            let (r, moved) = counted(&dp, prog, &pkt);
             assert_eq!(r.verdict, OK, "{what} to {dst}");
             assert_eq!(r.data.len(), pkt.len() + 20, "{what}: {:02x?}", r.data);
             assert_eq!(r.data[..14], pkt[..14], "{what}: Ethernet header kept");
@@ -150,7 +178,7 @@ fn encapsulates_tcp_udp_and_icmp_to_the_next_hop() {
                 "10.42.2.0/24"
             };
             assert_eq!(
-                moved(&before, &after),
+                moved,
                 (
                     vec![Decision::Encapsulated],
                     vec![(Role::Encapsulate, net(key))]
@@ -168,8 +196,6 @@ fn encapsulation_leaves_everything_else_byte_for_byte() {
     }
     let dp = open();
     let prog = dp.program_named(PROG_ENCAP);
-    let mut arp = eth(&[], ETH_P_ARP);
-    arp.extend_from_slice(&[0; 28]);
     let others = vec![
         // Not a destination to encapsulate.
         with_eth(ipv4("10.42.1.5", "10.42.3.7", 6, &[0; 20])),
@@ -183,14 +209,9 @@ fn encapsulation_leaves_everything_else_byte_for_byte() {
         )),
         // IPv6 and ARP.
         frame(&[], v6("fd00::1"), v6("fd00::2")),
-        arp,
+        arp(),
     ];
-    let before = dp.counters().unwrap();
-    for pkt in others {
-        let r = run(prog, &pkt, 0, 0, 1);
-        assert_eq!((r.verdict, &r.data), (OK, &pkt), "{pkt:02x?}");
-    }
-    assert_eq!(dp.counters().unwrap(), before, "nothing counted");
+    passes_untouched(&dp, prog, others);
 }
 
 #[test]
@@ -203,9 +224,7 @@ fn decapsulates_ipip_from_the_location_to_what_this_node_serves() {
     for dst in ["10.42.1.9", ME] {
         for (what, inner) in l4_packets("10.42.2.7", dst) {
             let pkt = with_eth(ipv4(NEIGHBOUR, ME, 4, &inner));
-            let before = dp.counters().unwrap();
-            let r = run(prog, &pkt, 0, 0, 1);
-            let after = dp.counters().unwrap();
+            let (r, moved) = counted(&dp, prog, &pkt);
             assert_eq!(r.verdict, OK, "{what} to {dst}");
             assert_eq!(r.data[..14], pkt[..14], "{what}: Ethernet header kept");
             assert_eq!(r.data[14..], inner[..], "{what}: exactly the inner packet");
@@ -215,7 +234,7 @@ fn decapsulates_ipip_from_the_location_to_what_this_node_serves() {
                 "10.42.1.0/24"
             };
             assert_eq!(
-                moved(&before, &after),
+                moved,
                 (
                     vec![Decision::Decapsulated],
                     vec![
@@ -256,11 +275,9 @@ fn ipip_from_a_stranger_or_to_elsewhere_is_refused_and_counted() {
         },
     ];
     for pkt in refused {
-        let before = dp.counters().unwrap();
-        let r = run(prog, &pkt, 0, 0, 1);
-        let after = dp.counters().unwrap();
+        let (r, moved) = counted(&dp, prog, &pkt);
         assert_eq!(r.verdict, SHOT, "{pkt:02x?}");
-        assert_eq!(moved(&before, &after).0, vec![Decision::IpipRefused]);
+        assert_eq!(moved.0, vec![Decision::IpipRefused]);
     }
 }
 
@@ -271,8 +288,6 @@ fn decapsulation_leaves_every_other_packet_byte_for_byte() {
     }
     let dp = open();
     let prog = dp.program_named(PROG_DECAP);
-    let mut arp = eth(&[], ETH_P_ARP);
-    arp.extend_from_slice(&[0; 28]);
     let mut others: Vec<Vec<u8>> = l4_packets("203.0.113.5", ME)
         .into_iter()
         .map(|(_, p)| with_eth(p))
@@ -280,14 +295,9 @@ fn decapsulation_leaves_every_other_packet_byte_for_byte() {
     others.extend([
         frame(&[], v4(NEIGHBOUR), v4(ME)),
         frame(&[], v6("fd00::1"), v6("fd00::2")),
-        arp,
+        arp(),
     ]);
-    let before = dp.counters().unwrap();
-    for pkt in others {
-        let r = run(prog, &pkt, 0, 0, 1);
-        assert_eq!((r.verdict, &r.data), (OK, &pkt), "{pkt:02x?}");
-    }
-    assert_eq!(dp.counters().unwrap(), before, "nothing counted");
+    passes_untouched(&dp, prog, others);
 }
 
 /// A packet the kernel cannot wrap is dropped, never sent bare onto the underlay. Here: a GSO
