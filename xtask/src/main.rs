@@ -497,7 +497,8 @@ const FUZZ_SECONDS_IN_TESTS: u32 = 15;
 
 /// Runs the fuzz targets of kilo-agent/fuzz with cargo-fuzz and the pinned nightly, starting
 /// from the seed corpus in git; what a run discovers goes to target/fuzz-corpus (not to git),
-/// a crashing input to target/fuzz-artifacts.
+/// a crashing input to target/fuzz-artifacts. The build goes to the cache, keyed on the
+/// nightly, so a fresh clone builds only the workspace's crates again.
 fn fuzz(only: Option<&str>, seconds: u32) -> Result<()> {
     let root = root_dir();
     let fuzz_dir = root.join("kilo-agent/fuzz");
@@ -530,7 +531,10 @@ fn fuzz(only: Option<&str>, seconds: u32) -> Result<()> {
             .env("PATH", &path)
             .env("RUSTUP_TOOLCHAIN", pins::NIGHTLY)
             .env("KILO_CACHE_DIR", cache_dir())
-            .env("CARGO_TARGET_DIR", root.join("target/fuzz"))
+            .env(
+                "CARGO_TARGET_DIR",
+                cache_dir().join(format!("fuzz-target-{}", pins::NIGHTLY)),
+            )
             .args(["fuzz", "run", "--fuzz-dir"])
             .arg(&fuzz_dir)
             .args(["--sanitizer", "none", "--debug-assertions", &t])
