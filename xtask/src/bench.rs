@@ -159,6 +159,7 @@ pub fn bench(args: &[String]) -> Result<()> {
         }
         (out, _) => {
             let out = out.clone().unwrap_or_else(root_dir);
+            std::fs::create_dir_all(&out)?;
             let report = render(&out, &started, o.quick, &ran)?;
             std::fs::write(out.join("BENCHMARKS.md"), report)?;
             update_readme(&out, &started, o.quick, &ran)?;
