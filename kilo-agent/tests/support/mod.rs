@@ -10,6 +10,7 @@ pub mod mesh;
 pub mod netns;
 pub mod packets;
 pub mod report;
+pub mod traffic;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
 /// classifier), embedded only by the tests and benchmarks.
