@@ -13,14 +13,14 @@
 //! - Topology change: nodes and Peers come and go while pod1 pings and streams to pod3: nothing
 //!   lost, and the n1–n3 WireGuard session is never reset.
 //!
-//! Each appends its figures to `$KILO_RELIABILITY_OUT/<test>.jsonl` (support/report.rs);
+//! Each appends its figures to `$KILO_RELIABILITY_OUT/<test>.jsonl` (support/reliability.rs);
 //! `KILO_SOAK=1` (`cargo xtask soak`) repeats the faults more times. `KILO_FAULTS_SEED` replays
 //! the kill points of a run (each run prints its seed).
 mod support;
 
 use std::{
     collections::BTreeSet,
-    path::Path,
+    path::{Path, PathBuf},
     process::Command,
     sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
@@ -31,7 +31,7 @@ use support::{
     bpffs::BpfFs,
     eventually,
     mesh::{DemoMesh, Kg, metric_sum},
-    report::{self, Reliability},
+    reliability,
     traffic::{Ping, Stream},
 };
 
@@ -42,34 +42,48 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The record a test appends, written on drop: `result` says `fail` if the test panicked.
-struct Record {
+/// The record a test appends (support/reliability.rs), written on drop: `result` says `fail`
+/// if the test panicked.
+struct Outcome {
     test: &'static str,
-    r: Reliability,
+    fault: String,
+    tries: u32,
+    lost: String,
+    outage_ms: Option<f64>,
+    notes: String,
 }
 
-impl Record {
-    fn new(test: &'static str, fault: &str) -> Record {
-        Record {
+impl Outcome {
+    fn new(test: &'static str, fault: &str) -> Outcome {
+        Outcome {
             test,
-            r: Reliability {
-                fault: fault.into(),
-                tries: 0,
-                lost: String::new(),
-                outage_ms: None,
-                result: "pass".into(),
-                notes: String::new(),
-            },
+            fault: fault.into(),
+            tries: 0,
+            lost: String::new(),
+            outage_ms: None,
+            notes: String::new(),
         }
     }
 }
 
-impl Drop for Record {
+impl Drop for Outcome {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.r.result = "fail".into();
-        }
-        report::reliability(self.test, &self.r);
+        let result = if std::thread::panicking() {
+            "fail"
+        } else {
+            "pass"
+        };
+        reliability::record(
+            self.test,
+            &reliability::Record {
+                fault: &self.fault,
+                tries: self.tries,
+                lost: &self.lost,
+                outage_ms: self.outage_ms,
+                result,
+                notes: &self.notes,
+            },
+        );
     }
 }
 
@@ -101,8 +115,13 @@ impl Rng {
     }
 }
 
+/// `short` tries, or `soak` with `KILO_SOAK=1` (`cargo xtask soak`).
 fn tries(short: u32, soak: u32) -> u32 {
-    if report::soak() { soak } else { short }
+    if std::env::var("KILO_SOAK").is_ok_and(|v| v == "1") {
+        soak
+    } else {
+        short
+    }
 }
 
 /// Starts kg on the three nodes and waits until pods ping across locations.
@@ -176,19 +195,16 @@ fn kernel(mesh: &DemoMesh, i: usize) -> BTreeSet<String> {
     lines
 }
 
-/// A deterministic key pair from a seed byte pair.
-fn keys(a: u8, b: u16) -> (Key, Key) {
-    let mut private = [a; 32];
-    private[1..3].copy_from_slice(&b.to_be_bytes());
-    private[0] &= 248;
-    private[31] = (private[31] & 127) | 64;
-    let private = Key(private);
-    (private, public_key(&private))
+/// A public key of its own for each `(tag, j)`.
+fn peer_key(tag: u8, j: u16) -> String {
+    let mut private = [tag; 32];
+    private[1..3].copy_from_slice(&j.to_be_bytes());
+    public_key(&Key(private)).to_string()
 }
 
 /// A batch of Peers (their own keys, one /32 each in 10.5.0.0/16) as files of the backend.
 struct Batch {
-    files: Vec<(std::path::PathBuf, String)>,
+    files: Vec<(PathBuf, String)>,
     keys: BTreeSet<String>,
 }
 
@@ -197,7 +213,7 @@ impl Batch {
         let mut files = Vec::new();
         let mut keys = BTreeSet::new();
         for j in 0..n {
-            let key = keys_public(tag, j);
+            let key = peer_key(tag, j);
             let cidr = format!("10.5.{}.{}/32", j / 250, j % 250 + 1);
             let name = format!("batch{tag}-{j}");
             files.push((
@@ -232,10 +248,6 @@ impl Batch {
     }
 }
 
-fn keys_public(tag: u8, j: u16) -> String {
-    keys(tag, j).1.to_string()
-}
-
 const KILL_TEST: &str = "agent_killed_during_a_large_reconcile_loses_no_packet";
 const BATCH: u16 = 1000;
 
@@ -245,7 +257,7 @@ fn agent_killed_during_a_large_reconcile_loses_no_packet() {
         return;
     }
     let _serial = serial();
-    let mut record = Record::new(KILL_TEST, "kg SIGKILLed during a 1,000-Peer reconcile");
+    let mut outcome = Outcome::new(KILL_TEST, "kg SIGKILLed during a 1,000-Peer reconcile");
     let (mut rng, seed) = Rng::seeded(KILL_TEST);
     let mesh = DemoMesh::up("fk");
     let bpffs = BpfFs::new();
@@ -343,9 +355,9 @@ fn agent_killed_during_a_large_reconcile_loses_no_packet() {
 
     let echoed = stream.stop();
     let pinged = ping.stop();
-    record.r.tries = n;
-    record.r.lost = pinged.summary();
-    record.r.notes = format!(
+    outcome.tries = n;
+    outcome.lost = pinged.summary();
+    outcome.notes = format!(
         "seed {seed}; n1 applies {BATCH} Peers in {} ms, killed at random points of it while adding and removing them alternately (batch peers on n1 at each kill: {}); TCP stream: {}; idle restart: 0 writes",
         span.as_millis(),
         kills.join(" "),
@@ -465,7 +477,7 @@ fn leader_loss_hands_the_location_to_the_next_node() {
             Some(p) => format!("leader lost, check-in period {p} s"),
             None => "leader lost, Ready rule (check-in 0)".to_owned(),
         };
-        let mut record = Record::new(LEADER_TEST, &fault);
+        let mut outcome = Outcome::new(LEADER_TEST, &fault);
         let window = period.map(|p| Duration::from_secs(2 * p));
         let (mut outages, mut reactions) = (Vec::new(), Vec::new());
         let (mut lost, mut sent) = (0u64, 0u64);
@@ -477,10 +489,10 @@ fn leader_loss_hands_the_location_to_the_next_node() {
             lost += l.parse::<u64>().unwrap();
             sent += s.parse::<u64>().unwrap();
         }
-        record.r.tries = n;
-        record.r.lost = format!("{lost}/{sent}");
-        record.r.outage_ms = outages.iter().max().map(|&m| m as f64);
-        record.r.notes = match period {
+        outcome.tries = n;
+        outcome.lost = format!("{lost}/{sent}");
+        outcome.outage_ms = outages.iter().max().map(|&m| m as f64);
+        outcome.notes = match period {
             Some(p) => format!(
                 "kg and wireguard-go of east's leader SIGKILLed; n2 takes over once its last heartbeat (every {p} s) is {} s old: outages {outages:?} ms, traffic back {reactions:?} ms after that window ran out; the window is 2 check-in periods, so with Kilo's 30 s the outage is 30–61 s plus the same reaction",
                 2 * p
@@ -500,7 +512,7 @@ fn topology_changes_leave_an_unrelated_flow_alone() {
         return;
     }
     let _serial = serial();
-    let mut record = Record::new(TOPOLOGY_TEST, "nodes and Peers added and removed");
+    let mut outcome = Outcome::new(TOPOLOGY_TEST, "nodes and Peers added and removed");
     let mesh = DemoMesh::up("ft");
     let bpffs = BpfFs::new();
     let kg = start_agents(&mesh, &bpffs, &[]);
@@ -534,7 +546,7 @@ fn topology_changes_leave_an_unrelated_flow_alone() {
             &node4,
             format!(
                 "apiVersion: v1\nkind: Node\nmetadata:\n  name: n4\n  annotations:\n    kilo.squat.ai/location: north\n    kilo.squat.ai/key: \"{}\"\n    kilo.squat.ai/endpoint: 192.168.50.44:51820\n    kilo.squat.ai/internal-ip: 192.168.50.44/24\n    kilo.squat.ai/last-seen: \"{now}\"\nspec:\n  podCIDR: 10.42.4.0/24\n",
-                keys_public(3, t as u16)
+                peer_key(3, t as u16)
             ),
         )
         .unwrap();
@@ -568,9 +580,9 @@ fn topology_changes_leave_an_unrelated_flow_alone() {
     }
     let echoed = stream.stop();
     let pinged = ping.stop();
-    record.r.tries = n;
-    record.r.lost = pinged.summary();
-    record.r.notes = format!(
+    outcome.tries = n;
+    outcome.lost = pinged.summary();
+    outcome.notes = format!(
         "a node in a new location and 20 Peers added then removed each try while pod1 pings and streams to pod3 (n1–n3 session: same handshake, counters kept); TCP stream: {}",
         match &echoed {
             Ok(m) => format!("{m} messages echoed, none lost"),

@@ -9,6 +9,7 @@ pub mod bpffs;
 pub mod mesh;
 pub mod netns;
 pub mod packets;
+pub mod reliability;
 pub mod report;
 pub mod traffic;
 

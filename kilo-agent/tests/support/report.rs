@@ -2,9 +2,6 @@
 //! that `KILO_BENCH_JSON` names (`cargo xtask bench` sets it and renders BENCHMARKS.md and the
 //! plots from it; xtask's `bench` module documents the records). Without it nothing is written
 //! and the benchmarks only print their own text.
-//!
-//! The reliability tests' records ([`reliability`]) go elsewhere: one line per test run to
-//! `$KILO_RELIABILITY_OUT/<test>.jsonl`, which `cargo xtask soak` renders as RELIABILITY.md.
 use std::io::Write as _;
 
 use serde_json::{Value, json};
@@ -72,51 +69,4 @@ pub fn median(v: &[f64]) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-}
-
-/// What one reliability test found, for RELIABILITY.md.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Reliability {
-    /// The fault injected, in a few words.
-    pub fault: String,
-    /// How many times it was injected.
-    pub tries: u32,
-    /// Packets lost of those sent, e.g. `0/1200`.
-    pub lost: String,
-    /// The longest time without traffic, where the fault causes one.
-    pub outage_ms: Option<f64>,
-    /// `pass`, or what went wrong.
-    pub result: String,
-    /// Anything a reader needs to judge the figures (periods, seeds, scaling).
-    pub notes: String,
-}
-
-/// Appends `r` as one JSON line to `$KILO_RELIABILITY_OUT/<test>.jsonl` (nothing without the
-/// variable): `{"fault", "tries", "lost", "outage_ms" (number or null), "result", "notes"}`.
-pub fn reliability(test: &str, r: &Reliability) {
-    let Some(dir) = std::env::var_os("KILO_RELIABILITY_OUT") else {
-        return;
-    };
-    let dir = std::path::PathBuf::from(dir);
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let path = dir.join(format!("{test}.jsonl"));
-    let record = json!({
-        "fault": r.fault,
-        "tries": r.tries,
-        "lost": r.lost,
-        "outage_ms": r.outage_ms,
-        "result": r.result,
-        "notes": r.notes,
-    });
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    writeln!(f, "{record}").expect("writing a reliability record");
-}
-
-/// `KILO_SOAK=1`: the reliability tests' long versions (more repetitions).
-pub fn soak() -> bool {
-    std::env::var("KILO_SOAK").is_ok_and(|v| v == "1")
 }
