@@ -315,6 +315,54 @@ fn adding_a_peer_keeps_the_other_sessions() {
     a.sh("busybox ping -c1 -W5 10.4.0.2");
 }
 
+/// Kilo numbers WireGuard IPs by segment, so a new location can move this node's IP to the one
+/// a remote leader had (the next one moving up): in one pass, with no error and without the
+/// device ever losing its routes (an old address deleted last took the new one, its secondary,
+/// with it, and with them every route through the device until the next pass).
+#[test]
+fn a_new_wireguard_ip_keeps_the_routes_through_the_device() {
+    if !support::require_root("a_new_wireguard_ip_keeps_the_routes_through_the_device") {
+        return;
+    }
+    let (a, _b) = pair();
+    let wg = WgGo::start(&a);
+    let (sk, remote) = (key(), public(&key()));
+    let steady = Route {
+        dst: "10.9.0.0/24".parse().unwrap(),
+        gateway: None,
+        src: None,
+        device: Device::WireGuard,
+        onlink: false,
+        table: MAIN_TABLE,
+    };
+    let mut p1 = plan(remote, &[]);
+    p1.routes.push(steady.clone());
+    // This node moves from 10.4.0.1 to 10.4.0.2, the remote from 10.4.0.2 to 10.4.0.3.
+    let mut p2 = p1.clone();
+    p2.addresses = vec!["10.4.0.2/16".parse().unwrap()];
+    p2.wireguard.peers[0].allowed_ips[1] = "10.4.0.3/32".parse().unwrap();
+    p2.routes[0].gateway = Some("10.4.0.3".parse().unwrap());
+    let (first, second, third) = in_ns(&a, &wg.name, sk, async move |r: &mut Real| {
+        let first = r.reconcile(&p1).await.unwrap();
+        let second = r.reconcile(&p2).await.unwrap();
+        let third = r.reconcile(&p2).await.unwrap();
+        (first, second, third)
+    });
+    ok(&first);
+    ok(&second);
+    let routes = a.sh("ip route show proto 107");
+    assert!(routes.contains("10.9.0.0/24 dev"), "{routes}");
+    assert!(routes.contains("10.2.2.0/24 via 10.4.0.3"), "{routes}");
+    let addresses = a.sh(&format!("ip -o addr show dev {}", wg.name));
+    assert!(addresses.contains("inet 10.4.0.2/16"), "{addresses}");
+    assert!(!addresses.contains("10.4.0.1"), "{addresses}");
+    assert!(
+        third.writes.is_empty(),
+        "a pass after the change wrote {}",
+        third.writes
+    );
+}
+
 fn snapshot(ns: &NetNs) -> String {
     ns.sh("ip route show table all; ip -6 route show table all; ip rule; ip -6 rule; ip addr")
 }

@@ -188,13 +188,13 @@ fn read_records(json: &Path) -> Result<Vec<Value>> {
 }
 
 /// What is known of the run before it starts.
-struct Start {
-    date: String,
+pub struct Start {
+    pub date: String,
     load: String,
 }
 
 impl Start {
-    fn now() -> Start {
+    pub fn now() -> Start {
         Start {
             date: output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]))
                 .unwrap_or_default()
@@ -213,7 +213,7 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-fn machine() -> String {
+pub fn machine() -> String {
     let cpu = read("/proc/cpuinfo");
     let model = cpu
         .lines()
@@ -229,7 +229,7 @@ fn machine() -> String {
     format!("{model}, {cpus} CPUs, {:.0} GiB", mem_kb / 1024.0 / 1024.0)
 }
 
-fn versions() -> String {
+pub fn versions() -> String {
     let rustc = output(
         Command::new("rustc")
             .env("RUSTUP_TOOLCHAIN", crate::pins::STABLE)

@@ -4,6 +4,7 @@
 //! toolchains and tools (see `pins.rs`), then drives cargo with them.
 mod bench;
 mod pins;
+mod soak;
 
 use std::{
     env,
@@ -53,6 +54,12 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run the reliability tests' long versions (faults under traffic) and write RELIABILITY.md
+    /// (see xtask/src/soak.rs): `soak [--no-run] [--out DIR] [-- TEST ARGS]`. Needs root.
+    Soak {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -81,6 +88,10 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             setup()?;
             bench::bench(&args)
+        }
+        Task::Soak { args } => {
+            setup()?;
+            soak::soak(&args)
         }
     }
 }

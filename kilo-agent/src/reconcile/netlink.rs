@@ -329,6 +329,37 @@ fn address_message(index: u32, a: &IpNet) -> AddressMessage {
     m
 }
 
+/// Adds or deletes one address: the kind of write, or the operation and its error.
+async fn set_address(
+    h: &Handle,
+    index: u32,
+    add: bool,
+    a: &IpNet,
+) -> Result<&'static str, (String, String)> {
+    use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
+    let m = address_message(index, a);
+    let (msg, flags, kind, op) = if add {
+        let flags = NLM_F_CREATE | NLM_F_EXCL;
+        (
+            RouteNetlinkMessage::NewAddress(m),
+            flags,
+            "address_add",
+            "add",
+        )
+    } else {
+        (
+            RouteNetlinkMessage::DelAddress(m),
+            0,
+            "address_del",
+            "delete",
+        )
+    };
+    request(h, msg, flags)
+        .await
+        .map(|()| kind)
+        .map_err(|e| (format!("{op} address {a}"), e))
+}
+
 /// Sends a raw request and waits for its acknowledgement.
 async fn request(handle: &Handle, msg: RouteNetlinkMessage, flags: u16) -> Result<(), String> {
     use netlink_packet_core::{NLM_F_ACK, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
@@ -458,11 +489,44 @@ impl Kernel for NetlinkKernel {
                 Err(e) => fail("set link up/mtu".into(), e.to_string()),
             }
         }
-        for a in &d.address_add {
-            let msg = RouteNetlinkMessage::NewAddress(address_message(d.link_index, a));
-            match request(h, msg, NLM_F_CREATE | NLM_F_EXCL).await {
-                Ok(()) => w.add("address_add", 1),
-                Err(e) => fail(format!("add address {a}"), e),
+        // The device keeps an IPv4 address throughout: one left without any loses every route
+        // through it, and deleting an address also deletes the new ones of its subnet (its
+        // secondaries). So a new address that replaces one of its subnet is held as a /32
+        // while the old one goes, before routes are added (a gateway that was our own address
+        // would be refused as local). Other addresses go last, after the routes through them.
+        let same_subnet = |a: &IpNet, b: &IpNet| {
+            a.addr().is_ipv4()
+                && b.addr().is_ipv4()
+                && a.prefix_len() == b.prefix_len()
+                && a.network() == b.network()
+        };
+        let replacing =
+            |a: &&IpNet| a.prefix_len() < 32 && d.address_del.iter().any(|o| same_subnet(a, o));
+        let replaced = |o: &&IpNet| {
+            d.address_add
+                .iter()
+                .any(|a| replacing(&a) && same_subnet(a, o))
+        };
+        let held: Vec<IpNet> = d
+            .address_add
+            .iter()
+            .filter(replacing)
+            .map(|a| a.addr().into())
+            .collect();
+        // (add?, address), in order.
+        let steps = (d
+            .address_add
+            .iter()
+            .filter(|a| !replacing(a))
+            .chain(&held)
+            .map(|a| (true, a)))
+        .chain(d.address_del.iter().filter(replaced).map(|a| (false, a)))
+        .chain(d.address_add.iter().filter(replacing).map(|a| (true, a)))
+        .chain(held.iter().map(|a| (false, a)));
+        for (add, a) in steps {
+            match set_address(h, d.link_index, add, a).await {
+                Ok(kind) => w.add(kind, 1),
+                Err((op, e)) => fail(op, e),
             }
         }
         for (r, replace) in &d.route_add {
@@ -501,11 +565,10 @@ impl Kernel for NetlinkKernel {
                 Err(e) => fail(format!("delete route {r}"), e),
             }
         }
-        for a in &d.address_del {
-            let msg = RouteNetlinkMessage::DelAddress(address_message(d.link_index, a));
-            match request(h, msg, 0).await {
-                Ok(()) => w.add("address_del", 1),
-                Err(e) => fail(format!("delete address {a}"), e),
+        for a in d.address_del.iter().filter(|o| !replaced(o)) {
+            match set_address(h, d.link_index, false, a).await {
+                Ok(kind) => w.add(kind, 1),
+                Err((op, e)) => fail(op, e),
             }
         }
         (w, errors)

@@ -1,13 +1,17 @@
 //! The demo's mesh (`xtask/scripts/mesh.sh up`) for tests that start `kg` themselves: three
 //! nodes in two locations, a pod behind a bridge on each, wireguard-go devices, an "internet"
 //! host at 192.168.50.100, the Node objects in `objects/`. Removed (wireguard-go ended by PID,
-//! namespaces deleted) on drop.
+//! namespaces deleted) on drop. [`Kg`] runs the real agent on one of its nodes, on the file
+//! backend.
 use std::{
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Child, Command, Output, Stdio},
 };
 
-use super::netns::{run_in, try_sh};
+use super::{
+    bpffs::BpfFs,
+    netns::{run_in, try_sh},
+};
 
 pub struct DemoMesh {
     /// The namespaces' prefix: `<prefix>-n1`, `<prefix>-pod1`, `<prefix>-inet`, ...
@@ -90,6 +94,28 @@ impl DemoMesh {
         run_in(&self.ns(ns), f)
     }
 
+    /// The file backend's directory (the Node objects, and any Peer a test adds).
+    pub fn objects(&self) -> PathBuf {
+        self.work.path().join("objects")
+    }
+
+    /// The PID of node `i`'s wireguard-go (1-based; mesh.sh starts them in node order).
+    pub fn wireguard_pid(&self, i: usize) -> i32 {
+        let pids = std::fs::read_to_string(self.work.path().join("wireguard-go.pids")).unwrap();
+        pids.lines().nth(i - 1).unwrap().trim().parse().unwrap()
+    }
+
+    /// Node `i`'s `/metrics`, `None` while its kg does not answer.
+    pub fn metrics(&self, i: usize) -> Option<String> {
+        let out = self.try_sh(
+            &format!("n{i}"),
+            "busybox wget -q -O - http://127.0.0.1:1107/metrics",
+        );
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// The Node objects' YAML, one per node, in node order.
     pub fn node_yaml(&self) -> Vec<String> {
         (1..=3)
@@ -104,5 +130,103 @@ impl DemoMesh {
 impl Drop for DemoMesh {
     fn drop(&mut self) {
         self.script("down");
+    }
+}
+
+/// The sum of every sample of the metric family `name` (all its label sets) in an exposition.
+pub fn metric_sum(exposition: &str, name: &str) -> u64 {
+    exposition
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The real `kg` on node `i` of a [`DemoMesh`], on the file backend (`objects/`), without
+/// encapsulation or CNI, metrics on 127.0.0.1:1107 in the node's namespace, logging (appended
+/// across restarts) to `kg-n<i>.log`. Killed on drop if still running.
+pub struct Kg {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Kg {
+    /// Starts it with the mesh's usual flags and `extra` (later flags win).
+    pub fn start(mesh: &DemoMesh, i: usize, bpffs: &BpfFs, extra: &[&str]) -> Kg {
+        let work = mesh.work.path();
+        let log = work.join(format!("kg-n{i}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &mesh.ns(&format!("n{i}"))])
+            .arg(Kg::binary())
+            .args(Kg::flags(mesh, i, bpffs))
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Kg { child, log }
+    }
+
+    /// The `kg` of this build: cargo names it to integration tests; the examples that share
+    /// these helpers find it beside their own directory (`target/<profile>/`).
+    pub fn binary() -> PathBuf {
+        option_env!("CARGO_BIN_EXE_kg").map_or_else(
+            || {
+                let exe = std::env::current_exe().unwrap();
+                exe.parent().unwrap().parent().unwrap().join("kg")
+            },
+            PathBuf::from,
+        )
+    }
+
+    /// The flags [`Kg::start`] gives node `i`'s kg (also for a `--dry-run` beside it).
+    pub fn flags(mesh: &DemoMesh, i: usize, bpffs: &BpfFs) -> Vec<String> {
+        let work = mesh.work.path();
+        vec![
+            "--backend=file".into(),
+            format!("--backend-dir={}", mesh.objects().display()),
+            format!("--hostname=n{i}"),
+            "--create-interface=false".into(),
+            format!("--interface={}", mesh.wg(i)),
+            "--encapsulate=never".into(),
+            // Not Kilo as the CNI here: the host's /etc/cni stays untouched.
+            "--cni=false".into(),
+            format!("--private-key={}", work.join(format!("n{i}.key")).display()),
+            format!("--bpffs-dir={}", bpffs.pin_dir(&format!("n{i}")).display()),
+            "--listen=127.0.0.1:1107".into(),
+            "--log-format=text".into(),
+        ]
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL (no clean-up: routes, WireGuard peers and pinned datapath stay), then reaps it.
+    pub fn kill(mut self) {
+        // SAFETY: a signal to our own child (`ip netns exec` execs kg, so this is kg).
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Kg {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        // SIGTERM first: kg removes its routes, maps and pins before the mesh goes.
+        // SAFETY: as above.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
     }
 }

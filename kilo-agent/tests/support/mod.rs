@@ -9,7 +9,9 @@ pub mod bpffs;
 pub mod mesh;
 pub mod netns;
 pub mod packets;
+pub mod reliability;
 pub mod report;
+pub mod traffic;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
 /// classifier), embedded only by the tests and benchmarks.
