@@ -358,9 +358,15 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         {
             Some(false) => {
                 self.metrics.error("backend");
-                tracing::warn!("backend disconnected: no node expires until it delivers again");
+                self.metrics.set_backend_connected(false);
+                tracing::warn!(
+                    "backend disconnected: keeping the last applied state; no node expires until it delivers again"
+                );
             }
-            Some(true) => tracing::info!("backend connected: liveness judged again"),
+            Some(true) => {
+                self.metrics.set_backend_connected(true);
+                tracing::info!("backend connected: liveness judged again");
+            }
             None => {}
         }
     }
