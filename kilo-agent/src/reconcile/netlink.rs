@@ -316,17 +316,21 @@ fn address_message(index: u32, a: &IpNet) -> AddressMessage {
 }
 
 /// Sends a raw request and waits for its acknowledgement.
-async fn request(handle: &Handle, msg: RouteNetlinkMessage, flags: u16) -> Result<(), String> {
+async fn request(
+    handle: &Handle,
+    msg: RouteNetlinkMessage,
+    flags: u16,
+) -> Result<(), std::io::Error> {
     use netlink_packet_core::{NLM_F_ACK, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
     let mut req = NetlinkMessage::from(msg);
     req.header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
     let mut handle = handle.clone();
-    let mut resp = handle.request(req).map_err(|e| e.to_string())?;
+    let mut resp = handle.request(req).map_err(std::io::Error::other)?;
     while let Some(m) = resp.next().await {
         if let NetlinkPayload::Error(e) = m.payload
             && e.code.is_some()
         {
-            return Err(e.to_string());
+            return Err(e.to_io());
         }
     }
     Ok(())
@@ -429,8 +433,12 @@ impl Kernel for NetlinkKernel {
         let mut w = Writes::default();
         let mut errors = Vec::new();
         let h = &self.handle;
-        let mut fail =
-            |op: String, message: String| errors.push(KernelError::Netlink { op, message });
+        let mut fail = |op: String, e: std::io::Error| {
+            errors.push(KernelError::Netlink {
+                op,
+                message: e.to_string(),
+            });
+        };
         if let Some((up, mtu)) = d.link_set {
             let mut b = LinkUnspec::new_with_index(d.link_index);
             if up {
@@ -441,7 +449,7 @@ impl Kernel for NetlinkKernel {
             }
             match h.link().set(b.build()).execute().await {
                 Ok(()) => w.add("link_set", 1),
-                Err(e) => fail("set link up/mtu".into(), e.to_string()),
+                Err(e) => fail("set link up/mtu".into(), std::io::Error::other(e)),
             }
         }
         for a in &d.address_add {
@@ -462,6 +470,15 @@ impl Kernel for NetlinkKernel {
                         "route_add"
                     },
                     1,
+                ),
+                // Only our routes are observed: what is in the way is somebody else's, and
+                // stays (retried with backoff until it is gone).
+                Err(e) if !*replace && e.raw_os_error() == Some(libc::EEXIST) => fail(
+                    format!("add route {r}"),
+                    std::io::Error::other(format!(
+                        "{e}: a route to {} in table {} that is not ours is in the way; left alone",
+                        r.dst, r.table
+                    )),
                 ),
                 Err(e) => fail(format!("add route {r}"), e),
             }
