@@ -235,6 +235,16 @@ impl DatapathSync for AgentDatapath {
         // (first start, or pins replaced by an upgrade) never decides on empty or half-written
         // ones, and one already attached keeps its maps until then.
         let ready = datapath.synced();
+        // Pins gone with an unmounted bpffs took their links, and the program, with them:
+        // attached again (pinned if the directory is a bpffs again, else held by this process).
+        let lost: Vec<String> = (self.attached.keys())
+            .filter(|name| datapath.lost_attachment(name))
+            .cloned()
+            .collect();
+        for name in &lost {
+            self.attached.remove(name);
+        }
+        let pin_dir = datapath.config().pin_dir.clone().unwrap_or_default();
         for name in self.interfaces.iter().filter(|_| ready) {
             match ifindex(name) {
                 Ok(index) if self.attached.get(name) != Some(&index) => {
@@ -262,6 +272,14 @@ impl DatapathSync for AgentDatapath {
         }
         writes += synced?;
         writes += ipip_attached?;
+        if !lost.is_empty() {
+            return Err(DatapathSyncError::Failed(format!(
+                "the datapath's pins under {} are gone (bpffs unmounted?), and with them its \
+                 program on {}: attached again ({writes})",
+                pin_dir.display(),
+                lost.join(", ")
+            )));
+        }
         Ok(writes)
     }
 
