@@ -6,9 +6,11 @@ pub mod agent;
 pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
+pub mod kg;
 pub mod mesh;
 pub mod netns;
 pub mod packets;
+pub mod reliability;
 pub mod report;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
