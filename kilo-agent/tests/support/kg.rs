@@ -207,6 +207,8 @@ impl Kg {
             std::thread::sleep(std::time::Duration::from_millis(100));
             assert!(status.success(), "kg exited with {status}:\n{}", self.log());
         }
+        // Shown with --nocapture (captured otherwise).
+        eprintln!("kg's log:\n{}", self.log());
         self.log()
     }
 }
