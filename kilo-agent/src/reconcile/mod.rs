@@ -330,6 +330,17 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         let underlay = self.underlay(plan, &observed).await;
         let want = state::desired(plan, &devices, &observed.links, &underlay);
         report.problems.extend(want.problems.iter().cloned());
+        // Added anyway (the kernel allows it), but the other link's prefix route may take the
+        // mesh's traffic: somebody has to remove one of them.
+        for a in &want.addresses {
+            if let Some(other) = observed.elsewhere.get(&a.addr()) {
+                report.problems.push(format!(
+                    "address {a} of {}: {} is also on {other}, whose routes may take the mesh's traffic",
+                    devices.wireguard,
+                    a.addr()
+                ));
+            }
+        }
         let d = state::diff(&link, self.link_want(), &want, &observed);
         if !d.is_empty() {
             tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
@@ -568,6 +579,22 @@ mod tests {
             assert_eq!(
                 r.reconcile(&moved).await.unwrap().writes.get("cni_config"),
                 1
+            );
+        });
+    }
+
+    #[test]
+    fn our_address_on_another_link_is_a_problem_and_still_added() {
+        block_on(async {
+            let mut r = reconciler();
+            (r.kernel.state.elsewhere).insert("10.4.0.1".parse().unwrap(), "eth0".into());
+            let report = r.reconcile(&plan()).await.unwrap();
+            assert_eq!(report.writes.get("address_add"), 1, "{}", report.writes);
+            assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+            assert!(
+                report.problems[0].contains("10.4.0.1 is also on eth0"),
+                "{:?}",
+                report.problems
             );
         });
     }

@@ -58,20 +58,19 @@ impl NetlinkKernel {
         Ok(msgs.iter().filter_map(parse_link).collect())
     }
 
-    async fn addresses(&self, index: u32) -> Result<BTreeSet<IpNet>, KernelError> {
+    /// Every address but IPv6 link-local ones, with its link's index.
+    async fn addresses(&self) -> Result<Vec<(u32, IpNet)>, KernelError> {
         let msgs: Vec<AddressMessage> = self
             .handle
             .address()
             .get()
-            .set_link_index_filter(index)
             .execute()
             .try_collect()
             .await
             .map_err(err("dump addresses"))?;
         Ok(msgs
             .iter()
-            .filter(|m| m.header.index == index)
-            .filter_map(parse_address)
+            .filter_map(|m| Some((m.header.index, parse_address(m)?)))
             .collect())
     }
 
@@ -339,21 +338,29 @@ async fn request(
 impl Kernel for NetlinkKernel {
     async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
         let names: BTreeSet<&str> = devices.names().collect();
-        let links = self
-            .links()
-            .await?
+        let all = self.links().await?;
+        let name_of: std::collections::BTreeMap<u32, String> =
+            all.iter().map(|(n, l)| (l.index, n.clone())).collect();
+        let links = all
             .into_iter()
             .filter(|(n, _)| names.contains(n.as_str()))
             .collect::<std::collections::BTreeMap<_, _>>();
-        let addresses = match links.get(&devices.wireguard) {
-            Some(l) => self.addresses(l.index).await?,
-            None => BTreeSet::new(),
-        };
+        let wireguard = links.get(&devices.wireguard).map(|l| l.index);
+        // All of them, so that one of ours on another link is seen (a conflict).
+        let (mut addresses, mut elsewhere) = (BTreeSet::new(), std::collections::BTreeMap::new());
+        for (index, a) in self.addresses().await? {
+            if Some(index) == wireguard {
+                addresses.insert(a);
+            } else if let Some(name) = name_of.get(&index) {
+                elsewhere.insert(a.addr(), name.clone());
+            }
+        }
         Ok(KernelState {
             links,
             addresses,
             routes: self.routes().await?,
             rules: self.rules().await?.into_iter().collect(),
+            elsewhere,
         })
     }
 
