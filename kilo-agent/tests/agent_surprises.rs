@@ -330,3 +330,59 @@ fn an_unmounted_bpffs_is_reported_and_the_program_attached_again() {
         },
     );
 }
+
+#[test]
+fn our_wireguard_ip_on_another_interface_is_reported_until_it_is_removed() {
+    if !support::require_root(
+        "our_wireguard_ip_on_another_interface_is_reported_until_it_is_removed",
+    ) {
+        return;
+    }
+    let mut kg = start("ac", 1, &[]);
+    eventually("the peer", || kg.wg_peers().len() == 1);
+    let wg = kg.wg.name.clone();
+    assert!(
+        kg.sh(&format!("ip addr show dev {wg}"))
+            .contains("10.4.0.1/16")
+    );
+    // The kernel takes the same address on a second link without a word, and that link's
+    // prefix route then wins for the other WireGuard IPs in it.
+    let errors = kg.errors("apply");
+    kg.sh("ip addr add 10.4.0.1/24 dev kube-bridge");
+    eventually("the conflict is reported", || kg.errors("apply") > errors);
+    let log = kg.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("could not apply") && l.contains("also on kube-bridge"))
+        .unwrap_or_else(|| panic!("no problem naming kube-bridge:\n{log}"));
+    assert!(line.contains("10.4.0.1/16"), "{line}");
+    // The rest applies meanwhile.
+    kg.add_peer(2);
+    eventually("a new peer still applies", || kg.wg_peers().len() == 2);
+    let conflicted = bounded(&kg, "an address conflict");
+    assert_eq!(
+        kg.logged("also on kube-bridge"),
+        1,
+        "logged once:\n{}",
+        kg.log()
+    );
+    // Removed there: the next pass is clean, and the retries stop.
+    kg.sh("ip addr del 10.4.0.1/24 dev kube-bridge");
+    eventually("no more errors", || {
+        let before = kg.errors("apply");
+        std::thread::sleep(RESYNC * 2);
+        kg.errors("apply") == before
+    });
+    kg.stop();
+    record(
+        "our_wireguard_ip_on_another_interface_is_reported_until_it_is_removed",
+        &Record {
+            fault: "the node's WireGuard IP also assigned to another interface",
+            tries: 1,
+            lost: "nothing here; with a real mesh, traffic to the WireGuard IPs in the other prefix",
+            outage_ms: None,
+            result: "reported once naming both interfaces, counted at each retry, the rest applied; clean once removed",
+            notes: &format!("{conflicted} reconciles in {WINDOW:?} while in conflict"),
+        },
+    );
+}
