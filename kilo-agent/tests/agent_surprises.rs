@@ -28,7 +28,7 @@ fn start(tag: &str, peers: u8, extra: &[&str]) -> Kg {
     let mut args = vec![format!("--resync-period={}s", RESYNC.as_secs())];
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Kg::start(tag, peers, &args)
+    Kg::start(env!("CARGO_BIN_EXE_kg"), tag, peers, &args)
 }
 
 /// Reconciles during `WINDOW`, checked against `BOUND`.

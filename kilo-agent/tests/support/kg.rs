@@ -38,9 +38,10 @@ pub fn peer_cidr(i: u8) -> String {
 }
 
 impl Kg {
-    /// Starts kg for node `kgtest` (pod CIDR 10.42.1.0/24) with Peers `1..=peers` and `args`
+    /// Starts kg (`bin`: the test's `CARGO_BIN_EXE_kg`, which the examples sharing this module
+    /// do not have) for node `kgtest` (pod CIDR 10.42.1.0/24) with Peers `1..=peers` and `args`
     /// after the common ones, and waits until `/ready` answers 200.
-    pub fn start(tag: &str, peers: u8, args: &[&str]) -> Kg {
+    pub fn start(bin: &str, tag: &str, peers: u8, args: &[&str]) -> Kg {
         let ns = NetNs::new(tag);
         let gw = NetNs::new(&format!("{tag}g"));
         veth(&ns, "eth0", &gw, "eth0");
@@ -70,7 +71,7 @@ impl Kg {
             kg.add_peer(i);
         }
         let mut child = Command::new("ip")
-            .args(["netns", "exec", &kg.ns.name, env!("CARGO_BIN_EXE_kg")])
+            .args(["netns", "exec", &kg.ns.name, bin])
             .args([
                 "--backend=file".to_string(),
                 format!("--backend-dir={}", kg.objects.display()),
