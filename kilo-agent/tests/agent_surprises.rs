@@ -111,6 +111,13 @@ fn a_deleted_wireguard_device_is_reported_then_configured_when_it_returns() {
         kg.logged(&format!("WireGuard interface {name} does not exist")) > 0
     });
     assert!(kg.errors("apply") >= 1);
+    // What needs no device still applies: a new Peer's datapath entry.
+    kg.add_peer(3);
+    eventually("the new Peer's datapath entry", || {
+        kg.get("/metrics")
+            .1
+            .contains(&format!("cidr=\"{}\"", peer_cidr(3)))
+    });
     let reconciles = bounded(&kg, "WireGuard device gone");
     // Every attempt counted, logged once.
     assert!(kg.errors("apply") >= 3, "{}", kg.log());
@@ -118,7 +125,7 @@ fn a_deleted_wireguard_device_is_reported_then_configured_when_it_returns() {
     // wireguard-go (a sidecar) comes back with a blank device: kg configures it again.
     kg.wg.restart(&kg.ns);
     eventually("the peers are configured again", || {
-        kg.wg_peers().len() == 2
+        kg.wg_peers().len() == 3
     });
     eventually("the routes are back", || {
         kg.routes().contains(&peer_cidr(1).replace("/32", ""))

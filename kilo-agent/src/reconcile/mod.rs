@@ -278,7 +278,14 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         let mut observed = self.kernel.observe(&devices).await?;
         if !observed.links.contains_key(&devices.wireguard) {
             if !self.settings.create_interface {
-                return Err(KernelError::NoInterface(devices.wireguard.clone()));
+                // What needs no link still applies: the datapath's maps (its program is
+                // attached to the link once it is back) and the CNI file.
+                let missing = KernelError::NoInterface(devices.wireguard.clone());
+                report.problems.push(missing.to_string());
+                self.sync_datapath(plan, &mut report);
+                self.sync_cni(plan, &mut report);
+                report.links = observed.links;
+                return Ok(report);
             }
             report.writes += self.kernel.create_wireguard(&devices.wireguard).await?;
             observed = self.kernel.observe(&devices).await?;
@@ -322,10 +329,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
 
         // The datapath before the routes: what they send out of the private interface must find
         // the encapsulation there already.
-        match self.datapath.sync(&plan.datapath, &plan.ipip) {
-            Ok(w) => report.writes += w,
-            Err(e) => report.problems.push(e.to_string()),
-        }
+        self.sync_datapath(plan, &mut report);
 
         let underlay = self.underlay(plan, &observed).await;
         let want = state::desired(plan, &devices, &observed.links, &underlay);
@@ -350,13 +354,24 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 .problems
                 .extend(errors.into_iter().map(|e| e.to_string()));
         }
+        self.sync_cni(plan, &mut report);
+        report.links = observed.links;
+        Ok(report)
+    }
+
+    fn sync_datapath(&mut self, plan: &Plan, report: &mut Report) {
+        match self.datapath.sync(&plan.datapath, &plan.ipip) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+    }
+
+    fn sync_cni(&mut self, plan: &Plan, report: &mut Report) {
         if let Some(cni) = &mut self.cni {
             let (w, problem) = cni.reconcile(&plan.cni_ranges);
             report.writes += w;
             report.problems.extend(problem);
         }
-        report.links = observed.links;
-        Ok(report)
     }
 
     /// What `reconcile` would change, without changing anything.
@@ -600,14 +615,16 @@ mod tests {
     }
 
     #[test]
-    fn missing_interface_without_create_is_an_error() {
+    fn missing_interface_without_create_is_a_problem() {
         block_on(async {
             let mut r = reconciler();
             r.settings.create_interface = false;
-            assert!(matches!(
-                r.reconcile(&plan()).await,
-                Err(KernelError::NoInterface(_))
-            ));
+            let report = r.reconcile(&plan()).await.unwrap();
+            assert_eq!(
+                report.problems,
+                [KernelError::NoInterface("kilo0".into()).to_string()]
+            );
+            assert!(report.writes.is_empty(), "{}", report.writes);
         });
     }
 }
