@@ -143,7 +143,7 @@ fn a_deleted_wireguard_device_is_reported_then_configured_when_it_returns() {
             tries: 1,
             lost: "the tunnel while the device was gone",
             outage_ms: Some(outage.as_secs_f64() * 1e3),
-            result: "reported, retried with backoff; peers, address and routes configured again",
+            result: "reported once, retried with backoff, a Peer added meanwhile in the datapath; peers, address and routes configured again on return",
             notes: &format!(
                 "{reconciles} reconciles in {WINDOW:?} without the device, {settled} after"
             ),
