@@ -358,9 +358,15 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         {
             Some(false) => {
                 self.metrics.error("backend");
-                tracing::warn!("backend disconnected: no node expires until it delivers again");
+                self.metrics.set_backend_connected(false);
+                tracing::warn!(
+                    "backend disconnected: keeping the last applied state; no node expires until it delivers again"
+                );
             }
-            Some(true) => tracing::info!("backend connected: liveness judged again"),
+            Some(true) => {
+                self.metrics.set_backend_connected(true);
+                tracing::info!("backend connected: liveness judged again");
+            }
             None => {}
         }
     }
@@ -582,9 +588,15 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 .map(|l| l.index);
         }
         self.metrics.record_writes(&report.writes);
+        // Counted at every pass, logged when it appears: a failure retried with backoff (or at
+        // every resync) is one warning, not one per attempt.
         for p in &report.problems {
             self.metrics.error("apply");
-            tracing::warn!(problem = %p, "could not apply");
+            if self.stats.last_problems.contains(p) {
+                tracing::debug!(problem = %p, "still cannot apply");
+            } else {
+                tracing::warn!(problem = %p, "could not apply");
+            }
         }
         if !report.writes.is_empty() {
             tracing::info!(writes = %report.writes, "reconciled");
@@ -787,18 +799,22 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
 }
 
 impl<P, K, W, D> Agent<P, K, W, D> {
-    /// Counts and logs a failed pass; the same planning failure again is only a debug line.
+    /// Counts and logs a failed pass. The same failure again is only a debug line; the same
+    /// planning failure is not counted again either (it lasts until the backend changes).
     fn report(&mut self, e: &AgentError) {
         let message = e.to_string();
-        if matches!(e, AgentError::NoPlan(_)) {
-            if self.failing.as_ref() == Some(&message) {
-                tracing::debug!(error = %e, "still no plan");
-                return;
-            }
-            self.failing = Some(message);
+        let again = self.failing.as_ref() == Some(&message);
+        self.failing = Some(message);
+        if again && matches!(e, AgentError::NoPlan(_)) {
+            tracing::debug!(error = %e, "still no plan");
+            return;
         }
         self.metrics.error(e.metric_label());
-        tracing::warn!(error = %e, "reconcile failed");
+        if again {
+            tracing::debug!(error = %e, "reconcile still failing");
+        } else {
+            tracing::warn!(error = %e, "reconcile failed");
+        }
     }
 }
 

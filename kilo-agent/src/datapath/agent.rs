@@ -134,6 +134,8 @@ pub struct AgentDatapath {
     fast_path: bool,
     /// Interfaces this process attached to, with the ifindex it saw (a recreated device has a new one).
     attached: BTreeMap<String, u32>,
+    /// Interfaces whose pinned link went with its pin and that are not attached again yet.
+    lost: BTreeSet<String>,
     /// The private interface's index while the IPIP programs are attached there; `None` before
     /// the first sync (a pinned attachment of an earlier run may exist).
     ipip: Option<Option<u32>>,
@@ -163,6 +165,7 @@ impl AgentDatapath {
             devices,
             fast_path,
             attached: BTreeMap::new(),
+            lost: BTreeSet::new(),
             ipip: None,
         }
     }
@@ -235,11 +238,32 @@ impl DatapathSync for AgentDatapath {
         // (first start, or pins replaced by an upgrade) never decides on empty or half-written
         // ones, and one already attached keeps its maps until then.
         let ready = datapath.synced();
+        // Pins gone with an unmounted bpffs took their links, and the program, with them:
+        // attached again (pinned if the directory is a bpffs again, else held by this process).
+        let lost: Vec<String> = (self.attached.keys())
+            .filter(|name| datapath.lost_attachment(name))
+            .cloned()
+            .collect();
+        for name in &lost {
+            self.attached.remove(name);
+            self.lost.insert(name.clone());
+        }
+        let pin_dir = datapath.config().pin_dir.clone().unwrap_or_default();
+        let mut not_yet = Vec::new();
         for name in self.interfaces.iter().filter(|_| ready) {
             match ifindex(name) {
                 Ok(index) if self.attached.get(name) != Some(&index) => {
-                    writes += datapath.attach(name).map_err(failed)?;
-                    self.attached.insert(name.clone(), index);
+                    match datapath.attach(name) {
+                        Ok(w) => {
+                            writes += w;
+                            self.attached.insert(name.clone(), index);
+                            self.lost.remove(name);
+                        }
+                        // The old link lingers (and runs) while another mount of that bpffs
+                        // still holds its pin: tried again at the next sync.
+                        Err(e) if self.lost.contains(name) => not_yet.push(format!("{name} ({e})")),
+                        Err(e) => return Err(failed(e)),
+                    }
                 }
                 Ok(_) => {}
                 // Not there (yet): attached on the reconcile after it appears.
@@ -262,6 +286,21 @@ impl DatapathSync for AgentDatapath {
         }
         writes += synced?;
         writes += ipip_attached?;
+        if !lost.is_empty() || !not_yet.is_empty() {
+            let mut message = format!(
+                "pins under {} are gone (bpffs unmounted?)",
+                pin_dir.display()
+            );
+            if !lost.is_empty() {
+                message += &format!(", and its program's links to {} with them", lost.join(", "));
+            }
+            if not_yet.is_empty() {
+                message += ": attached again";
+            } else {
+                message += &format!("; not attached again yet: {}", not_yet.join(", "));
+            }
+            return Err(DatapathSyncError::Failed(message));
+        }
         Ok(writes)
     }
 
@@ -295,6 +334,7 @@ impl DatapathSync for AgentDatapath {
 
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         self.attached.clear();
+        self.lost.clear();
         self.ipip = None;
         let taken = self.lock().datapath.take();
         match taken {

@@ -574,6 +574,20 @@ impl Datapath {
         }
     }
 
+    /// Whether the NAT program's TCX link to `ifname` was pinned and the pin is gone: the bpffs
+    /// was unmounted under us, and the kernel released the link (the program no longer runs
+    /// there). Links this process holds are never lost.
+    pub fn lost_attachment(&self, ifname: &str) -> bool {
+        let attachment = Hook::Nat.attachment(ifname);
+        self.mode() == AttachMode::Tcx
+            && !self.held.contains_key(&attachment)
+            && self
+                .config
+                .pin_dir
+                .as_ref()
+                .is_some_and(|d| !d.join("links").join(&attachment).exists())
+    }
+
     /// Attaches the NAT program at ingress of `ifname` (see [`Datapath::attach_hook`]).
     pub fn attach(&mut self, ifname: &str) -> Result<Writes, DatapathError> {
         self.attach_hook(ifname, Hook::Nat)
@@ -659,7 +673,10 @@ impl Datapath {
                     .take_link(id)
                     .map_err(|e| DatapathError::program(prog_name, e))?;
                 writes.add("link_attach", 1);
-                match pin {
+                // A pin directory no longer on a bpffs (unmounted under us) cannot hold the
+                // link: this process holds it instead, so the program stays attached.
+                let pinnable = pin_dir.as_deref().is_some_and(|d| ensure_bpffs(d).is_ok());
+                match pin.filter(|_| pinnable) {
                     Some(pin) => {
                         let dir = pin.parent().expect("links dir");
                         fs::create_dir_all(dir).map_err(|source| DatapathError::Io {

@@ -278,7 +278,14 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         let mut observed = self.kernel.observe(&devices).await?;
         if !observed.links.contains_key(&devices.wireguard) {
             if !self.settings.create_interface {
-                return Err(KernelError::NoInterface(devices.wireguard.clone()));
+                // What needs no link still applies: the datapath's maps (its program is
+                // attached to the link once it is back) and the CNI file.
+                let missing = KernelError::NoInterface(devices.wireguard.clone());
+                report.problems.push(missing.to_string());
+                self.sync_datapath(plan, &mut report);
+                self.sync_cni(plan, &mut report);
+                report.links = observed.links;
+                return Ok(report);
             }
             report.writes += self.kernel.create_wireguard(&devices.wireguard).await?;
             observed = self.kernel.observe(&devices).await?;
@@ -322,14 +329,22 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
 
         // The datapath before the routes: what they send out of the private interface must find
         // the encapsulation there already.
-        match self.datapath.sync(&plan.datapath, &plan.ipip) {
-            Ok(w) => report.writes += w,
-            Err(e) => report.problems.push(e.to_string()),
-        }
+        self.sync_datapath(plan, &mut report);
 
         let underlay = self.underlay(plan, &observed).await;
         let want = state::desired(plan, &devices, &observed.links, &underlay);
         report.problems.extend(want.problems.iter().cloned());
+        // Added anyway (the kernel allows it), but the other link's prefix route may take the
+        // mesh's traffic: somebody has to remove one of them.
+        for a in &want.addresses {
+            if let Some(other) = observed.elsewhere.get(&a.addr()) {
+                report.problems.push(format!(
+                    "address {a} of {}: {} is also on {other}, whose routes may take the mesh's traffic",
+                    devices.wireguard,
+                    a.addr()
+                ));
+            }
+        }
         let d = state::diff(&link, self.link_want(), &want, &observed);
         if !d.is_empty() {
             tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
@@ -339,13 +354,24 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 .problems
                 .extend(errors.into_iter().map(|e| e.to_string()));
         }
+        self.sync_cni(plan, &mut report);
+        report.links = observed.links;
+        Ok(report)
+    }
+
+    fn sync_datapath(&mut self, plan: &Plan, report: &mut Report) {
+        match self.datapath.sync(&plan.datapath, &plan.ipip) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
+        }
+    }
+
+    fn sync_cni(&mut self, plan: &Plan, report: &mut Report) {
         if let Some(cni) = &mut self.cni {
             let (w, problem) = cni.reconcile(&plan.cni_ranges);
             report.writes += w;
             report.problems.extend(problem);
         }
-        report.links = observed.links;
-        Ok(report)
     }
 
     /// What `reconcile` would change, without changing anything.
@@ -573,14 +599,32 @@ mod tests {
     }
 
     #[test]
-    fn missing_interface_without_create_is_an_error() {
+    fn our_address_on_another_link_is_a_problem_and_still_added() {
+        block_on(async {
+            let mut r = reconciler();
+            (r.kernel.state.elsewhere).insert("10.4.0.1".parse().unwrap(), "eth0".into());
+            let report = r.reconcile(&plan()).await.unwrap();
+            assert_eq!(report.writes.get("address_add"), 1, "{}", report.writes);
+            assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+            assert!(
+                report.problems[0].contains("10.4.0.1 is also on eth0"),
+                "{:?}",
+                report.problems
+            );
+        });
+    }
+
+    #[test]
+    fn missing_interface_without_create_is_a_problem() {
         block_on(async {
             let mut r = reconciler();
             r.settings.create_interface = false;
-            assert!(matches!(
-                r.reconcile(&plan()).await,
-                Err(KernelError::NoInterface(_))
-            ));
+            let report = r.reconcile(&plan()).await.unwrap();
+            assert_eq!(
+                report.problems,
+                [KernelError::NoInterface("kilo0".into()).to_string()]
+            );
+            assert!(report.writes.is_empty(), "{}", report.writes);
         });
     }
 }

@@ -72,20 +72,19 @@ impl NetlinkKernel {
         Ok(msgs.iter().filter_map(parse_link).collect())
     }
 
-    async fn addresses(&self, index: u32) -> Result<BTreeSet<IpNet>, KernelError> {
+    /// Every address but IPv6 link-local ones, with its link's index.
+    async fn addresses(&self) -> Result<Vec<(u32, IpNet)>, KernelError> {
         let msgs: Vec<AddressMessage> = self
             .handle
             .address()
             .get()
-            .set_link_index_filter(index)
             .execute()
             .try_collect()
             .await
             .map_err(err("dump addresses"))?;
         Ok(msgs
             .iter()
-            .filter(|m| m.header.index == index)
-            .filter_map(parse_address)
+            .filter_map(|m| Some((m.header.index, parse_address(m)?)))
             .collect())
     }
 
@@ -361,17 +360,21 @@ async fn set_address(
 }
 
 /// Sends a raw request and waits for its acknowledgement.
-async fn request(handle: &Handle, msg: RouteNetlinkMessage, flags: u16) -> Result<(), String> {
+async fn request(
+    handle: &Handle,
+    msg: RouteNetlinkMessage,
+    flags: u16,
+) -> Result<(), std::io::Error> {
     use netlink_packet_core::{NLM_F_ACK, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
     let mut req = NetlinkMessage::from(msg);
     req.header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
     let mut handle = handle.clone();
-    let mut resp = handle.request(req).map_err(|e| e.to_string())?;
+    let mut resp = handle.request(req).map_err(std::io::Error::other)?;
     while let Some(m) = resp.next().await {
         if let NetlinkPayload::Error(e) = m.payload
             && e.code.is_some()
         {
-            return Err(e.to_string());
+            return Err(e.to_io());
         }
     }
     Ok(())
@@ -380,21 +383,29 @@ async fn request(handle: &Handle, msg: RouteNetlinkMessage, flags: u16) -> Resul
 impl Kernel for NetlinkKernel {
     async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
         let names: BTreeSet<&str> = devices.names().collect();
-        let links = self
-            .links()
-            .await?
+        let all = self.links().await?;
+        let name_of: std::collections::BTreeMap<u32, String> =
+            all.iter().map(|(n, l)| (l.index, n.clone())).collect();
+        let links = all
             .into_iter()
             .filter(|(n, _)| names.contains(n.as_str()))
             .collect::<std::collections::BTreeMap<_, _>>();
-        let addresses = match links.get(&devices.wireguard) {
-            Some(l) => self.addresses(l.index).await?,
-            None => BTreeSet::new(),
-        };
+        let wireguard = links.get(&devices.wireguard).map(|l| l.index);
+        // All of them, so that one of ours on another link is seen (a conflict).
+        let (mut addresses, mut elsewhere) = (BTreeSet::new(), std::collections::BTreeMap::new());
+        for (index, a) in self.addresses().await? {
+            if Some(index) == wireguard {
+                addresses.insert(a);
+            } else if let Some(name) = name_of.get(&index) {
+                elsewhere.insert(a.addr(), name.clone());
+            }
+        }
         Ok(KernelState {
             links,
             addresses,
             routes: self.routes().await?,
             rules: self.rules().await?.into_iter().collect(),
+            elsewhere,
         })
     }
 
@@ -474,8 +485,12 @@ impl Kernel for NetlinkKernel {
         let mut w = Writes::default();
         let mut errors = Vec::new();
         let h = &self.handle;
-        let mut fail =
-            |op: String, message: String| errors.push(KernelError::Netlink { op, message });
+        let mut fail = |op: String, e: std::io::Error| {
+            errors.push(KernelError::Netlink {
+                op,
+                message: e.to_string(),
+            });
+        };
         if let Some((up, mtu)) = d.link_set {
             let mut b = LinkUnspec::new_with_index(d.link_index);
             if up {
@@ -486,7 +501,7 @@ impl Kernel for NetlinkKernel {
             }
             match h.link().set(b.build()).execute().await {
                 Ok(()) => w.add("link_set", 1),
-                Err(e) => fail("set link up/mtu".into(), e.to_string()),
+                Err(e) => fail("set link up/mtu".into(), std::io::Error::other(e)),
             }
         }
         // The device keeps an IPv4 address throughout: one left without any loses every route
@@ -540,6 +555,15 @@ impl Kernel for NetlinkKernel {
                         "route_add"
                     },
                     1,
+                ),
+                // Only our routes are observed: what is in the way is somebody else's, and
+                // stays (retried with backoff until it is gone).
+                Err(e) if !*replace && e.raw_os_error() == Some(libc::EEXIST) => fail(
+                    format!("add route {r}"),
+                    std::io::Error::other(format!(
+                        "{e}: a route to {} in table {} that is not ours is in the way; left alone",
+                        r.dst, r.table
+                    )),
                 ),
                 Err(e) => fail(format!("add route {r}"), e),
             }

@@ -62,6 +62,8 @@ pub struct KernelState {
     pub routes: BTreeSet<KRoute>,
     /// Our rules, with the priority the kernel gave each (needed to delete it).
     pub rules: BTreeMap<KRule, Option<u32>>,
+    /// Addresses on the other links, with the link's name: one of ours there is a conflict.
+    pub elsewhere: BTreeMap<IpAddr, String>,
 }
 
 /// What the WireGuard link itself should look like.
@@ -443,6 +445,7 @@ mod tests {
             addresses: d.addresses.clone(),
             routes: d.routes.clone(),
             rules: d.rules.iter().map(|r| (r.clone(), Some(32765))).collect(),
+            elsewhere: BTreeMap::new(),
         };
         let want = LinkWant {
             up: true,
@@ -476,6 +479,7 @@ mod tests {
             addresses: ["10.4.0.9/16".parse().unwrap()].into(),
             routes: [old, stale.clone()].into(),
             rules: BTreeMap::new(),
+            elsewhere: BTreeMap::new(),
         };
         let want = LinkWant {
             up: true,

@@ -31,7 +31,7 @@
 //!   and `entry_counters`: the per-entry counter slots).
 //!
 //! Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
-//! reconcile succeeded, 503 before), `/graph` (Kilo's).
+//! reconcile succeeded, 503 before and while the backend is disconnected), `/graph` (Kilo's).
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -254,6 +254,8 @@ pub struct Metrics {
     pub writes: Family<KindLabel, Counter>,
     pub invalid_objects: Family<FieldLabel, Counter>,
     ready: Arc<AtomicBool>,
+    /// Cleared while the backend cannot deliver (see [`Metrics::set_backend_connected`]).
+    backend_connected: Arc<AtomicBool>,
     datapath: SourceSlot,
     wireguard: wireguard::Slot,
     /// The latest plan's graph (DOT), for `/graph`.
@@ -281,6 +283,7 @@ impl Metrics {
             writes: Family::default(),
             invalid_objects: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
+            backend_connected: Arc::new(AtomicBool::new(true)),
             datapath: SourceSlot::default(),
             wireguard: wireguard::Slot::default(),
             graph: Arc::default(),
@@ -396,6 +399,12 @@ impl Metrics {
         self.ready.store(ready, Ordering::Relaxed);
     }
 
+    /// While the backend cannot deliver (the API server unreachable, the backend directory
+    /// gone), `/ready` answers 503 saying so; the last applied state is kept meanwhile.
+    pub fn set_backend_connected(&self, connected: bool) {
+        self.backend_connected.store(connected, Ordering::Relaxed);
+    }
+
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
     }
@@ -433,12 +442,17 @@ impl Metrics {
                 graph_response(graph.as_deref(), query)
             }
             "/health" | "/healthz" => (200, "text/plain", "ok\n".into()),
-            "/ready" | "/readyz" if self.is_ready() => (200, "text/plain", "ready\n".into()),
-            "/ready" | "/readyz" => (
+            "/ready" | "/readyz" if !self.is_ready() => (
                 503,
                 "text/plain",
                 "not ready: no successful reconcile yet\n".into(),
             ),
+            "/ready" | "/readyz" if !self.backend_connected.load(Ordering::Relaxed) => (
+                503,
+                "text/plain",
+                "not ready: backend disconnected; keeping the last applied state\n".into(),
+            ),
+            "/ready" | "/readyz" => (200, "text/plain", "ready\n".into()),
             _ => (404, "text/plain", "not found\n".into()),
         }
     }
@@ -636,6 +650,12 @@ mod tests {
         }
         assert_eq!(m.respond("/ready", "").0, 503);
         m.set_ready(true);
+        assert_eq!(m.respond("/ready", "").0, 200);
+        m.set_backend_connected(false);
+        let (status, _, body) = m.respond("/ready", "");
+        assert_eq!(status, 503);
+        assert!(body.contains("backend disconnected"), "{body}");
+        m.set_backend_connected(true);
         assert_eq!(m.respond("/ready", "").0, 200);
         assert_eq!(m.respond("/health", "").0, 200);
         assert_eq!(m.respond("/nope", "").0, 404);

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
+pub mod kg;
 pub mod mesh;
 pub mod netns;
 pub mod packets;

@@ -130,25 +130,39 @@ impl WgGo {
             std::process::id() % 100_000,
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, "wireguard-go", "-f", &name])
-            .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start wireguard-go");
-        let sock = uapi_socket(&name);
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "wireguard-go did not create {}",
-                sock.display()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = spawn_wg(ns, &name);
         WgGo { name, child }
     }
+
+    /// Starts the device again in `ns` (a sidecar restarted after its device went away).
+    pub fn restart(&mut self, ns: &NetNs) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(uapi_socket(&self.name));
+        self.child = spawn_wg(ns, &self.name);
+    }
+}
+
+/// Runs wireguard-go for device `name` in `ns` and returns once its UAPI socket answers.
+fn spawn_wg(ns: &NetNs, name: &str) -> Child {
+    let child = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "wireguard-go", "-f", name])
+        .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start wireguard-go");
+    let sock = uapi_socket(name);
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "wireguard-go did not create {}",
+            sock.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
 }
 
 impl Drop for WgGo {
