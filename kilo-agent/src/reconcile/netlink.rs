@@ -334,7 +334,7 @@ async fn set_address(
     index: u32,
     add: bool,
     a: &IpNet,
-) -> Result<&'static str, (String, String)> {
+) -> Result<&'static str, (String, std::io::Error)> {
     use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
     let m = address_message(index, a);
     let (msg, flags, kind, op) = if add {
