@@ -498,7 +498,7 @@ fn leader_loss_hands_the_location_to_the_next_node() {
                 2 * p
             ),
             None => format!(
-                "kg and wireguard-go of east's leader SIGKILLed and its Ready condition set False at once (in Kubernetes the node lifecycle controller sets it after its grace period, 40 s by default, which adds to the outage); outages {outages:?} ms"
+                "kg and wireguard-go of east's leader SIGKILLed and its Ready condition set False at once (in Kubernetes the node lifecycle controller sets it after its grace period, 40 s by default, 50 s since Kubernetes 1.32, which adds to the outage); outages {outages:?} ms"
             ),
         };
     }
