@@ -55,7 +55,7 @@ pub fn soak(args: &[String]) -> Result<()> {
         std::fs::create_dir_all(&records)?;
         std::fs::write(&date, &start.date)?;
         let mut test = cargo();
-        test.args(["test", "-p", "kilo-agent"]);
+        test.arg("test");
         for t in tests()? {
             test.args(["--test", &t]);
         }
