@@ -144,14 +144,14 @@ struct Kg {
 
 impl Kg {
     fn start(ns: &NetNs, dir: &Path, kubeconfig: &Path) -> Self {
-        // Without CAP_SYS_ADMIN (which this setup does not need): kg says it is missing.
+        // Without CAP_NET_ADMIN: kg says it is missing, and still talks to the API server.
         let mut child = Command::new("ip")
             .args([
                 "netns",
                 "exec",
                 &ns.name,
                 "setpriv",
-                "--bounding-set=-sys_admin",
+                "--bounding-set=-net_admin",
             ])
             .arg(env!("CARGO_BIN_EXE_kg"))
             .args([
@@ -229,7 +229,7 @@ impl Kg {
 }
 
 /// kg lists Nodes and Peers over TLS and over HTTP; with an untrusted certificate it stays up,
-/// says what it waits for and why, and retries. Started without CAP_SYS_ADMIN, it names it.
+/// says what it waits for and why, and retries. Started without CAP_NET_ADMIN, it names it.
 #[test]
 fn kg_connects_over_tls_and_http_and_waits_out_a_bad_certificate() {
     if !support::require_root("kg_connects_over_tls_and_http_and_waits_out_a_bad_certificate") {
@@ -247,7 +247,7 @@ fn kg_connects_over_tls_and_http_and_waits_out_a_bad_certificate() {
             &stub.kubeconfig(tls.then_some(&cert), "s3cret"),
         );
         let mut kg = Kg::start(&ns, dir.path(), &kc);
-        kg.wait_for_log(&["capability missing", "CAP_SYS_ADMIN"]);
+        kg.wait_for_log(&["capability missing", "CAP_NET_ADMIN"]);
         kg.wait_for_log(&["Kubernetes API server", &stub.url()]);
         for resource in [
             "GET /api/v1/nodes",

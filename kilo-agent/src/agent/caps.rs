@@ -1,41 +1,86 @@
-//! The Linux capabilities kg needs, checked once at start so that a DaemonSet missing one says
-//! which, instead of failing later with a bare `EPERM` from netlink or bpf(2).
+//! The Linux capabilities kg needs: checked once at start, so that a DaemonSet missing one says
+//! which instead of failing later with a bare `EPERM`, and dropped once start-up is done, on
+//! every thread, down to what the steady state uses.
 //!
-//! NET_ADMIN: links, addresses, routes, rules, WireGuard, the nftables rule. BPF and PERFMON:
-//! loading the TC programs and their maps. SYS_ADMIN: pinning in bpffs and, on kernels older
-//! than 5.8 (no CAP_BPF), everything BPF.
+//! Measured on kernel 6.18 by starting `kg` under `setpriv` with reduced sets
+//! (`tests/agent_privilege.rs`): NET_ADMIN for links, addresses, routes, WireGuard, the nftables
+//! rule and attaching programs; BPF and PERFMON for loading the programs (the verifier refuses
+//! ours without PERFMON; SYS_ADMIN stands in for both, and for them all before kernel 5.8);
+//! SYS_ADMIN only to mount bpffs when `/sys/fs/bpf` is not one (and,
+//! while held, to compare a pinned attachment's program with ours on adoption, which saves one
+//! atomic link update per attachment at a restart). After start-up kg keeps NET_ADMIN, and
+//! BPF on kernels before 6.5 (where every bpf(2) call needs it); it drops the rest from the
+//! effective, permitted, inheritable and ambient sets, and from the bounding set when it holds
+//! SETPCAP (otherwise the bounding set stays, harmless: nothing can be exec'd to regain them).
+//!
+//! Capabilities are per thread: the threads already running (the file watcher, the blocking
+//! pool) drop theirs in a handler of [`SIGNAL`], like glibc's `setxid` does for `setuid`, and
+//! the result is read back from `/proc/self/task/*/status`.
+use std::{
+    sync::atomic::{AtomicU32, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+pub const NET_ADMIN: u32 = 12;
+pub const SYS_ADMIN: u32 = 21;
+pub const PERFMON: u32 = 38;
+pub const BPF: u32 = 39;
+const SETPCAP: u32 = 8;
+/// The highest capability number the kernel knows (linux/capability.h's CAP_LAST_CAP today).
+const LAST_CAP: u32 = 40;
 
 /// A capability kg uses, with its bit number (linux/capability.h) and what it is for.
 pub const NEEDED: [(&str, u32, &str); 4] = [
     (
         "CAP_NET_ADMIN",
-        12,
-        "WireGuard, addresses, routes and the nftables rule",
+        NET_ADMIN,
+        "WireGuard, addresses, routes, the nftables rule and attaching the datapath",
     ),
-    ("CAP_SYS_ADMIN", 21, "pinning the datapath in bpffs"),
-    ("CAP_PERFMON", 38, "loading the datapath"),
-    ("CAP_BPF", 39, "loading the datapath"),
+    ("CAP_SYS_ADMIN", SYS_ADMIN, "mounting bpffs on /sys/fs/bpf"),
+    ("CAP_PERFMON", PERFMON, "loading the datapath"),
+    ("CAP_BPF", BPF, "loading the datapath"),
 ];
 
-/// The effective capability set from the text of `/proc/self/status`. Pure.
-pub fn effective(status: &str) -> Option<u64> {
+/// What start-up will do, to tell which capabilities it needs.
+#[derive(Debug, Clone, Copy)]
+pub struct Needs {
+    pub datapath: bool,
+    /// `/sys/fs/bpf` must be mounted first.
+    pub mount_bpffs: bool,
+}
+
+/// A capability set from the text of `/proc/<pid>/status` (`field` is `CapEff`, `CapPrm`,
+/// `CapBnd`...). Pure.
+pub fn set(status: &str, field: &str) -> Option<u64> {
     status
         .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
 }
 
+/// The effective capability set from the text of `/proc/self/status`. Pure.
+pub fn effective(status: &str) -> Option<u64> {
+    set(status, "CapEff")
+}
+
 /// The needed capabilities missing from `effective`, with what each is for. Pure.
-pub fn missing(effective: u64) -> Vec<(&'static str, &'static str)> {
+pub fn missing(effective: u64, needs: Needs) -> Vec<(&'static str, &'static str)> {
+    let has = |bit: u32| effective & (1 << bit) != 0;
     NEEDED
         .iter()
-        .filter(|(_, bit, _)| effective & (1 << bit) == 0)
+        .filter(|(_, bit, _)| match *bit {
+            SYS_ADMIN => needs.datapath && needs.mount_bpffs,
+            // SYS_ADMIN also allows what BPF and PERFMON do.
+            BPF | PERFMON => needs.datapath && !has(SYS_ADMIN),
+            _ => true,
+        })
+        .filter(|(_, bit, _)| !has(*bit))
         .map(|(name, _, what)| (*name, *what))
         .collect()
 }
 
 /// Logs a warning per missing capability (reading `/proc/self/status`).
-pub fn warn_missing() {
+pub fn warn_missing(needs: Needs) {
     let Some(eff) = std::fs::read_to_string("/proc/self/status")
         .ok()
         .as_deref()
@@ -43,14 +88,279 @@ pub fn warn_missing() {
     else {
         return;
     };
-    for (name, what) in missing(eff) {
+    for (name, what) in missing(eff, needs) {
         tracing::warn!(capability = name, needed_for = what, "capability missing");
     }
+}
+
+/// The capabilities the steady state uses: NET_ADMIN, and BPF before kernel 6.5 (`release` is
+/// `uname -r`'s), where bpf(2) refuses every command, map updates included, without it. Pure.
+pub fn steady_state(datapath: bool, release: &str) -> u64 {
+    let mut parts = release.split(['.', '-']).map(|p| p.parse::<u32>().ok());
+    let version = (
+        parts.next().flatten().unwrap_or(0),
+        parts.next().flatten().unwrap_or(0),
+    );
+    let old_bpf = version < (6, 5);
+    (1 << NET_ADMIN) | if datapath && old_bpf { 1 << BPF } else { 0 }
+}
+
+/// The names of the capabilities in `mask`. Pure.
+pub fn names(mask: u64) -> Vec<String> {
+    (0..=63)
+        .filter(|b| mask & (1 << b) != 0)
+        .map(|b| match NAMES.get(b as usize) {
+            Some(n) => format!("CAP_{n}"),
+            None => format!("CAP_{b}"),
+        })
+        .collect()
+}
+
+const NAMES: [&str; 41] = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CapsError {
+    #[error("capabilities: {op}: {source}")]
+    Sys {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("capabilities: thread {tid} still holds {held:?} after the drop")]
+    Kept { tid: String, held: Vec<String> },
+}
+
+/// What was dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dropped {
+    /// Capabilities no longer effective nor permitted.
+    pub dropped: u64,
+    /// Whether the bounding set was reduced too (it needs SETPCAP).
+    pub bounding: bool,
+}
+
+/// The realtime signal whose handler drops a thread's capabilities.
+pub fn signal() -> libc::c_int {
+    libc::SIGRTMIN() + 3
+}
+/// See [`signal`].
+pub const SIGNAL: &str = "SIGRTMIN+3";
+
+// What the handler applies (written before any signal is sent).
+static KEEP: AtomicU64 = AtomicU64::new(0);
+static DROP_BOUNDING: AtomicU32 = AtomicU32::new(0);
+static DONE: AtomicU32 = AtomicU32::new(0);
+static FAILED: AtomicU32 = AtomicU32::new(0);
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// Drops everything but [`KEEP`] on the calling thread. Async-signal-safe: system calls and
+/// atomics only. Returns false if a call failed.
+fn drop_on_this_thread() -> bool {
+    let keep = KEEP.load(Ordering::SeqCst);
+    let mut ok = true;
+    if DROP_BOUNDING.load(Ordering::SeqCst) == 1 {
+        for cap in 0..=LAST_CAP {
+            if keep & (1 << cap) == 0 {
+                // SAFETY: prctl with integer arguments. EINVAL for a capability this kernel
+                // does not know is fine.
+                let rc =
+                    unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+                ok &=
+                    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL);
+            }
+        }
+    }
+    // SAFETY: prctl with integer arguments.
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    let mut header = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: a version-3 header and two data structs, as capget(2) wants.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    for (i, d) in data.iter_mut().enumerate() {
+        let keep = (keep >> (32 * i)) as u32;
+        d.effective &= keep;
+        d.permitted &= keep;
+        d.inheritable = 0;
+    }
+    // SAFETY: as above, for capset(2) on the calling thread (pid 0).
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) };
+    ok && rc == 0
+}
+
+extern "C" fn handler(_: libc::c_int) {
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    if !drop_on_this_thread() {
+        FAILED.fetch_add(1, Ordering::SeqCst);
+    }
+    DONE.fetch_add(1, Ordering::SeqCst);
+    // Restore errno for the interrupted code.
+    if let Some(e) = errno {
+        // SAFETY: errno is thread-local.
+        unsafe { *libc::__errno_location() = e };
+    }
+}
+
+fn sys(op: &'static str) -> impl FnOnce(std::io::Error) -> CapsError {
+    move |source| CapsError::Sys { op, source }
+}
+
+fn status_of(tid: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()
+}
+
+fn threads() -> Result<Vec<String>, CapsError> {
+    Ok(std::fs::read_dir("/proc/self/task")
+        .map_err(sys("listing /proc/self/task"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect())
+}
+
+/// Keeps only `keep` on every thread of the process (see the module doc) and checks that no
+/// thread holds more afterwards. Irreversible.
+pub fn drop_all_but(keep: u64) -> Result<Dropped, CapsError> {
+    let status = std::fs::read_to_string("/proc/self/status").map_err(sys("/proc/self/status"))?;
+    let before = set(&status, "CapPrm").unwrap_or(0) | set(&status, "CapEff").unwrap_or(0);
+    let bounding = effective(&status).unwrap_or(0) & (1 << SETPCAP) != 0;
+    KEEP.store(keep, Ordering::SeqCst);
+    DROP_BOUNDING.store(u32::from(bounding), Ordering::SeqCst);
+    DONE.store(0, Ordering::SeqCst);
+    FAILED.store(0, Ordering::SeqCst);
+    // SAFETY: a handler that only makes system calls and touches atomics; SA_RESTART so that
+    // interrupted calls resume where they can.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler as extern "C" fn(libc::c_int) as usize;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        if libc::sigaction(signal(), &action, std::ptr::null_mut()) != 0 {
+            return Err(sys("sigaction")(std::io::Error::last_os_error()));
+        }
+    }
+    // SAFETY: no arguments.
+    let me = unsafe { libc::gettid() }.to_string();
+    let pid = std::process::id() as libc::c_int;
+    let others: Vec<String> = threads()?.into_iter().filter(|t| *t != me).collect();
+    let mut sent = 0;
+    for tid in &others {
+        let Ok(t) = tid.parse::<libc::c_int>() else {
+            continue;
+        };
+        // SAFETY: a signal to a thread of this process, whose handler is installed above.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, t, signal()) } == 0 {
+            sent += 1;
+        }
+    }
+    if !drop_on_this_thread() {
+        return Err(sys("capset")(std::io::Error::last_os_error()));
+    }
+    // Handlers run as soon as their thread is scheduled; bounded so a stuck thread is reported
+    // below rather than hanging start-up.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while DONE.load(Ordering::SeqCst) < sent && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Every thread, including any started meanwhile, must hold nothing beyond `keep`.
+    for tid in threads()? {
+        let Some(status) = status_of(&tid) else {
+            continue; // exited
+        };
+        let mut held = set(&status, "CapEff").unwrap_or(0) | set(&status, "CapPrm").unwrap_or(0);
+        if bounding {
+            held |= set(&status, "CapBnd").unwrap_or(0);
+        }
+        if held & !keep != 0 {
+            return Err(CapsError::Kept {
+                tid,
+                held: names(held & !keep),
+            });
+        }
+    }
+    Ok(Dropped {
+        dropped: before & !keep,
+        bounding,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const ALL: Needs = Needs {
+        datapath: true,
+        mount_bpffs: true,
+    };
 
     #[test]
     fn names_what_is_missing() {
@@ -58,11 +368,40 @@ mod tests {
         let eff = effective(status).unwrap();
         assert_eq!(eff, (1 << 12) | (1 << 38) | (1 << 39));
         assert_eq!(
-            missing(eff),
-            vec![("CAP_SYS_ADMIN", "pinning the datapath in bpffs")]
+            missing(eff, ALL),
+            vec![("CAP_SYS_ADMIN", "mounting bpffs on /sys/fs/bpf")]
         );
-        assert!(missing(u64::MAX).is_empty());
-        assert_eq!(missing(0).len(), 4);
+        let mounted = Needs {
+            mount_bpffs: false,
+            ..ALL
+        };
+        assert!(missing(eff, mounted).is_empty());
+        assert!(missing(u64::MAX, ALL).is_empty());
+        assert_eq!(missing(0, ALL).len(), 4);
+        // SYS_ADMIN stands in for BPF and PERFMON; without the datapath only NET_ADMIN counts.
+        assert_eq!(missing((1 << NET_ADMIN) | (1 << SYS_ADMIN), ALL), vec![]);
+        let no_datapath = Needs {
+            datapath: false,
+            mount_bpffs: true,
+        };
+        assert_eq!(missing(0, no_datapath).len(), 1);
         assert_eq!(effective("Name:\tkg\n"), None);
+        assert_eq!(set("CapBnd:\t0000000000001000\n", "CapBnd"), Some(1 << 12));
+    }
+
+    #[test]
+    fn steady_state_keeps_bpf_only_where_bpf_needs_it() {
+        assert_eq!(steady_state(true, "6.18.0-1-amd64"), 1 << NET_ADMIN);
+        assert_eq!(steady_state(true, "6.5.0"), 1 << NET_ADMIN);
+        assert_eq!(
+            steady_state(true, "6.1.0-28-cloud-amd64"),
+            (1 << NET_ADMIN) | (1 << BPF)
+        );
+        assert_eq!(steady_state(true, "5.15.0"), (1 << NET_ADMIN) | (1 << BPF));
+        assert_eq!(steady_state(false, "5.15.0"), 1 << NET_ADMIN);
+        assert_eq!(
+            names((1 << SYS_ADMIN) | (1 << PERFMON)),
+            ["CAP_SYS_ADMIN", "CAP_PERFMON"]
+        );
     }
 }

@@ -1,9 +1,16 @@
-//! The agent cannot start processes: after start-up it installs a seccomp filter, on every
-//! thread (TSYNC), that makes `execve` and `execveat` fail with `EPERM`. Everything else is
-//! allowed. `--seccomp=false` turns it off for debugging.
+//! After start-up the agent installs a seccomp filter, on every thread (TSYNC), that makes
+//! the system calls it no longer needs fail with `EPERM`: starting a program (`execve`,
+//! `execveat`), loading BPF programs or creating maps (`bpf` with `BPF_PROG_LOAD` or
+//! `BPF_MAP_CREATE`: everything is loaded at start), reading or writing other processes
+//! (`ptrace`, `process_vm_readv`/`writev`), mounting (`mount`, the new mount API, `umount2`,
+//! `pivot_root`, `chroot`) and the kernel-wide calls (modules, `kexec`, `reboot`, swap).
+//! Everything else is allowed. `--seccomp=false` turns it off for debugging.
 use std::collections::BTreeMap;
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
@@ -13,21 +20,59 @@ pub enum SeccompError {
     Filter(String),
 }
 
-/// Installs the no-exec filter on all threads of the process. Irreversible.
-pub fn forbid_exec() -> Result<(), SeccompError> {
+/// The system calls refused outright.
+const REFUSED: [libc::c_long; 21] = [
+    libc::SYS_execve,
+    libc::SYS_execveat,
+    libc::SYS_ptrace,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_chroot,
+    libc::SYS_fsopen,
+    libc::SYS_fsmount,
+    libc::SYS_move_mount,
+    libc::SYS_open_tree,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_reboot,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+];
+
+/// `bpf(2)` commands refused (linux/bpf.h).
+const BPF_MAP_CREATE: u64 = 0;
+const BPF_PROG_LOAD: u64 = 5;
+
+/// Installs the filter on all threads of the process. Irreversible.
+pub fn install() -> Result<(), SeccompError> {
     let arch = std::env::consts::ARCH
         .try_into()
         .map_err(|_| SeccompError::Arch(std::env::consts::ARCH.into()))?;
-    let rules = BTreeMap::from([(libc::SYS_execve, vec![]), (libc::SYS_execveat, vec![])]);
+    let err = |e: seccompiler::BackendError| SeccompError::Filter(e.to_string());
+    let bpf_cmd = |cmd| {
+        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, cmd)
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(err)
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        REFUSED.iter().map(|nr| (*nr, vec![])).collect();
+    rules.insert(
+        libc::SYS_bpf,
+        vec![bpf_cmd(BPF_MAP_CREATE)?, bpf_cmd(BPF_PROG_LOAD)?],
+    );
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
         SeccompAction::Errno(libc::EPERM as u32),
         arch,
     )
-    .map_err(|e| SeccompError::Filter(e.to_string()))?;
-    let program: BpfProgram = filter
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| SeccompError::Filter(e.to_string()))?;
+    .map_err(err)?;
+    let program: BpfProgram = filter.try_into().map_err(err)?;
     seccompiler::apply_filter_all_threads(&program).map_err(|e| SeccompError::Filter(e.to_string()))
 }

@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, watch};
 use super::{Annotations, Backend, BackendError, Update, apply_annotations};
 use crate::mesh::{
     Snapshot,
-    objects::{Object, parse_object},
+    objects::{MAX_OBJECT_BYTES, Object, parse_object, too_large},
 };
 
 /// How long the directory must be quiet before a rescan.
@@ -97,11 +97,15 @@ impl Cache {
             if self.files.get(&path).is_some_and(|(old, _)| *old == fp) {
                 continue;
             }
-            let parsed = match std::fs::read(&path) {
-                Ok(bytes) => {
-                    parse_object(&bytes, &path.display().to_string()).map_err(|e| e.to_string())
+            let name = path.display().to_string();
+            // Refused by size before reading: a huge file costs neither memory nor parsing.
+            let parsed = if fp.size > MAX_OBJECT_BYTES {
+                Err(too_large(&name, fp.size).to_string())
+            } else {
+                match std::fs::read(&path) {
+                    Ok(bytes) => parse_object(&bytes, &name).map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("{name}: {e}")),
                 }
-                Err(e) => Err(format!("{}: {e}", path.display())),
             };
             if let Err(e) = &parsed {
                 tracing::warn!(file = %path.display(), error = %e, "skipping invalid object file");

@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use kilo_agent::{
     agent::{
-        Agent, Local, LoopSettings,
+        Agent, Local, LoopSettings, caps,
         config::{
             BackendKind, Compatibility, Encapsulate, Flags, KgCommand, LogFormat, LogLevel, Mtu,
         },
@@ -225,9 +225,22 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     agent.filter.lock().expect("filter lock").own_port = Some(own_port);
     let _watch = netlink::watch(agent.filter.clone(), tx)?;
+    // Start-up is done (programs loaded, bpffs mounted, sockets bound): keep only what the
+    // steady state uses.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let keep = caps::steady_state(flags.datapath, release.trim());
+    let dropped = caps::drop_all_but(keep)?;
+    tracing::info!(
+        dropped = ?caps::names(dropped.dropped),
+        kept = ?caps::names(keep),
+        bounding_set = dropped.bounding,
+        "capabilities dropped on every thread"
+    );
     if flags.seccomp {
-        seccomp::forbid_exec()?;
-        tracing::info!("seccomp filter installed: this process can no longer exec");
+        seccomp::install()?;
+        tracing::info!(
+            "seccomp filter installed: this process can no longer exec, load BPF programs, trace or mount"
+        );
     } else {
         tracing::warn!("--seccomp=false: exec is not forbidden");
     }
@@ -247,8 +260,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
 async fn serve_webhook(settings: webhook::WebhookSettings, seccomp: bool) -> anyhow::Result<()> {
     let (addr, metrics_addr, _tasks) = webhook::start(&settings).await?;
     tracing::info!(%addr, metrics = %metrics_addr, "serving the Peer validation webhook");
+    // It needs none.
+    caps::drop_all_but(0)?;
     if seccomp {
-        seccomp::forbid_exec()?;
+        seccomp::install()?;
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -306,7 +321,11 @@ fn main() -> ExitCode {
     for w in flags.warnings() {
         tracing::warn!("{w}");
     }
-    kilo_agent::agent::caps::warn_missing();
+    let bpffs = std::path::Path::new("/sys/fs/bpf");
+    caps::warn_missing(caps::Needs {
+        datapath: flags.datapath && !flags.dry_run,
+        mount_bpffs: flags.bpffs_dir.starts_with(bpffs) && !kilo_agent::datapath::is_bpffs(bpffs),
+    });
     block_on(run(flags))
 }
 

@@ -19,7 +19,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapData, MapError, lpm_trie::LpmTrie},
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        LinkOrder, ProgramError, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttach, TcHandle},
     },
@@ -625,35 +625,56 @@ impl Datapath {
                     let pinned = PinnedLink::from_pin(pin).map_err(|e| link_err(Box::new(e)))?;
                     let link = FdLink::from(pinned);
                     let prog_id = link.info().map_err(|e| link_err(Box::new(e)))?.program_id();
-                    let (_, attached) = SchedClassifier::query_tcx(ifindex, attach_type)
-                        .map_err(|e| link_err(Box::new(e)))?;
-                    match attached.iter().find(|p| p.id() == prog_id) {
-                        Some(running) => {
+                    // Whether the link is still on this device (`Some`) running our program on
+                    // our maps (`Some(true)`); `None` when the attached programs cannot be read
+                    // (by-id lookups take CAP_SYS_ADMIN, which kg drops after start-up).
+                    let current = match SchedClassifier::query_tcx(ifindex, attach_type) {
+                        Err(ProgramError::SyscallError(e))
+                            if e.io_error.raw_os_error() == Some(libc::EPERM) =>
+                        {
+                            None
+                        }
+                        r => {
+                            let (_, attached) = r.map_err(|e| link_err(Box::new(e)))?;
                             let ours = prog.info().map_err(|e| link_err(Box::new(e)))?;
-                            // Another program, or the same one bound to other maps (pins
-                            // replaced): move the link to ours.
-                            if running.tag() != ours.tag()
-                                || pinned_maps(running) != pinned_maps(&ours)
-                            {
-                                let link = SchedClassifierLink::try_from(link)
-                                    .map_err(|e| link_err(Box::new(e)))?;
-                                let id = prog
-                                    .attach_to_link(link)
-                                    .map_err(|e| DatapathError::program(prog_name, e))?;
-                                // Still pinned: dropping our handle keeps the link.
-                                drop(prog.take_link(id));
-                                writes.add("link_update", 1);
+                            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
+                                running.tag() == ours.tag()
+                                    && pinned_maps(running) == pinned_maps(&ours)
+                            }))
+                        }
+                    };
+                    let stale = match current {
+                        Some(Some(true)) => return Ok(writes),
+                        Some(None) => true,
+                        // Another program, or the same one bound to other maps (pins replaced),
+                        // or unknown: move the link to ours (ENOLINK if its device is gone).
+                        Some(Some(false)) | None => {
+                            let link = SchedClassifierLink::try_from(link)
+                                .map_err(|e| link_err(Box::new(e)))?;
+                            match prog.attach_to_link(link) {
+                                Ok(id) => {
+                                    // Still pinned: dropping our handle keeps the link.
+                                    drop(prog.take_link(id));
+                                    writes.add("link_update", 1);
+                                    return Ok(writes);
+                                }
+                                Err(ProgramError::SyscallError(e))
+                                    if current.is_none()
+                                        && e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+                                {
+                                    true
+                                }
+                                Err(e) => return Err(DatapathError::program(prog_name, e)),
                             }
-                            return Ok(writes);
                         }
-                        None => {
-                            // A link of a device that is gone (or was recreated): replace it.
-                            tracing::info!(ifname, "datapath: stale link pin, attaching anew");
-                            fs::remove_file(pin).map_err(|source| DatapathError::Io {
-                                path: pin.clone(),
-                                source,
-                            })?;
-                        }
+                    };
+                    if stale {
+                        // A link of a device that is gone (or was recreated): replace it.
+                        tracing::info!(ifname, "datapath: stale link pin, attaching anew");
+                        fs::remove_file(pin).map_err(|source| DatapathError::Io {
+                            path: pin.clone(),
+                            source,
+                        })?;
                     }
                 }
                 let id = prog
@@ -1066,7 +1087,8 @@ fn ensure_bpffs(dir: &Path) -> Result<(), DatapathError> {
     Ok(())
 }
 
-fn is_bpffs(path: &Path) -> bool {
+/// Whether `path` is on a bpf filesystem.
+pub fn is_bpffs(path: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt as _;
     let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
         return false;

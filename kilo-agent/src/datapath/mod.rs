@@ -36,6 +36,7 @@ pub use kilo_common::{Counter, Decision};
 pub use agent::{AgentDatapath, FakeDatapath, stats};
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, Hook, KernelMaps, OBJECT, framing, ifindex,
+    is_bpffs,
 };
 pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{

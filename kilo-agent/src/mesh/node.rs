@@ -63,6 +63,10 @@ pub struct Node {
     pub granularity: Option<Granularity>,
 }
 
+/// The largest annotation value read: Kubernetes' limit on all of an object's annotations
+/// together (256 KiB), so only a file-backend object can exceed it.
+pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
+
 impl Node {
     /// Kilo's `Node.Ready`: an endpoint, a non-zero key, a pod CIDR and, when `now` (unix
     /// seconds) is given, a last-seen younger than two check-in periods.
@@ -91,9 +95,31 @@ impl Node {
     pub fn from_kube(kn: &KubeNode, topology_label: &str) -> (Node, Vec<ObjectError>) {
         let name = kn.metadata.name.clone().unwrap_or_default();
         let empty = BTreeMap::new();
-        let ann = kn.metadata.annotations.as_ref().unwrap_or(&empty);
+        let all = kn.metadata.annotations.as_ref().unwrap_or(&empty);
+        // A value larger than Kubernetes allows all of an object's annotations together is
+        // refused (named below) rather than parsed.
+        let ann: &BTreeMap<String, String> = &all
+            .iter()
+            .filter(|(_, v)| v.len() <= MAX_ANNOTATION_BYTES)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let labels = kn.metadata.labels.as_ref().unwrap_or(&empty);
-        let mut errs = Vec::new();
+        let mut errs: Vec<_> = all
+            .iter()
+            .filter(|(k, v)| v.len() > MAX_ANNOTATION_BYTES && k.starts_with("kilo.squat.ai/"))
+            .map(|(k, v)| {
+                ObjectError::new(
+                    ObjectKind::Node,
+                    name.clone(),
+                    format!("annotation {k}"),
+                    format!(
+                        "{} bytes, more than the {MAX_ANNOTATION_BYTES} Kubernetes allows all of \
+                         an object's annotations; ignored",
+                        v.len()
+                    ),
+                )
+            })
+            .collect();
         let mut err = |field: String, problem: String| {
             errs.push(ObjectError::new(
                 ObjectKind::Node,
@@ -557,6 +583,35 @@ mod tests {
             errs[0].to_string(),
             r#"node "b": annotation kilo.squat.ai/internal-ip: invalid CIDR "x"; the node has no internal IP"#
         );
+    }
+
+    /// A value above Kubernetes' annotation limit is refused by name, unparsed; the rest applies.
+    #[test]
+    fn oversized_annotation_is_refused_by_name() {
+        let huge = "10.0.0.0/8,".repeat(MAX_ANNOTATION_BYTES / 10);
+        let (n, errs) = Node::from_kube(
+            &kube_node(
+                "big",
+                &[
+                    (annotations::ALLOWED_LOCATION_IPS, huge.as_str()),
+                    (annotations::LOCATION, "east"),
+                ],
+                Some("10.2.1.0/24"),
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        );
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        let msg = errs[0].to_string();
+        assert!(
+            msg.starts_with(&format!(
+                "node \"big\": annotation {}: {} bytes, more than the 262144",
+                annotations::ALLOWED_LOCATION_IPS,
+                huge.len()
+            )),
+            "{msg}"
+        );
+        assert!(n.allowed_location_ips.is_empty());
+        assert_eq!(n.location, "east");
     }
 
     /// Kilo's fallbacks: the node is kept, each bad field reported once.

@@ -25,8 +25,24 @@ fn file_err(path: &str, field: &str, problem: impl Into<String>) -> ObjectError 
     ObjectError::new(ObjectKind::File, path, field, problem)
 }
 
+/// The largest object file read: 1 MiB (etcd refuses objects above 1.5 MiB; a Peer with
+/// 10,000 allowed IPs takes about 200 KB).
+pub const MAX_OBJECT_BYTES: u64 = 1 << 20;
+
+/// The error for a file of `size` bytes above [`MAX_OBJECT_BYTES`].
+pub fn too_large(path: &str, size: u64) -> ObjectError {
+    file_err(
+        path,
+        "size",
+        format!("{size} bytes, more than the {MAX_OBJECT_BYTES} an object file may hold; not read"),
+    )
+}
+
 /// Parses one object (YAML or JSON; JSON is YAML) of kind `Node` or `Peer`.
 pub fn parse_object(bytes: &[u8], path: &str) -> Result<Object, ObjectError> {
+    if bytes.len() as u64 > MAX_OBJECT_BYTES {
+        return Err(too_large(path, bytes.len() as u64));
+    }
     let value: serde_yaml::Value = serde_yaml::from_slice(bytes)
         .map_err(|e| file_err(path, "content", format!("not YAML or JSON: {e}")))?;
     let kind = value

@@ -486,8 +486,9 @@ fn text_format(openmetrics: &str) -> String {
 }
 
 /// Kilo's `/graph` answers for `query`: 500 for an unknown format or layout, as Kilo answers.
-/// Graphviz's raster formats, which Kilo renders by exec, are unsupported here.
-fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, String) {
+/// Graphviz's raster formats, which Kilo renders by exec, are unsupported here. Public for the
+/// fuzz target (`kilo-agent/fuzz`, `graph`).
+pub fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, String) {
     let param = |k: &str| {
         query
             .split('&')
