@@ -1,17 +1,13 @@
-//! The datapath as the agent's reconciler drives it ([`DatapathSync`]): attaches the program to
-//! the WireGuard interface and the pod-facing interfaces as they appear, and the IPIP programs to
-//! the private interface while the plan has a location neighbour (detached when it has none, so
-//! such nodes pay nothing), keeps the static masquerade rule and the fast-path flag, and syncs
-//! the maps with the plan. Each step writes
-//! only when the kernel differs, so an idle reconcile writes nothing. The program is attached
-//! only to maps that have held a whole plan once: after a first sync that failed part-way it
-//! waits for one that completes. [`FakeDatapath`] is the same in memory, for fast tests.
+//! The datapath as the agent's reconciler drives it ([`DatapathSync`]): keeps the static
+//! masquerade rule and the fast-path flag, syncs the maps with the plan, attaches the NAT
+//! program to the WireGuard and pod-facing interfaces as they appear (only to maps that have
+//! held a whole plan once), and the IPIP programs to the private interface while the plan has a
+//! location neighbour. Each step writes only when the kernel differs. [`FakeDatapath`] is the
+//! same in memory, for fast tests.
 //!
-//! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (shared under
-//! a mutex that a sync holds while it writes and a scrape while it reads; nothing else waits on
-//! it), labelled with the owners of the last plan synced, with the entries from the sync's
-//! record of what the maps hold (no system call per entry). An idle sync adds only a comparison
-//! of that plan with the new one.
+//! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (under a
+//! mutex a sync holds while it writes), labelled with the owners of the last plan synced, the
+//! entries taken from the sync's record (no system call per entry).
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},

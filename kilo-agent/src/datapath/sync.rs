@@ -1,22 +1,20 @@
 //! The map diff: make the tries equal to a [`DatapathPlan`] and an [`IpipPlan`] ([`Plans`]),
-//! writing only the
-//! difference (one write per changed entry, none when nothing changed), behind the
-//! [`DatapathMaps`] trait so it runs against the kernel or in memory.
+//! writing only the difference (one write per changed entry, none when nothing changed), found
+//! in one ordered pass per role over the plan and [`MapSync`]'s record of what the maps hold;
+//! behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! Order: new and changed entries go in mesh destinations first, stale ones go NAT sources and
-//! masquerade destinations first, mesh destinations last. IPIP: accepted sources and served
-//! destinations go in before destinations to encapsulate, and stale ones go out after them. So while a topology grows or shrinks
-//! a packet is never marked that neither the old nor the new topology would mark, and a failure
-//! part-way (a full trie) leaves everything the old topology had plus some of the new.
+//! masquerade destinations first, mesh destinations last; accepted IPIP sources and served
+//! destinations go in before destinations to encapsulate and out after them. So while a
+//! topology grows or shrinks a packet is never marked that neither topology would mark, and a
+//! failure part-way (a full trie) leaves everything the old topology had plus some of the new.
 //!
-//! Idle resyncs: [`MapSync`] keeps a record of what it wrote and compares the plan with that
-//! record, not with the kernel. It reads every entry back only at its first sync, after a failed
-//! write, and every [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our
-//! pinned maps; the kernel sends no notification about map contents). Per-entry counter slots
-//! are stored in the entry values, so they survive syncs and adoption by a new agent; a slot is
-//! reused only once its entry is gone, and zeroed (only if non-zero) before reuse. The metrics
-//! read the entries from that record too ([`MapSync::counters`]): a scrape costs one pass over
-//! the mapped counters, not two system calls per entry.
+//! The record is read back from the maps at the first sync, after a failed write, and every
+//! [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our pinned maps; the
+//! kernel sends no notification about map contents). Per-entry counter slots are stored in the
+//! entry values, so they survive syncs and adoption by a new agent; a slot is reused only once
+//! its entry is gone, and zeroed (only if non-zero) before reuse. The metrics read the entries
+//! from the record too ([`MapSync::counters`]): no system call per entry.
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
