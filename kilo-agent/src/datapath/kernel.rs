@@ -556,10 +556,10 @@ impl Datapath {
         let link_pin = pin_dir.as_ref().map(|d| d.join("links").join(&attachment));
         let prog = program_mut(&mut self.ebpf, prog_name)?;
         let mut writes = Writes::default();
-        if let Some(pin) = link_pin.as_ref().filter(|p| tcx && p.exists()) {
-            if let Some(adopted) = adopt_tcx(prog, prog_name, ifname, ifindex, attach_type, pin)? {
-                return Ok(adopted);
-            }
+        if let Some(pin) = link_pin.as_ref().filter(|p| tcx && p.exists())
+            && let Some(adopted) = adopt_tcx(prog, prog_name, ifname, ifindex, attach_type, pin)?
+        {
+            return Ok(adopted);
         }
         // Netlink: the clsact qdisc first (EEXIST when it is there already: any real problem
         // fails the attach), then our filter replaced in place if it is there.
@@ -845,11 +845,11 @@ fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, DatapathError> 
     // A clsact qdisc we added goes with our filter, unless someone else filters through it.
     let owned = marker.join(QDISC_MARK);
     if owned.exists() {
-        if let Ok(index) = ifindex(ifname) {
-            if qdisc::filters(index).map_err(link_err(ifname))? == 0 {
-                qdisc::delete_clsact(index).map_err(link_err(ifname))?;
-                writes.add("qdisc_delete", 1);
-            }
+        if let Ok(index) = ifindex(ifname)
+            && qdisc::filters(index).map_err(link_err(ifname))? == 0
+        {
+            qdisc::delete_clsact(index).map_err(link_err(ifname))?;
+            writes.add("qdisc_delete", 1);
         }
         fs::remove_dir(&owned).map_err(io(&owned))?;
     }
