@@ -22,7 +22,7 @@ use crate::{
         DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
         MapUsage, Writes,
     },
-    plan::{DatapathPlan, Device, EntryKind, IpipPlan},
+    plan::{DatapathPlan, Device, IpipPlan},
 };
 
 /// What the reconciler and the metrics share.
@@ -79,7 +79,7 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
             EntryStats {
                 role: e.role.label(),
                 cidr: e.net,
-                kind: kind_label(e.kind),
+                kind: super::keys::kind_label(e.kind),
                 owner: owner.to_string(),
                 counter: e.counter,
             }
@@ -105,19 +105,6 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
                 capacity: u64::from(counters.slots),
             }])
             .collect(),
-    }
-}
-
-/// The metrics label of an entry kind.
-fn kind_label(kind: Option<EntryKind>) -> &'static str {
-    match kind {
-        Some(EntryKind::Node) => "node",
-        Some(EntryKind::WireGuardIp) => "wireguard_ip",
-        Some(EntryKind::Peer) => "peer",
-        Some(EntryKind::Service) => "service",
-        Some(EntryKind::LocalPods) => "local_pods",
-        Some(EntryKind::AllowedLocation) => "allowed_location",
-        None => "unknown",
     }
 }
 

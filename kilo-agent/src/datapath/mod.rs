@@ -27,11 +27,10 @@ use std::{io, path::PathBuf};
 use ipnet::IpNet;
 pub use kilo_common::{Counter, Decision};
 
-pub use agent::{AgentDatapath, FakeDatapath, stats};
+pub use agent::{AgentDatapath, FakeDatapath};
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, Hook, KernelMaps, OBJECT, framing, ifindex,
 };
-pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{
     Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, Plans, READ_BACK_EVERY,
     Resolver, read_counters, sync_maps,
