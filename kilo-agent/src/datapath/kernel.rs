@@ -17,7 +17,10 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, MapError, lpm_trie::LpmTrie},
+    maps::{
+        Array, IterableMap as _, MapData, MapError,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -257,6 +260,73 @@ impl KernelMaps {
     }
 }
 
+/// Every entry of `trie` through BPF_MAP_LOOKUP_BATCH: one system call per 1,024 entries
+/// instead of two per entry (get_next_key, lookup).
+fn lookup_batch(trie: &Trie) -> io::Result<Vec<(Key<LpmData>, EntryValue)>> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    /// The `batch` member of `union bpf_attr`.
+    #[repr(C)]
+    struct Batch {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 1024;
+    let fd = trie.map().fd().as_fd().as_raw_fd();
+    let zero = LpmData {
+        family: 0,
+        addr: [0; 16],
+    };
+    let mut keys = vec![Key::new(0, zero); CHUNK];
+    // SAFETY: EntryValue is plain integers and bytes, for which zero is a value.
+    let mut values = vec![unsafe { std::mem::zeroed::<EntryValue>() }; CHUNK];
+    // Where the kernel's walk stopped (a key), given back to resume it.
+    let mut token = Key::new(0, zero);
+    let mut out = Vec::new();
+    loop {
+        let mut attr = Batch {
+            in_batch: if out.is_empty() {
+                0
+            } else {
+                &raw const token as u64
+            },
+            out_batch: &raw mut token as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: the attribute points at buffers of `count` keys and values of the map's sizes
+        // and at a key-sized token, all alive for the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                size_of::<Batch>(),
+            )
+        };
+        let error = (rc < 0).then(io::Error::last_os_error);
+        let n = (attr.count as usize).min(CHUNK);
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match error {
+            None if n > 0 => {}
+            // ENOENT: the walk is done (with the last entries in `count`).
+            None => return Ok(out),
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Some(e) => return Err(e),
+        }
+    }
+}
+
 fn errno(e: &MapError) -> Option<i32> {
     match e {
         MapError::SyscallError(s) => s.io_error.raw_os_error(),
@@ -267,22 +337,44 @@ fn errno(e: &MapError) -> Option<i32> {
 impl DatapathMaps for KernelMaps {
     fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
         let name = role.map_name();
-        let mut out = Vec::new();
-        for item in self.tries[role as usize].iter() {
-            let (key, value) = match item {
-                Ok(kv) => kv,
-                // Deleted between get_next_key and lookup: skip.
-                Err(MapError::KeyNotFound) => continue,
-                Err(e) => return Err(DatapathError::map(name, e)),
-            };
-            let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
-                name,
-                prefix_len: key.prefix_len(),
-                family: key.data().family,
-            })?;
-            out.push((net, value));
-        }
-        Ok(out)
+        let trie = &self.tries[role as usize];
+        let items = match lookup_batch(trie) {
+            Ok(items) => items,
+            // Kernels without batch lookups on LPM tries: two system calls per entry.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | 524)
+                ) =>
+            {
+                let mut items = Vec::new();
+                for item in trie.iter() {
+                    match item {
+                        Ok(kv) => items.push(kv),
+                        // Deleted between get_next_key and lookup: skip.
+                        Err(MapError::KeyNotFound) => {}
+                        Err(e) => return Err(DatapathError::map(name, e)),
+                    }
+                }
+                items
+            }
+            Err(io_error) => {
+                let call = "bpf_map_lookup_batch";
+                let e = MapError::SyscallError(aya::sys::SyscallError { call, io_error });
+                return Err(DatapathError::map(name, e));
+            }
+        };
+        items
+            .into_iter()
+            .map(|(key, value)| {
+                let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
+                    name,
+                    prefix_len: key.prefix_len(),
+                    family: key.data().family,
+                })?;
+                Ok((net, value))
+            })
+            .collect()
     }
 
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
