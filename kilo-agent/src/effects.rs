@@ -1,7 +1,8 @@
-//! What the reconcilers share, below all of them (`reconcile` and `datapath` import it, it
-//! imports neither): the write counts ([`Writes`]), the devices by name ([`Devices`]), and the
-//! datapath as the reconciler drives it ([`DatapathSync`], its stats for the metrics).
-use std::{collections::BTreeMap, fmt, ops::AddAssign, sync::Arc};
+//! What the reconcilers share, below all of them (`reconcile`, `datapath` and `nft` import it, it
+//! imports none of them): the write counts ([`Writes`]), the devices by name ([`Devices`]), the
+//! datapath as the reconciler drives it ([`DatapathSync`], its stats for the metrics), and a
+//! synchronous netlink socket ([`netlink_socket`]).
+use std::{collections::BTreeMap, fmt, io, ops::AddAssign, sync::Arc};
 
 use ipnet::IpNet;
 use kilo_common::Counter;
@@ -181,4 +182,30 @@ pub struct EntryStats {
     /// know, e.g. left over from an adopted topology).
     pub owner: String,
     pub counter: Counter,
+}
+
+/// A netlink socket of `protocol`, bound, whose reads give up after 5 s (a reply never comes
+/// only on a kernel bug; the agent must not hang on it).
+pub fn netlink_socket(protocol: isize) -> io::Result<netlink_sys::Socket> {
+    use std::os::fd::AsRawFd as _;
+    let mut sock = netlink_sys::Socket::new(protocol)?;
+    sock.bind_auto()?;
+    let tv = libc::timeval {
+        tv_sec: 5,
+        tv_usec: 0,
+    };
+    // SAFETY: a valid socket fd and a timeval of the right size.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sock)
 }

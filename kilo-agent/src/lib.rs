@@ -1,7 +1,7 @@
 //! kilo-rs: a Kilo-compatible WireGuard mesh agent whose datapath is a TC eBPF program.
 //!
 //! Modules follow the data flow, one direction:
-//! backend → mesh → topology → plan → reconcilers (datapath, reconcile) → telemetry.
+//! backend → mesh → topology → plan → reconcilers (datapath, nft, reconcile) → telemetry.
 //! Everything up to and including `plan` is pure: no I/O.
 
 pub mod agent;
@@ -10,6 +10,7 @@ pub mod datapath;
 pub mod effects;
 pub mod kgctl;
 pub mod mesh;
+pub mod nft;
 pub mod plan;
 pub mod reconcile;
 pub mod telemetry;

@@ -1,27 +1,20 @@
-//! The kilo TC datapath at ingress of the pod-facing devices and the WireGuard interface. It
-//! parses Ethernet (up to two VLAN tags) or raw IP (the `_l3` entry point), IPv4 or IPv6, and
-//! with one kernel LPM-trie lookup per role: destination in `KILO_MESH` → leave alone (or, fast
-//! path on, an egress in the entry, not a service: redirect); else source in `KILO_NAT_SRC` or
+//! The kilo TC programs. `kilo_ingress` (Ethernet, up to two VLAN tags) and `kilo_ingress_l3`
+//! (raw IP), at ingress of the pod-facing devices and the WireGuard interface, decide with one
+//! kernel LPM-trie lookup per role: destination in `KILO_MESH` → leave alone (or, fast path on,
+//! an egress in the entry, not a service: redirect); else source in `KILO_NAT_SRC` or
 //! destination in `KILO_MASQ_DST` → set our mark bits (the static nftables rule masquerades);
 //! else leave alone. Every other packet leaves with our mark bits clear (others' are kept).
 //! Nothing is dropped; malformed packets pass untouched. The only map writes are this CPU's
-//! counters (and aya-log records of malformed packets when asked). Layouts: `kilo-common`.
-//!
-//! IPIP inside a location (Kilo's `tunl0`, without the `ipip` module): `kilo_encap`, at egress
-//! of the private interface, wraps IPv4 to a destination in `KILO_ENCAP` in an outer IPv4 header
-//! (protocol 4) between the entry's addresses; `kilo_decap`, at its ingress, removes it when the
-//! outer source is in `KILO_IPIP_SRC` and the inner destination in `KILO_DECAP`, and drops other
-//! IPIP (Kilo's `KILO-IPIP`). Both pass every other packet untouched and uncounted.
+//! counters (and aya-log records of malformed packets when asked). The IPIP programs: [`ipip`].
+//! Layouts: `kilo-common`.
 #![no_std]
 #![no_main]
 
+mod ipip;
+
 use aya_ebpf::{
     EbpfContext,
-    bindings::{
-        __sk_buff, BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
-        BPF_F_ADJ_ROOM_FIXED_GSO, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, bpf_adj_room_mode,
-        bpf_redir_neigh,
-    },
+    bindings::{__sk_buff, TC_ACT_OK, TC_ACT_REDIRECT, bpf_redir_neigh},
     helpers::bpf_get_smp_processor_id,
     helpers::generated::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, map},
@@ -31,8 +24,8 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
-    Decision, ENTRY_IPIP, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS,
-    FAMILY_V4, FAMILY_V6, LpmData, counter_stride,
+    Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4,
+    FAMILY_V6, LpmData, counter_stride,
 };
 
 type Trie = LpmTrie<LpmData, EntryValue>;
@@ -42,12 +35,6 @@ static KILO_MESH: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 static KILO_NAT_SRC: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
 static KILO_MASQ_DST: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
-#[map]
-static KILO_ENCAP: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
-#[map]
-static KILO_IPIP_SRC: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
-#[map]
-static KILO_DECAP: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 /// CPU by CPU: see kilo-common's `MAP_COUNTERS`. The loader sizes it for the possible CPUs.
@@ -63,7 +50,6 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const LOG_DEBUG: u32 = 4;
-const IPPROTO_IPIP: u8 = 4;
 const IP_HLEN: usize = 20;
 
 /// For Ethernet devices (veth, bridges, NICs). An untagged IP frame is known by the skb's
@@ -71,161 +57,47 @@ const IP_HLEN: usize = 20;
 /// walked (VLAN tags, other protocols).
 #[classifier]
 pub fn kilo_ingress(ctx: TcContext) -> i32 {
-    let Some(run) = Run::new(&ctx) else {
-        return TC_ACT_OK as i32;
-    };
-    let protocol = run.skb().protocol;
-    let (verdict, decision) = if protocol == u32::from(ETH_P_IP.to_be()) {
-        ip(&run, false, ETH_HLEN)
-    } else if protocol == u32::from(ETH_P_IPV6.to_be()) {
-        ip(&run, true, ETH_HLEN)
-    } else {
-        match l2(&ctx) {
-            Ok(Some((v6, off))) => ip(&run, v6, off),
-            Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
-            Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
+    decide(&ctx, |run| {
+        let protocol = skb(run.ctx).protocol;
+        if protocol == u32::from(ETH_P_IP.to_be()) {
+            ip(run, false, ETH_HLEN)
+        } else if protocol == u32::from(ETH_P_IPV6.to_be()) {
+            ip(run, true, ETH_HLEN)
+        } else {
+            match l2(run.ctx) {
+                Ok(Some((v6, off))) => ip(run, v6, off),
+                Ok(None) => (TC_ACT_OK as i32, Decision::NotIp),
+                Err(()) => (TC_ACT_OK as i32, Decision::Malformed),
+            }
         }
-    };
-    run.finish(decision);
-    verdict
+    })
 }
 
 /// For raw-IP devices (WireGuard, TUN): the packet starts at the IP header.
 #[classifier]
 pub fn kilo_ingress_l3(ctx: TcContext) -> i32 {
-    let Some(run) = Run::new(&ctx) else {
+    decide(&ctx, |run| {
+        // The smallest IP header is 20 bytes (and `start + 1 > end` would compile to a `>=`
+        // comparison the verifier does not turn into a packet range).
+        match load::<[u8; IP_HLEN]>(run.ctx, 0).map(|h| h[0] >> 4) {
+            Some(4) => ip(run, false, 0),
+            Some(6) => ip(run, true, 0),
+            Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
+            None => (TC_ACT_OK as i32, Decision::Malformed),
+        }
+    })
+}
+
+/// Runs `f` for the packet and finishes the run with its decision: our mark bits, the
+/// counter, the log. Without a config (which cannot be missing) all passes, uncounted.
+#[inline(always)]
+fn decide(ctx: &TcContext, f: impl FnOnce(&Run) -> (i32, Decision)) -> i32 {
+    let Some(run) = Run::new(ctx) else {
         return TC_ACT_OK as i32;
     };
-    // The smallest IP header is 20 bytes (and `start + 1 > end` would compile to a `>=`
-    // comparison the verifier does not turn into a packet range).
-    let (verdict, decision) = match load::<[u8; 20]>(&ctx, 0).map(|h| h[0] >> 4) {
-        Some(4) => ip(&run, false, 0),
-        Some(6) => ip(&run, true, 0),
-        Some(_) => (TC_ACT_OK as i32, Decision::NotIp),
-        None => (TC_ACT_OK as i32, Decision::Malformed),
-    };
+    let (verdict, decision) = f(&run);
     run.finish(decision);
     verdict
-}
-
-/// At egress of the private interface (Ethernet): see the module doc. The outer header copies
-/// the inner TOS, TTL and DF bit, as Linux's fallback `tunl0` does; a GSO packet's segments
-/// each get their own outer header when segmented (`SKB_GSO_IPXIP4`). A packet that cannot be
-/// wrapped is dropped rather than sent bare.
-#[classifier]
-pub fn kilo_encap(ctx: TcContext) -> i32 {
-    let ok = TC_ACT_OK as i32;
-    if skb(&ctx).protocol != u32::from(ETH_P_IP.to_be()) {
-        return ok;
-    }
-    let Some(hdr) = load::<[u8; IP_HLEN]>(&ctx, ETH_HLEN) else {
-        return ok;
-    };
-    // IPIP already: ours (a redirect passing here again) or someone's; never wrapped twice.
-    if hdr[0] >> 4 != 4 || hdr[9] == IPPROTO_IPIP {
-        return ok;
-    }
-    let Some(entry) = KILO_ENCAP.get(&key::<4>(&hdr, 16)) else {
-        return ok;
-    };
-    let Some(run) = Run::new(&ctx) else {
-        return ok;
-    };
-    if entry.flags & ENTRY_IPIP == 0 {
-        return ok;
-    }
-    let mut outer = [0u8; IP_HLEN];
-    outer[0] = 0x45;
-    outer[1] = hdr[1];
-    let len = u16::from_be_bytes([hdr[2], hdr[3]]).wrapping_add(IP_HLEN as u16);
-    outer[2..4].copy_from_slice(&len.to_be_bytes());
-    outer[6] = hdr[6] & 0x40;
-    outer[8] = hdr[8];
-    outer[9] = IPPROTO_IPIP;
-    outer[12..16].copy_from_slice(&entry.nh_addr[4..8]);
-    outer[16..20].copy_from_slice(&entry.nh_addr[..4]);
-    let mut sum = 0u32;
-    for i in 0..IP_HLEN / 2 {
-        sum += u32::from(u16::from_be_bytes([outer[2 * i], outer[2 * i + 1]]));
-    }
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    outer[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    // A TCP GSO packet's segment size shrinks by the outer header; other GSO packets (UDP)
-    // keep theirs, which the route's MTU (the device's minus 20) already left room for.
-    let mac = bpf_adj_room_mode::BPF_ADJ_ROOM_MAC;
-    let flags = u64::from(BPF_F_ADJ_ROOM_ENCAP_L3_IPV4);
-    if (ctx.adjust_room(IP_HLEN as i32, mac, flags).is_err()
-        && ctx
-            .adjust_room(
-                IP_HLEN as i32,
-                mac,
-                flags | u64::from(BPF_F_ADJ_ROOM_FIXED_GSO),
-            )
-            .is_err())
-        || ctx.store(ETH_HLEN, &outer, 0).is_err()
-    {
-        run.count(Decision::Malformed as u32);
-        return TC_ACT_SHOT as i32;
-    }
-    run.count_entry(entry);
-    run.count(Decision::Encapsulated as u32);
-    ok
-}
-
-/// At ingress of the private interface (Ethernet): see the module doc. Only IPIP is looked at;
-/// an outer header with options or fragmented is refused (no node of ours sends one).
-#[classifier]
-pub fn kilo_decap(ctx: TcContext) -> i32 {
-    let ok = TC_ACT_OK as i32;
-    if skb(&ctx).protocol != u32::from(ETH_P_IP.to_be()) {
-        return ok;
-    }
-    let Some(outer) = load::<[u8; IP_HLEN]>(&ctx, ETH_HLEN) else {
-        return ok;
-    };
-    if outer[9] != IPPROTO_IPIP || outer[0] >> 4 != 4 {
-        return ok;
-    }
-    let Some(run) = Run::new(&ctx) else {
-        return ok;
-    };
-    let refuse = || {
-        run.count(Decision::IpipRefused as u32);
-        TC_ACT_SHOT as i32
-    };
-    let fragment = outer[6] & 0x3f != 0 || outer[7] != 0;
-    let Some(source) = KILO_IPIP_SRC.get(&key::<4>(&outer, 12)) else {
-        return refuse();
-    };
-    if outer[0] != 0x45 || fragment {
-        return refuse();
-    }
-    let Some(inner) = load::<[u8; IP_HLEN]>(&ctx, ETH_HLEN + IP_HLEN) else {
-        return refuse();
-    };
-    if inner[0] >> 4 != 4 {
-        return refuse();
-    }
-    let Some(served) = KILO_DECAP.get(&key::<4>(&inner, 16)) else {
-        return refuse();
-    };
-    let flags = u64::from(BPF_F_ADJ_ROOM_DECAP_L3_IPV4);
-    if ctx
-        .adjust_room(
-            -(IP_HLEN as i32),
-            bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
-            flags,
-        )
-        .is_err()
-    {
-        run.count(Decision::Malformed as u32);
-        return TC_ACT_SHOT as i32;
-    }
-    run.count_entry(source);
-    run.count_entry(served);
-    run.count(Decision::Decapsulated as u32);
-    ok
 }
 
 /// The context of a TC program: a __sk_buff.
@@ -244,7 +116,6 @@ struct Run<'a> {
 }
 
 impl<'a> Run<'a> {
-    /// None only without a config (which cannot be missing): then all passes, uncounted.
     #[inline(always)]
     fn new(ctx: &'a TcContext) -> Option<Self> {
         let cfg = KILO_CONFIG.get(0)?;
@@ -256,11 +127,6 @@ impl<'a> Run<'a> {
             base: cpu * cfg.counter_stride,
             len: ctx.len() as u64,
         })
-    }
-
-    #[inline(always)]
-    fn skb(&self) -> &__sk_buff {
-        skb(self.ctx)
     }
 
     /// Counts a packet in this CPU's counter `index` (a decision, or DECISION_SLOTS + an
@@ -290,7 +156,7 @@ impl<'a> Run<'a> {
     /// bits are kept), counts the decision and logs a malformed packet.
     #[inline(always)]
     fn finish(&self, decision: Decision) {
-        let (mark, mask) = (self.skb().mark, self.cfg.mask);
+        let (mark, mask) = (skb(self.ctx).mark, self.cfg.mask);
         let ours = if decision == Decision::Masquerade {
             self.cfg.mark & mask
         } else {
@@ -327,6 +193,13 @@ fn load<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
     }
     // SAFETY: bounds checked above; the packet may be unaligned.
     Some(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
+}
+
+/// The IPv4 header at `off` bytes into the packet, if the packet is long enough for one and
+/// it says version 4.
+#[inline(always)]
+fn ipv4(ctx: &TcContext, off: usize) -> Option<[u8; IP_HLEN]> {
+    load::<[u8; IP_HLEN]>(ctx, off).filter(|h| h[0] >> 4 == 4)
 }
 
 /// Walks the Ethernet header and up to two VLAN tags: `Some((is_v6, l3 offset))` for IP,
@@ -372,12 +245,9 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
         }
         (key::<16>(&hdr, 8), key::<16>(&hdr, 24))
     } else {
-        let Some(hdr) = load::<[u8; 20]>(run.ctx, off) else {
+        let Some(hdr) = ipv4(run.ctx, off).filter(|h| h[0] & 0x0f >= 5) else {
             return (ok, Decision::Malformed);
         };
-        if hdr[0] >> 4 != 4 || hdr[0] & 0x0f < 5 {
-            return (ok, Decision::Malformed);
-        }
         (key::<4>(&hdr, 12), key::<4>(&hdr, 16))
     };
     if let Some(entry) = KILO_MESH.get(&dst) {

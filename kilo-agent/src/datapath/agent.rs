@@ -1,17 +1,13 @@
-//! The datapath as the agent's reconciler drives it ([`DatapathSync`]): attaches the program to
-//! the WireGuard interface and the pod-facing interfaces as they appear, and the IPIP programs to
-//! the private interface while the plan has a location neighbour (detached when it has none, so
-//! such nodes pay nothing), keeps the static masquerade rule and the fast-path flag, and syncs
-//! the maps with the plan. Each step writes
-//! only when the kernel differs, so an idle reconcile writes nothing. The program is attached
-//! only to maps that have held a whole plan once: after a first sync that failed part-way it
-//! waits for one that completes. [`FakeDatapath`] is the same in memory, for fast tests.
+//! The datapath as the agent's reconciler drives it ([`DatapathSync`]): keeps the static
+//! masquerade rule and the fast-path flag, syncs the maps with the plan, attaches the NAT
+//! program to the WireGuard and pod-facing interfaces as they appear (only to maps that have
+//! held a whole plan once), and the IPIP programs to the private interface while the plan has a
+//! location neighbour. Each step writes only when the kernel differs. [`FakeDatapath`] is the
+//! same in memory, for fast tests.
 //!
-//! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (shared under
-//! a mutex that a sync holds while it writes and a scrape while it reads; nothing else waits on
-//! it), labelled with the owners of the last plan synced, with the entries from the sync's
-//! record of what the maps hold (no system call per entry). An idle sync adds only a comparison
-//! of that plan with the new one.
+//! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (under a
+//! mutex a sync holds while it writes), labelled with the owners of the last plan synced, the
+//! entries taken from the sync's record (no system call per entry).
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
@@ -26,7 +22,7 @@ use crate::{
         DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
         MapUsage, Writes,
     },
-    plan::{DatapathPlan, Device, EntryKind, IpipPlan},
+    plan::{DatapathPlan, Device, IpipPlan},
 };
 
 /// What the reconciler and the metrics share.
@@ -83,7 +79,7 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
             EntryStats {
                 role: e.role.label(),
                 cidr: e.net,
-                kind: kind_label(e.kind),
+                kind: super::keys::kind_label(e.kind),
                 owner: owner.to_string(),
                 counter: e.counter,
             }
@@ -109,19 +105,6 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
                 capacity: u64::from(counters.slots),
             }])
             .collect(),
-    }
-}
-
-/// The metrics label of an entry kind.
-fn kind_label(kind: Option<EntryKind>) -> &'static str {
-    match kind {
-        Some(EntryKind::Node) => "node",
-        Some(EntryKind::WireGuardIp) => "wireguard_ip",
-        Some(EntryKind::Peer) => "peer",
-        Some(EntryKind::Service) => "service",
-        Some(EntryKind::LocalPods) => "local_pods",
-        Some(EntryKind::AllowedLocation) => "allowed_location",
-        None => "unknown",
     }
 }
 

@@ -17,7 +17,10 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, MapError, lpm_trie::LpmTrie},
+    maps::{
+        Array, IterableMap as _, MapData, MapError,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -36,12 +39,13 @@ use kilo_common::{
 use super::{
     DatapathError, Role,
     counters::CounterArray,
-    keys,
-    nft::{self, MasqueradeRule},
-    qdisc,
+    keys, qdisc,
     sync::{Counters, DatapathMaps, MapSync, Plans, Resolver},
 };
-use crate::effects::Writes;
+use crate::{
+    effects::Writes,
+    nft::{self, MasqueradeRule},
+};
 
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
@@ -225,12 +229,8 @@ type Trie = LpmTrie<MapData, LpmData, EntryValue>;
 
 /// The program's maps, opened from the loaded object: the tries, the config and the counters.
 pub struct KernelMaps {
-    mesh: Trie,
-    nat_src: Trie,
-    masq_dst: Trie,
-    encap: Trie,
-    ipip_src: Trie,
-    decap: Trie,
+    /// By role, in [`Role::ALL`]'s order.
+    tries: [Trie; 6],
     config: Array<MapData, Config>,
     counters: CounterArray,
     capacity: usize,
@@ -247,13 +247,9 @@ impl KernelMaps {
                 .ok_or_else(|| DatapathError::Config(format!("object has no map {name}")))?;
             T::try_from(map).map_err(|e| DatapathError::map(name, e))
         }
+        let [a, b, c, d, e, f] = Role::ALL.map(|r| take(ebpf, r.map_name()));
         Ok(KernelMaps {
-            mesh: take(ebpf, MAP_MESH)?,
-            nat_src: take(ebpf, MAP_NAT_SRC)?,
-            masq_dst: take(ebpf, MAP_MASQ_DST)?,
-            encap: take(ebpf, MAP_ENCAP)?,
-            ipip_src: take(ebpf, MAP_IPIP_SRC)?,
-            decap: take(ebpf, MAP_DECAP)?,
+            tries: [a?, b?, c?, d?, e?, f?],
             config: take(ebpf, MAP_CONFIG)?,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
@@ -262,26 +258,71 @@ impl KernelMaps {
             capacity: config.max_entries as usize,
         })
     }
+}
 
-    fn trie(&self, role: Role) -> &Trie {
-        match role {
-            Role::Mesh => &self.mesh,
-            Role::NatSource => &self.nat_src,
-            Role::MasqueradeDestination => &self.masq_dst,
-            Role::Encapsulate => &self.encap,
-            Role::IpipSource => &self.ipip_src,
-            Role::Decapsulate => &self.decap,
-        }
+/// Every entry of `trie` through BPF_MAP_LOOKUP_BATCH: one system call per 1,024 entries
+/// instead of two per entry (get_next_key, lookup).
+fn lookup_batch(trie: &Trie) -> io::Result<Vec<(Key<LpmData>, EntryValue)>> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    /// The `batch` member of `union bpf_attr`.
+    #[repr(C)]
+    struct Batch {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
     }
-
-    fn trie_mut(&mut self, role: Role) -> &mut Trie {
-        match role {
-            Role::Mesh => &mut self.mesh,
-            Role::NatSource => &mut self.nat_src,
-            Role::MasqueradeDestination => &mut self.masq_dst,
-            Role::Encapsulate => &mut self.encap,
-            Role::IpipSource => &mut self.ipip_src,
-            Role::Decapsulate => &mut self.decap,
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 1024;
+    let fd = trie.map().fd().as_fd().as_raw_fd();
+    let zero = LpmData {
+        family: 0,
+        addr: [0; 16],
+    };
+    let mut keys = vec![Key::new(0, zero); CHUNK];
+    // SAFETY: EntryValue is plain integers and bytes, for which zero is a value.
+    let mut values = vec![unsafe { std::mem::zeroed::<EntryValue>() }; CHUNK];
+    // Where the kernel's walk stopped (a key), given back to resume it.
+    let mut token = Key::new(0, zero);
+    let mut out = Vec::new();
+    loop {
+        let mut attr = Batch {
+            in_batch: if out.is_empty() {
+                0
+            } else {
+                &raw const token as u64
+            },
+            out_batch: &raw mut token as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: the attribute points at buffers of `count` keys and values of the map's sizes
+        // and at a key-sized token, all alive for the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                size_of::<Batch>(),
+            )
+        };
+        let error = (rc < 0).then(io::Error::last_os_error);
+        let n = (attr.count as usize).min(CHUNK);
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match error {
+            None if n > 0 => {}
+            // ENOENT: the walk is done (with the last entries in `count`).
+            None => return Ok(out),
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Some(e) => return Err(e),
         }
     }
 }
@@ -296,28 +337,50 @@ fn errno(e: &MapError) -> Option<i32> {
 impl DatapathMaps for KernelMaps {
     fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
         let name = role.map_name();
-        let mut out = Vec::new();
-        for item in self.trie(role).iter() {
-            let (key, value) = match item {
-                Ok(kv) => kv,
-                // Deleted between get_next_key and lookup: skip.
-                Err(MapError::KeyNotFound) => continue,
-                Err(e) => return Err(DatapathError::map(name, e)),
-            };
-            let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
-                name,
-                prefix_len: key.prefix_len(),
-                family: key.data().family,
-            })?;
-            out.push((net, value));
-        }
-        Ok(out)
+        let trie = &self.tries[role as usize];
+        let items = match lookup_batch(trie) {
+            Ok(items) => items,
+            // Kernels without batch lookups on LPM tries: two system calls per entry.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | 524)
+                ) =>
+            {
+                let mut items = Vec::new();
+                for item in trie.iter() {
+                    match item {
+                        Ok(kv) => items.push(kv),
+                        // Deleted between get_next_key and lookup: skip.
+                        Err(MapError::KeyNotFound) => {}
+                        Err(e) => return Err(DatapathError::map(name, e)),
+                    }
+                }
+                items
+            }
+            Err(io_error) => {
+                let call = "bpf_map_lookup_batch";
+                let e = MapError::SyscallError(aya::sys::SyscallError { call, io_error });
+                return Err(DatapathError::map(name, e));
+            }
+        };
+        items
+            .into_iter()
+            .map(|(key, value)| {
+                let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
+                    name,
+                    prefix_len: key.prefix_len(),
+                    family: key.data().family,
+                })?;
+                Ok((net, value))
+            })
+            .collect()
     }
 
     fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
         let capacity = self.capacity;
         let name = role.map_name();
-        self.trie_mut(role)
+        self.tries[role as usize]
             .insert(&keys::entry_key(&net), value, 0)
             .map_err(|e| match errno(&e) {
                 Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
@@ -329,7 +392,7 @@ impl DatapathMaps for KernelMaps {
 
     fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
         let name = role.map_name();
-        match self.trie_mut(role).remove(&keys::entry_key(&net)) {
+        match self.tries[role as usize].remove(&keys::entry_key(&net)) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
             Err(e) => Err(DatapathError::map(name, e)),
@@ -369,11 +432,6 @@ impl DatapathMaps for KernelMaps {
     }
 }
 
-/// An attachment this process holds (only without pins; pinned ones live on their own).
-enum Held {
-    Link(#[allow(dead_code)] SchedClassifierLink),
-}
-
 /// The loaded datapath. Dropping it without [`Datapath::cleanup`] leaves pinned maps and links
 /// (and netlink filters) working; a later [`Datapath::open`] with the same `pin_dir` adopts them.
 pub struct Datapath {
@@ -383,7 +441,8 @@ pub struct Datapath {
     sync: MapSync,
     /// The tries have held a whole plan once ([`CONFIG_SYNCED`]).
     synced: bool,
-    held: BTreeMap<String, Held>,
+    /// Attachments this process holds (only without pins; pinned ones live on their own).
+    held: BTreeMap<String, SchedClassifierLink>,
 }
 
 impl Datapath {
@@ -404,46 +463,36 @@ impl Datapath {
         let pins = config.pin_dir.as_ref().map(|d| d.join("maps"));
         if let (Some(dir), Some(maps)) = (&config.pin_dir, &pins) {
             ensure_bpffs(dir)?;
-            fs::create_dir_all(maps).map_err(|source| DatapathError::Io {
-                path: maps.clone(),
-                source,
-            })?;
+            fs::create_dir_all(maps).map_err(io(maps))?;
         }
         let adopted = pins.as_ref().is_some_and(|m| m.join(MAP_CONFIG).exists());
+        let replace = |why: &dyn std::fmt::Display| -> Result<_, DatapathError> {
+            tracing::warn!(
+                "datapath: pinned maps of {why}; replacing them (entries are written again, \
+                 counters start from zero)"
+            );
+            remove_pins(pins.as_deref().expect("pinned"), &[])?;
+            load(&config)
+        };
         let (mut ebpf, mut maps) = match load(&config) {
-            Err(DatapathError::Load(e)) if pins.is_some() => match *e {
-                aya::EbpfError::MapError(MapError::IncompatiblePinnedMap {
-                    name,
-                    property,
-                    expected,
-                    actual,
-                }) => {
-                    tracing::warn!(
-                        map = %name, property, expected, actual,
-                        "datapath: pinned maps have another definition; replacing them \
-                         (entries are written again, counters start from zero)"
-                    );
-                    remove_pins(pins.as_deref().expect("checked"))?;
-                    load(&config)?
-                }
-                e => return Err(DatapathError::Load(Box::new(e))),
-            },
+            Err(DatapathError::Load(e))
+                if pins.is_some()
+                    && matches!(
+                        *e,
+                        aya::EbpfError::MapError(MapError::IncompatiblePinnedMap { .. })
+                    ) =>
+            {
+                replace(&format_args!("another definition ({e})"))?
+            }
             loaded => loaded?,
         };
-        let found = maps.config()?;
-        if adopted && found.layout != LAYOUT {
-            tracing::warn!(
-                found = found.layout,
-                ours = LAYOUT,
-                "datapath: pinned maps of another layout; replacing them (entries are written \
-                 again, counters start from zero)"
-            );
+        let layout = maps.config()?.layout;
+        if adopted && layout != LAYOUT {
             drop((ebpf, maps));
-            remove_pins(pins.as_deref().expect("adopted pins"))?;
-            (ebpf, maps) = load(&config)?;
+            (ebpf, maps) = replace(&format_args!("layout {layout}, not {LAYOUT}"))?;
         }
         if let Some(maps) = &pins {
-            remove_stale_pins(maps)?;
+            remove_pins(maps, &PINNED_MAPS)?;
         }
         for name in [PROG_L2, PROG_L3, PROG_ENCAP, PROG_DECAP] {
             program_mut(&mut ebpf, name)?
@@ -599,176 +648,95 @@ impl Datapath {
     /// differs).
     pub fn attach_hook(&mut self, ifname: &str, hook: Hook) -> Result<Writes, DatapathError> {
         let ifindex = ifindex(ifname)?;
-        let framing = framing(ifname)?;
-        let prog_name = hook
-            .program(framing)
-            .map_err(|reason| DatapathError::Interface {
-                name: ifname.to_owned(),
-                reason,
-            })?;
+        let prog_name =
+            hook.program(framing(ifname)?)
+                .map_err(|reason| DatapathError::Interface {
+                    name: ifname.to_owned(),
+                    reason,
+                })?;
+        let prog_err = |e| DatapathError::program(prog_name, e);
         let attachment = hook.attachment(ifname);
-        let attach_type = hook.attach_type();
-        let mode = self.mode();
+        let (attach_type, priority) = (hook.attach_type(), hook.priority());
+        let tcx = self.mode() == AttachMode::Tcx;
         let pin_dir = self.config.pin_dir.clone();
-        let link_err = |e: Box<dyn std::error::Error + Send + Sync>| DatapathError::Link {
-            name: ifname.to_owned(),
-            source: e,
-        };
-        let mut writes = Writes::default();
+        let link_pin = pin_dir.as_ref().map(|d| d.join("links").join(&attachment));
         let prog = program_mut(&mut self.ebpf, prog_name)?;
-        match mode {
-            AttachMode::Tcx | AttachMode::Auto => {
-                let pin = pin_dir.as_ref().map(|d| d.join("links").join(&attachment));
-                if let Some(pin) = &pin
-                    && pin.exists()
-                {
-                    let pinned = PinnedLink::from_pin(pin).map_err(|e| link_err(Box::new(e)))?;
-                    let link = FdLink::from(pinned);
-                    let prog_id = link.info().map_err(|e| link_err(Box::new(e)))?.program_id();
-                    // Whether the link is still on this device (`Some`) running our program on
-                    // our maps (`Some(true)`); `None` when the attached programs cannot be read
-                    // (by-id lookups take CAP_SYS_ADMIN, which kg drops after start-up).
-                    let current = match SchedClassifier::query_tcx(ifindex, attach_type) {
-                        Err(ProgramError::SyscallError(e))
-                            if e.io_error.raw_os_error() == Some(libc::EPERM) =>
-                        {
-                            None
-                        }
-                        r => {
-                            let (_, attached) = r.map_err(|e| link_err(Box::new(e)))?;
-                            let ours = prog.info().map_err(|e| link_err(Box::new(e)))?;
-                            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
-                                running.tag() == ours.tag()
-                                    && pinned_maps(running) == pinned_maps(&ours)
-                            }))
-                        }
-                    };
-                    let stale = match current {
-                        Some(Some(true)) => return Ok(writes),
-                        Some(None) => true,
-                        // Another program, or the same one bound to other maps (pins replaced),
-                        // or unknown: move the link to ours (ENOLINK if its device is gone).
-                        Some(Some(false)) | None => {
-                            let link = SchedClassifierLink::try_from(link)
-                                .map_err(|e| link_err(Box::new(e)))?;
-                            match prog.attach_to_link(link) {
-                                Ok(id) => {
-                                    // Still pinned: dropping our handle keeps the link.
-                                    drop(prog.take_link(id));
-                                    writes.add("link_update", 1);
-                                    return Ok(writes);
-                                }
-                                Err(ProgramError::SyscallError(e))
-                                    if current.is_none()
-                                        && e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
-                                {
-                                    true
-                                }
-                                Err(e) => return Err(DatapathError::program(prog_name, e)),
-                            }
-                        }
-                    };
-                    if stale {
-                        // A link of a device that is gone (or was recreated): replace it.
-                        tracing::info!(ifname, "datapath: stale link pin, attaching anew");
-                        fs::remove_file(pin).map_err(|source| DatapathError::Io {
-                            path: pin.clone(),
-                            source,
-                        })?;
-                    }
-                }
-                let id = prog
-                    .attach(
-                        ifindex,
-                        TcAttach::Tcx {
-                            attach_type,
-                            order: if hook == Hook::Decap {
-                                LinkOrder::first()
-                            } else {
-                                LinkOrder::default()
-                            },
-                        },
-                    )
-                    .map_err(|e| DatapathError::program(prog_name, e))?;
-                let link = prog
-                    .take_link(id)
-                    .map_err(|e| DatapathError::program(prog_name, e))?;
-                writes.add("link_attach", 1);
-                // A pin directory no longer on a bpffs (unmounted under us) cannot hold the
-                // link: this process holds it instead, so the program stays attached.
-                let pinnable = pin_dir.as_deref().is_some_and(|d| ensure_bpffs(d).is_ok());
-                match pin.filter(|_| pinnable) {
-                    Some(pin) => {
-                        let dir = pin.parent().expect("links dir");
-                        fs::create_dir_all(dir).map_err(|source| DatapathError::Io {
-                            path: dir.to_owned(),
-                            source,
-                        })?;
-                        let fd = FdLink::try_from(link).map_err(|e| link_err(Box::new(e)))?;
-                        fd.pin(&pin).map_err(|e| link_err(Box::new(e)))?;
-                    }
-                    None => {
-                        self.held.insert(attachment.clone(), Held::Link(link));
-                    }
-                }
-            }
-            AttachMode::Netlink => {
-                // EEXIST when the qdisc is there already; any real problem fails the attach.
-                let created_qdisc = tc::qdisc_add_clsact(ifindex).is_ok();
-                let existing = SchedClassifierLink::attached(
+        let mut writes = Writes::default();
+        if let Some(pin) = link_pin.as_ref().filter(|p| tcx && p.exists())
+            && let Some(adopted) = adopt_tcx(prog, prog_name, ifname, ifindex, attach_type, pin)?
+        {
+            return Ok(adopted);
+        }
+        // Netlink: the clsact qdisc first (EEXIST when it is there already: any real problem
+        // fails the attach), then our filter replaced in place if it is there.
+        let created_qdisc = !tcx && tc::qdisc_add_clsact(ifindex).is_ok();
+        let existing = match tcx {
+            true => None,
+            false => Some(
+                SchedClassifierLink::attached(
                     ifindex,
                     attach_type.into(),
-                    hook.priority(),
+                    priority,
                     NL_HANDLE,
                     None,
                 )
-                .map_err(|e| link_err(Box::new(e)))?;
-                let id = match prog.attach_to_link(existing) {
-                    Ok(id) => {
-                        writes.add("link_update", 1);
-                        id
-                    }
-                    Err(_) => {
-                        let id = prog
-                            .attach(
-                                ifindex,
-                                TcAttach::Netlink {
-                                    parent: attach_type.into(),
-                                    options: NlOptions {
-                                        priority: hook.priority(),
-                                        handle: NL_HANDLE,
-                                        classid: None,
-                                    },
-                                },
-                            )
-                            .map_err(|e| DatapathError::program(prog_name, e))?;
-                        writes.add("link_attach", 1);
-                        id
-                    }
+                .map_err(link_err(ifname))?,
+            ),
+        };
+        let id = match existing.map(|l| prog.attach_to_link(l)) {
+            Some(Ok(id)) => {
+                writes.add("link_update", 1);
+                id
+            }
+            _ => {
+                let how = match tcx {
+                    true => TcAttach::Tcx {
+                        attach_type,
+                        order: match hook {
+                            Hook::Decap => LinkOrder::first(),
+                            _ => LinkOrder::default(),
+                        },
+                    },
+                    false => TcAttach::Netlink {
+                        parent: attach_type.into(),
+                        options: NlOptions {
+                            priority,
+                            handle: NL_HANDLE,
+                            classid: None,
+                        },
+                    },
                 };
-                let link = prog
-                    .take_link(id)
-                    .map_err(|e| DatapathError::program(prog_name, e))?;
-                match pin_dir {
-                    Some(dir) => {
-                        // The filter outlives us by itself; remember it (and whether the qdisc
-                        // is ours) for clean-up.
-                        let marker = dir.join("netlink").join(&attachment);
-                        let marker = if created_qdisc {
-                            marker.join(QDISC_MARK)
-                        } else {
-                            marker
-                        };
-                        fs::create_dir_all(&marker).map_err(|source| DatapathError::Io {
-                            path: marker,
-                            source,
-                        })?;
-                        std::mem::forget(link);
-                    }
-                    None => {
-                        self.held.insert(attachment.clone(), Held::Link(link));
-                    }
-                }
+                writes.add("link_attach", 1);
+                prog.attach(ifindex, how).map_err(prog_err)?
+            }
+        };
+        let link = prog.take_link(id).map_err(prog_err)?;
+        // A pin directory no longer on a bpffs (unmounted under us) cannot hold a TCX link: this
+        // process holds it instead, so the program stays attached.
+        let pinnable = pin_dir.as_deref().is_some_and(|d| ensure_bpffs(d).is_ok());
+        match (pin_dir, link_pin) {
+            (_, Some(pin)) if tcx && pinnable => {
+                let dir = pin.parent().expect("links dir");
+                fs::create_dir_all(dir).map_err(io(dir))?;
+                let fd = FdLink::try_from(link).map_err(link_err(ifname))?;
+                fd.pin(&pin).map_err(link_err(ifname))?;
+            }
+            (None, _) | (_, None) => {
+                self.held.insert(attachment, link);
+            }
+            (Some(_), Some(_)) if tcx => {
+                self.held.insert(attachment, link);
+            }
+            (Some(dir), _) => {
+                // The filter outlives us by itself; remember it (and whether the qdisc is ours)
+                // for clean-up.
+                let marker = dir.join("netlink").join(&attachment);
+                let marker = match created_qdisc {
+                    true => marker.join(QDISC_MARK),
+                    false => marker,
+                };
+                fs::create_dir_all(&marker).map_err(io(&marker))?;
+                std::mem::forget(link);
             }
         }
         Ok(writes)
@@ -816,21 +784,91 @@ impl Datapath {
                 writes += detach_pinned(&dir, &attachment)?;
             }
         }
-        for name in list_dir(&dir.join("maps"))? {
-            let path = dir.join("maps").join(&name);
-            fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
-            writes.add("pin_remove", 1);
-        }
+        writes.add("pin_remove", remove_pins(&dir.join("maps"), &[])?);
         drop(self);
         for sub in ["links", "netlink", "maps", ""] {
             let path = dir.join(sub);
             match fs::remove_dir(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => return Err(DatapathError::Io { path, source }),
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io(&path)(e)),
+                _ => {}
             }
         }
         Ok(writes)
+    }
+}
+
+/// Adopts the TCX link pinned at `pin`, moving it to `prog` (atomically) when it runs another
+/// program or the same one bound to other maps (pins replaced), or when the programs attached
+/// cannot be read (by-id lookups take CAP_SYS_ADMIN, which kg drops after start-up); `None` when
+/// the pin is stale (its device gone or recreated), then removed.
+fn adopt_tcx(
+    prog: &mut SchedClassifier,
+    prog_name: &'static str,
+    ifname: &str,
+    ifindex: u32,
+    attach_type: TcAttachType,
+    pin: &Path,
+) -> Result<Option<Writes>, DatapathError> {
+    let mut writes = Writes::default();
+    let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
+    let prog_id = link.info().map_err(link_err(ifname))?.program_id();
+    let stale = || {
+        tracing::info!(ifname, "datapath: stale link pin, attaching anew");
+        fs::remove_file(pin).map_err(io(pin))?;
+        Ok(None)
+    };
+    // `Some(Some(ours))` while the link runs on this device, `Some(None)` when it does not, `None`
+    // when that cannot be read.
+    let current = match SchedClassifier::query_tcx(ifindex, attach_type) {
+        Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EPERM) => {
+            None
+        }
+        r => {
+            let (_, attached) = r.map_err(link_err(ifname))?;
+            let ours = prog.info().map_err(link_err(ifname))?;
+            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
+                running.tag() == ours.tag() && pinned_maps(running) == pinned_maps(&ours)
+            }))
+        }
+    };
+    match current {
+        Some(Some(true)) => return Ok(Some(writes)),
+        Some(None) => return stale(),
+        Some(Some(false)) | None => {}
+    }
+    let link = SchedClassifierLink::try_from(link).map_err(link_err(ifname))?;
+    match prog.attach_to_link(link) {
+        Ok(id) => {
+            // Still pinned: dropping our handle keeps the link.
+            drop(prog.take_link(id));
+            writes.add("link_update", 1);
+            Ok(Some(writes))
+        }
+        // Unread, the device may be gone: the kernel says so.
+        Err(ProgramError::SyscallError(e))
+            if current.is_none() && e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+        {
+            stale()
+        }
+        Err(e) => Err(DatapathError::program(prog_name, e)),
+    }
+}
+
+/// A `map_err` for a file system call on `path`.
+fn io(path: &Path) -> impl FnOnce(io::Error) -> DatapathError + '_ {
+    move |source| DatapathError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A `map_err` for a link of interface `name`.
+fn link_err<E: std::error::Error + Send + Sync + 'static>(
+    name: &str,
+) -> impl FnOnce(E) -> DatapathError + '_ {
+    move |e| DatapathError::Link {
+        name: name.to_owned(),
+        source: Box::new(e),
     }
 }
 
@@ -875,26 +913,20 @@ fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelMaps), DatapathError> {
     Ok((ebpf, maps))
 }
 
-/// Removes every pin under `maps`.
-fn remove_pins(maps: &Path) -> Result<(), DatapathError> {
+/// Removes the pins under `maps` not named in `keep` (with an empty `keep`, every one: the maps
+/// are replaced; with [`PINNED_MAPS`], those of maps an upgrade renamed or dropped, which a
+/// program still attached keeps until `attach` moves its link to ours). Returns how many.
+fn remove_pins(maps: &Path, keep: &[&str]) -> Result<u64, DatapathError> {
+    let mut removed = 0;
     for pin in list_dir(maps)? {
-        let path = maps.join(pin);
-        fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
-    }
-    Ok(())
-}
-
-/// Removes pins of maps this object no longer has (an upgrade renamed or dropped them; a
-/// program still attached keeps its maps until `attach` moves its link to ours).
-fn remove_stale_pins(maps: &Path) -> Result<(), DatapathError> {
-    for pin in list_dir(maps)? {
-        if !PINNED_MAPS.contains(&pin.as_str()) {
-            tracing::info!(pin = %pin, "datapath: removing the pin of a map this version no longer has");
+        if !keep.contains(&pin.as_str()) {
+            tracing::debug!(pin = %pin, "datapath: removing a map pin");
             let path = maps.join(pin);
-            fs::remove_file(&path).map_err(|source| DatapathError::Io { path, source })?;
+            fs::remove_file(&path).map_err(io(&path))?;
+            removed += 1;
         }
     }
-    Ok(())
+    Ok(removed)
 }
 
 fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {
@@ -904,10 +936,7 @@ fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(source) => Err(DatapathError::Io {
-            path: dir.to_owned(),
-            source,
-        }),
+        Err(e) => Err(io(dir)(e)),
     }
 }
 
@@ -928,62 +957,38 @@ fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, DatapathError> 
     let (ifname, hook) = Hook::parse(attachment);
     let pin = dir.join("links").join(attachment);
     if pin.exists() {
-        let link = PinnedLink::from_pin(&pin).map_err(|e| DatapathError::Link {
-            name: ifname.to_owned(),
-            source: Box::new(e),
-        })?;
+        let link = PinnedLink::from_pin(&pin).map_err(link_err(ifname))?;
         // Unpinned and dropped: the last reference goes and the link detaches.
-        let link = link.unpin().map_err(|source| DatapathError::Io {
-            path: pin.clone(),
-            source,
-        })?;
-        drop(link);
+        drop(link.unpin().map_err(io(&pin))?);
         writes.add("link_detach", 1);
     }
     let marker = dir.join("netlink").join(attachment);
-    if marker.exists() {
-        // The interface may be gone already (and its filter with it).
-        if let Ok(link) = SchedClassifierLink::attached(
-            ifname_cstr(ifname)?.as_c_str(),
-            hook.attach_type().into(),
-            hook.priority(),
-            NL_HANDLE,
-            None,
-        ) {
-            use aya::programs::Link as _;
-            if link.detach().is_ok() {
-                writes.add("link_detach", 1);
-            }
-        }
-        // A clsact qdisc we added goes with our filter, unless someone else filters through it.
-        let owned = marker.join(QDISC_MARK);
-        if owned.exists() {
-            if let Ok(index) = ifindex(ifname) {
-                let gone = qdisc::filters(index).and_then(|n| match n {
-                    0 => qdisc::delete_clsact(index).map(|()| true),
-                    _ => Ok(false),
-                });
-                match gone {
-                    Ok(true) => writes.add("qdisc_delete", 1),
-                    Ok(false) => {}
-                    Err(e) => {
-                        return Err(DatapathError::Link {
-                            name: ifname.to_owned(),
-                            source: Box::new(e),
-                        });
-                    }
-                }
-            }
-            fs::remove_dir(&owned).map_err(|source| DatapathError::Io {
-                path: owned,
-                source,
-            })?;
-        }
-        fs::remove_dir(&marker).map_err(|source| DatapathError::Io {
-            path: marker,
-            source,
-        })?;
+    if !marker.exists() {
+        return Ok(writes);
     }
+    // The interface may be gone already (and its filter with it).
+    let link = SchedClassifierLink::attached(
+        ifname_cstr(ifname)?.as_c_str(),
+        hook.attach_type().into(),
+        hook.priority(),
+        NL_HANDLE,
+        None,
+    );
+    if link.is_ok_and(|l| aya::programs::Link::detach(l).is_ok()) {
+        writes.add("link_detach", 1);
+    }
+    // A clsact qdisc we added goes with our filter, unless someone else filters through it.
+    let owned = marker.join(QDISC_MARK);
+    if owned.exists() {
+        if let Ok(index) = ifindex(ifname)
+            && qdisc::filters(index).map_err(link_err(ifname))? == 0
+        {
+            qdisc::delete_clsact(index).map_err(link_err(ifname))?;
+            writes.add("qdisc_delete", 1);
+        }
+        fs::remove_dir(&owned).map_err(io(&owned))?;
+    }
+    fs::remove_dir(&marker).map_err(io(&marker))?;
     Ok(writes)
 }
 

@@ -50,28 +50,34 @@ pub fn net_from_key(key: &Key<LpmData>) -> Option<IpNet> {
     (net.trunc() == net).then_some(net)
 }
 
-/// `EntryValue::kind` codes (a metrics label, not read by the program).
-pub const fn kind_code(kind: EntryKind) -> u32 {
-    match kind {
-        EntryKind::Node => 1,
-        EntryKind::WireGuardIp => 2,
-        EntryKind::Peer => 3,
-        EntryKind::Service => 4,
-        EntryKind::LocalPods => 5,
-        EntryKind::AllowedLocation => 6,
-    }
+/// Entry kinds: their `EntryValue::kind` code is the index + 1 (a metrics label, not read by
+/// the program), and their metrics label.
+const KINDS: [(EntryKind, &str); 6] = [
+    (EntryKind::Node, "node"),
+    (EntryKind::WireGuardIp, "wireguard_ip"),
+    (EntryKind::Peer, "peer"),
+    (EntryKind::Service, "service"),
+    (EntryKind::LocalPods, "local_pods"),
+    (EntryKind::AllowedLocation, "allowed_location"),
+];
+
+pub fn kind_code(kind: EntryKind) -> u32 {
+    KINDS
+        .iter()
+        .position(|(k, _)| *k == kind)
+        .map_or(0, |i| i as u32 + 1)
 }
 
-pub const fn kind_from_code(code: u32) -> Option<EntryKind> {
-    Some(match code {
-        1 => EntryKind::Node,
-        2 => EntryKind::WireGuardIp,
-        3 => EntryKind::Peer,
-        4 => EntryKind::Service,
-        5 => EntryKind::LocalPods,
-        6 => EntryKind::AllowedLocation,
-        _ => return None,
-    })
+pub fn kind_from_code(code: u32) -> Option<EntryKind> {
+    Some(KINDS.get(code.checked_sub(1)? as usize)?.0)
+}
+
+/// The metrics label of an entry kind ("unknown" for an entry of no known kind).
+pub fn kind_label(kind: Option<EntryKind>) -> &'static str {
+    KINDS
+        .iter()
+        .find(|(k, _)| Some(*k) == kind)
+        .map_or("unknown", |(_, label)| label)
 }
 
 /// The map value of a plan entry with counter slot `counter`. A next hop whose device the

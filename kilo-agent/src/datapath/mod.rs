@@ -1,30 +1,24 @@
-//! The eBPF datapath from userspace, one of the reconcilers: loads, attaches, pins and adopts
-//! the TC program, syncs its LPM tries, reads its counters, and installs the one static
-//! masquerade rule. It uses what the reconcilers share ([`crate::effects`]) and nothing else of
-//! `reconcile`.
+//! The eBPF datapath from userspace, one of the reconcilers (it uses [`crate::effects`] and
+//! nothing else of them): loads, attaches, pins and adopts the TC programs, syncs their LPM
+//! tries and reads their counters.
 //!
-//! - [`Datapath`] (kernel.rs): loads the embedded `kilo-ebpf` object, attaches it at ingress of
-//!   named interfaces (TCX on kernels >= 6.6, clsact + netlink below), pins maps and links under
-//!   a bpffs directory and adopts them on start, so forwarding goes on while the agent is down.
-//! - [`MapSync`] (sync.rs): the diff between a [`DatapathPlan`](crate::plan::DatapathPlan)
-//!   and the tries, one write per changed entry, behind the [`DatapathMaps`] trait (kernel maps,
-//!   or [`FakeMaps`] in memory); idle resyncs compare the plan with its record of what it wrote
-//!   and read the tries back only at start, after a failed write and every
-//!   [`READ_BACK_EVERY`] syncs.
+//! - [`Datapath`] (kernel.rs): the embedded `kilo-ebpf` object, attached to named interfaces
+//!   (TCX on kernels >= 6.6, clsact + netlink below, [`qdisc`]), maps and links pinned under a
+//!   bpffs directory and adopted on start, so forwarding goes on while the agent is down.
+//! - [`MapSync`] (sync.rs): the diff between the plan and the tries (see there), behind the
+//!   [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory); keys.rs: plan entries as
+//!   keys and values; counters.rs: the mapped counters.
 //! - [`AgentDatapath`] and [`FakeDatapath`] (agent.rs): the datapath behind the reconcilers'
-//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory. The real one
-//!   also attaches the IPIP programs to the private interface while the plan has a location
-//!   neighbour ([`IpipPlan`](crate::plan::IpipPlan)), and detaches them when it has none.
+//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory.
 //! - [`logs`]: the program's aya-log records as `tracing` events.
-//! - [`nft`]: the static `meta mark & M == M masquerade` rule, over netfilter netlink.
 //!
+//! The static masquerade rule is [`crate::nft`]'s; [`Datapath`] keeps it with the mark it uses.
 //! Nothing here starts a process.
 mod agent;
 mod counters;
 mod kernel;
 mod keys;
 pub mod logs;
-pub mod nft;
 mod qdisc;
 mod sync;
 
@@ -33,42 +27,15 @@ use std::{io, path::PathBuf};
 use ipnet::IpNet;
 pub use kilo_common::{Counter, Decision};
 
-pub use agent::{AgentDatapath, FakeDatapath, stats};
+pub use agent::{AgentDatapath, FakeDatapath};
 pub use kernel::{
     AttachMode, Datapath, DatapathConfig, Framing, Hook, KernelMaps, OBJECT, framing, ifindex,
     is_bpffs,
 };
-pub use keys::{entry_key, entry_value, kind_code, kind_from_code, net_from_key};
 pub use sync::{
     Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, Plans, READ_BACK_EVERY,
     Resolver, read_counters, sync_maps,
 };
-
-/// A netlink socket of `protocol`, bound, whose reads give up after 5 s (a reply never comes
-/// only on a kernel bug; the agent must not hang on it).
-fn netlink_socket(protocol: isize) -> io::Result<netlink_sys::Socket> {
-    use std::os::fd::AsRawFd as _;
-    let mut sock = netlink_sys::Socket::new(protocol)?;
-    sock.bind_auto()?;
-    let tv = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: a valid socket fd and a timeval of the right size.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as u32,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(sock)
-}
 
 /// Which table an entry lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -184,7 +151,7 @@ pub enum DatapathError {
     #[error("invalid datapath config: {0}")]
     Config(String),
     #[error("nftables: {0}")]
-    Nft(#[from] nft::NftError),
+    Nft(#[from] crate::nft::NftError),
 }
 
 impl DatapathError {

@@ -13,7 +13,7 @@ use netlink_sys::protocols::NETLINK_ROUTE;
 
 /// Sends one request and collects the answer (a dump's messages, or nothing for an ack).
 fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let socket = super::netlink_socket(NETLINK_ROUTE)?;
+    let socket = crate::effects::netlink_socket(NETLINK_ROUTE)?;
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     header.sequence_number = 1;

@@ -1,23 +1,21 @@
 //! The map diff: make the tries equal to a [`DatapathPlan`] and an [`IpipPlan`] ([`Plans`]),
-//! writing only the
-//! difference (one write per changed entry, none when nothing changed), behind the
-//! [`DatapathMaps`] trait so it runs against the kernel or in memory.
+//! writing only the difference (one write per changed entry, none when nothing changed), found
+//! in one ordered pass per role over the plan and [`MapSync`]'s record of what the maps hold;
+//! behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! Order: new and changed entries go in mesh destinations first, stale ones go NAT sources and
-//! masquerade destinations first, mesh destinations last. IPIP: accepted sources and served
-//! destinations go in before destinations to encapsulate, and stale ones go out after them. So while a topology grows or shrinks
-//! a packet is never marked that neither the old nor the new topology would mark, and a failure
-//! part-way (a full trie) leaves everything the old topology had plus some of the new.
+//! masquerade destinations first, mesh destinations last; accepted IPIP sources and served
+//! destinations go in before destinations to encapsulate and out after them. So while a
+//! topology grows or shrinks a packet is never marked that neither topology would mark, and a
+//! failure part-way (a full trie) leaves everything the old topology had plus some of the new.
 //!
-//! Idle resyncs: [`MapSync`] keeps a record of what it wrote and compares the plan with that
-//! record, not with the kernel. It reads every entry back only at its first sync, after a failed
-//! write, and every [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our
-//! pinned maps; the kernel sends no notification about map contents). Per-entry counter slots
-//! are stored in the entry values, so they survive syncs and adoption by a new agent; a slot is
-//! reused only once its entry is gone, and zeroed (only if non-zero) before reuse. The metrics
-//! read the entries from that record too ([`MapSync::counters`]): a scrape costs one pass over
-//! the mapped counters, not two system calls per entry.
-use std::collections::{BTreeMap, BTreeSet};
+//! The record is read back from the maps at the first sync, after a failed write, and every
+//! [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our pinned maps; the
+//! kernel sends no notification about map contents). Per-entry counter slots are stored in the
+//! entry values, so they survive syncs and adoption by a new agent; a slot is reused only once
+//! its entry is gone, and zeroed (only if non-zero) before reuse. The metrics read the entries
+//! from the record too ([`MapSync::counters`]): no system call per entry.
+use std::collections::BTreeMap;
 
 use ipnet::IpNet;
 use kilo_common::{Config, Counter, Decision, EntryValue, NO_COUNTER};
@@ -124,8 +122,10 @@ const DELETE_ORDER: [Role; 6] = [
     Role::Mesh,
 ];
 
-/// Syncs between full read-backs of the maps.
-pub const READ_BACK_EVERY: u32 = 10;
+/// Syncs between full read-backs of the maps: every 10 minutes at the default 30 s resync. A
+/// read-back costs about a microsecond of kernel time per entry, so at 10,000 entries this keeps
+/// an idle resync's average under a millisecond.
+pub const READ_BACK_EVERY: u32 = 20;
 
 /// What the maps hold, per role.
 type Record = BTreeMap<Role, BTreeMap<IpNet, EntryValue>>;
@@ -157,29 +157,25 @@ impl MapSync {
                 read_back(maps)?
             }
         };
-        if Role::ALL
-            .iter()
-            .all(|r| unchanged(plan.role(*r), &record[r], resolver))
-        {
-            self.record = Some(record);
-            return Ok(Writes::default());
-        }
+        let slots = maps.counter_slots();
+        let changes: BTreeMap<Role, Vec<Change>> = Role::ALL
+            .into_iter()
+            .map(|r| (r, changes(plan.role(r), &record[&r], slots, resolver)))
+            .collect();
         let mut diff = Diff {
             maps,
             record,
             writes: Writes::default(),
             free: None,
         };
-        let done = diff.apply(plan, resolver);
+        let done = diff.apply(&changes, resolver);
         // A failed write leaves the kernel unknown: read it back next time.
         if done.is_ok() {
             self.record = Some(diff.record);
         }
         done.map(|()| diff.writes)
     }
-}
 
-impl MapSync {
     /// Every counter, with the entries taken from the record (no system call per entry); from
     /// the maps themselves while there is no record (before the first sync, after a failure).
     pub fn counters<M: DatapathMaps + ?Sized>(&self, maps: &M) -> Result<Counters, DatapathError> {
@@ -206,17 +202,60 @@ fn read_back<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Record, DatapathError
         .collect()
 }
 
-/// Whether `have` holds exactly `want`'s entries and values: one ordered pass, no lookups
-/// (a plan CIDR with host bits set compares unequal and takes the diff's slower path).
-fn unchanged(
-    want: &BTreeMap<IpNet, DatapathEntry>,
+/// One entry to write or delete.
+enum Change<'a> {
+    /// A new entry, or one whose value (or counter slot) must change: (CIDR, plan entry, value
+    /// the maps hold).
+    Put(IpNet, &'a DatapathEntry, Option<EntryValue>),
+    Delete(IpNet),
+}
+
+/// What differs between the plan's entries of one role and the record's: one ordered pass over
+/// both, no lookups (plan CIDRs with host bits set are keyed as the maps key them first, a copy
+/// of references), none at all when nothing differs.
+fn changes<'a>(
+    want: &'a BTreeMap<IpNet, DatapathEntry>,
     have: &BTreeMap<IpNet, EntryValue>,
+    slots: u32,
     resolver: &dyn Resolver,
-) -> bool {
-    want.len() == have.len()
-        && want.iter().zip(have).all(|((net, entry), (hn, hv))| {
-            net == hn && keys::entry_value(entry, hv.counter, resolver) == *hv
-        })
+) -> Vec<Change<'a>> {
+    // The idle case, as cheap as a comparison gets: equal keys and values, in one zip.
+    let same = |((net, entry), (hn, hv)): ((&IpNet, &DatapathEntry), (&IpNet, &EntryValue))| {
+        net == hn && hv.counter < slots && keys::entry_value(entry, hv.counter, resolver) == *hv
+    };
+    if want.len() == have.len() && want.iter().zip(have).all(same) {
+        return Vec::new();
+    }
+    if want.keys().any(|n| n.trunc() != *n) {
+        let keyed: BTreeMap<IpNet, &DatapathEntry> =
+            want.iter().map(|(n, e)| (n.trunc(), e)).collect();
+        return merge(keyed.into_iter(), have, slots, resolver);
+    }
+    merge(want.iter().map(|(n, e)| (*n, e)), have, slots, resolver)
+}
+
+fn merge<'a>(
+    want: impl Iterator<Item = (IpNet, &'a DatapathEntry)>,
+    have: &BTreeMap<IpNet, EntryValue>,
+    slots: u32,
+    resolver: &dyn Resolver,
+) -> Vec<Change<'a>> {
+    let mut out = Vec::new();
+    let mut have = have.iter().peekable();
+    for (net, entry) in want {
+        while let Some((stale, _)) = have.next_if(|(h, _)| **h < net) {
+            out.push(Change::Delete(*stale));
+        }
+        let old = have.next_if(|(h, _)| **h == net).map(|(_, v)| *v);
+        let same = old.is_some_and(|v| {
+            v.counter < slots && keys::entry_value(entry, v.counter, resolver) == v
+        });
+        if !same {
+            out.push(Change::Put(net, entry, old));
+        }
+    }
+    out.extend(have.map(|(stale, _)| Change::Delete(*stale)));
+    out
 }
 
 struct Diff<'a, M: ?Sized> {
@@ -244,12 +283,24 @@ impl Iterator for FreeSlots {
 }
 
 impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
-    fn apply(&mut self, plan: Plans, resolver: &dyn Resolver) -> Result<(), DatapathError> {
+    fn apply(
+        &mut self,
+        changes: &BTreeMap<Role, Vec<Change>>,
+        resolver: &dyn Resolver,
+    ) -> Result<(), DatapathError> {
         for role in UPSERT_ORDER {
-            self.upsert(role, plan.role(role), resolver)?;
+            for change in &changes[&role] {
+                if let Change::Put(net, entry, old) = change {
+                    self.put(role, *net, entry, *old, resolver)?;
+                }
+            }
         }
         for role in DELETE_ORDER {
-            self.delete_stale(role, plan.role(role))?;
+            for change in &changes[&role] {
+                if let Change::Delete(net) = change {
+                    self.delete(role, *net)?;
+                }
+            }
         }
         Ok(())
     }
@@ -276,76 +327,58 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
             .next()
     }
 
-    /// Writes the new and changed entries of one role.
-    fn upsert(
+    /// Writes one new or changed entry, keeping its counter slot or giving it a free one.
+    fn put(
         &mut self,
         role: Role,
-        want: &BTreeMap<IpNet, DatapathEntry>,
+        net: IpNet,
+        entry: &DatapathEntry,
+        old: Option<EntryValue>,
         resolver: &dyn Resolver,
     ) -> Result<(), DatapathError> {
         let slots = self.maps.counter_slots();
-        for (net, entry) in want {
-            let net = net.trunc();
-            let old = self.record[&role].get(&net).copied();
-            let (counter, fresh) = match old.map(|v| v.counter) {
-                Some(c) if c != NO_COUNTER && c < slots => (c, false),
-                _ => match self.free_slot() {
-                    Some(c) => (c, true),
-                    None => (NO_COUNTER, false),
-                },
-            };
-            let value = keys::entry_value(entry, counter, resolver);
-            if old == Some(value) {
-                continue;
-            }
-            let wrap = |source| DatapathError::Entry {
-                role,
-                net,
-                owner: entry.owner.clone(),
-                source: Box::new(source),
-            };
-            if fresh && self.maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
-                self.maps.reset_entry_counter(counter).map_err(wrap)?;
-                self.writes.add("counter_reset", 1);
-            }
-            self.maps.insert(role, net, &value).map_err(wrap)?;
-            self.record
-                .get_mut(&role)
-                .expect("all roles")
-                .insert(net, value);
-            let kind = if old.is_some() {
-                "map_update"
-            } else {
-                "map_insert"
-            };
-            self.writes.add(kind, 1);
+        let (counter, fresh) = match old.map(|v| v.counter).filter(|c| *c < slots) {
+            Some(c) => (c, false),
+            None => self.free_slot().map_or((NO_COUNTER, false), |c| (c, true)),
+        };
+        let value = keys::entry_value(entry, counter, resolver);
+        if old == Some(value) {
+            return Ok(());
         }
+        let wrap = |source| DatapathError::Entry {
+            role,
+            net,
+            owner: entry.owner.clone(),
+            source: Box::new(source),
+        };
+        if fresh && self.maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
+            self.maps.reset_entry_counter(counter).map_err(wrap)?;
+            self.writes.add("counter_reset", 1);
+        }
+        self.maps.insert(role, net, &value).map_err(wrap)?;
+        self.record
+            .get_mut(&role)
+            .expect("all roles")
+            .insert(net, value);
+        let kind = if old.is_some() {
+            "map_update"
+        } else {
+            "map_insert"
+        };
+        self.writes.add(kind, 1);
         Ok(())
     }
 
-    /// Deletes the entries of one role that `want` no longer has.
-    fn delete_stale(
-        &mut self,
-        role: Role,
-        want: &BTreeMap<IpNet, DatapathEntry>,
-    ) -> Result<(), DatapathError> {
-        let want: BTreeSet<IpNet> = want.keys().map(IpNet::trunc).collect();
-        let stale: Vec<IpNet> = self.record[&role]
-            .keys()
-            .filter(|n| !want.contains(n))
-            .copied()
-            .collect();
-        for net in stale {
-            self.maps
-                .remove(role, net)
-                .map_err(|source| DatapathError::Stale {
-                    role,
-                    net,
-                    source: Box::new(source),
-                })?;
-            self.record.get_mut(&role).expect("all roles").remove(&net);
-            self.writes.add("map_delete", 1);
-        }
+    fn delete(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
+        self.maps
+            .remove(role, net)
+            .map_err(|source| DatapathError::Stale {
+                role,
+                net,
+                source: Box::new(source),
+            })?;
+        self.record.get_mut(&role).expect("all roles").remove(&net);
+        self.writes.add("map_delete", 1);
         Ok(())
     }
 }
@@ -531,6 +564,8 @@ impl DatapathMaps for FakeMaps {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::*;
     use crate::plan::NextHop;
 

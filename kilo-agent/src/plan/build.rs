@@ -507,18 +507,6 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
     }
 }
 
-/// The address Kilo puts on the IPIP device (tunl0) when it encapsulates inside a location
-/// (`--encapsulate` not `never`, `--local`): the first address of the local IPv4 pod CIDR, /32.
-/// Kilo's only: kg has no `tunl0` (the datapath encapsulates); kept to check the plan against
-/// Kilo's output.
-pub fn tunnel_address(t: &Topology, s: &Settings) -> Option<IpNet> {
-    if s.encapsulate == Encapsulation::Never || !s.local {
-        return None;
-    }
-    let pods = t.pod_cidrs.iter().find(|c| c.addr().is_ipv4())?;
-    topology::nth_address(pods.trunc(), 1).map(host_net)
-}
-
 /// The sources Kilo accepts IPIP from (`KILO-IPIP -s <ip>/32 -j ACCEPT`): the IPv4 private IPs
 /// of the local node's *logical* location, even for a node that is its own segment (none in
 /// `full`; in `cross`, the nodes of the local location),

@@ -19,7 +19,7 @@ use std::{
 
 pub use build::{
     Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build,
-    ipip_sources, normalize_wireguard, plan_for, topology_for, tunnel_address,
+    ipip_sources, normalize_wireguard, plan_for, topology_for,
 };
 
 use ipnet::IpNet;

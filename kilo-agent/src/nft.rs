@@ -1,4 +1,6 @@
-//! The one static masquerade rule, written as netfilter netlink messages (no `nft` process):
+//! The one static masquerade rule, a reconciler beside the datapath (netfilter, not BPF: the two
+//! share only the mark, and the datapath's reconciler keeps the rule with its program), written
+//! as netfilter netlink messages (no `nft` process; the only crate for them is GPL-3.0):
 //!
 //! ```text
 //! table inet kilo {
@@ -17,7 +19,7 @@ use std::io;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 
-use crate::reconcile::Writes;
+use crate::effects::{Writes, netlink_socket};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -329,7 +331,7 @@ struct Conn {
 impl Conn {
     fn open() -> Result<Self, NftError> {
         Ok(Conn {
-            sock: super::netlink_socket(NETLINK_NETFILTER)?,
+            sock: netlink_socket(NETLINK_NETFILTER)?,
             seq: 0,
         })
     }
