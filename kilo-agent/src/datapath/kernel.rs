@@ -443,6 +443,10 @@ pub struct Datapath {
     synced: bool,
     /// Attachments this process holds (only without pins; pinned ones live on their own).
     held: BTreeMap<String, SchedClassifierLink>,
+    /// Pinned TCX links found at open running our programs on our maps, with their interface's
+    /// index then: checked while kg still had the capabilities to read which program a link
+    /// runs, so that adopting them after the drop writes nothing.
+    verified: BTreeMap<String, u32>,
 }
 
 impl Datapath {
@@ -512,9 +516,40 @@ impl Datapath {
             sync: MapSync::default(),
             synced,
             held: BTreeMap::new(),
+            verified: BTreeMap::new(),
         };
+        datapath.verified = datapath.verify_pinned_links();
         let writes = datapath.write_config()?;
         Ok((datapath, writes))
+    }
+
+    /// The pinned TCX links that run our programs on our maps now (see `verified`).
+    fn verify_pinned_links(&mut self) -> BTreeMap<String, u32> {
+        let Some(dir) = self.config.pin_dir.as_ref().map(|d| d.join("links")) else {
+            return BTreeMap::new();
+        };
+        if self.mode() != AttachMode::Tcx {
+            return BTreeMap::new();
+        }
+        let mut verified = BTreeMap::new();
+        for attachment in list_dir(&dir).unwrap_or_default() {
+            let (ifname, hook) = Hook::parse(&attachment);
+            let Ok(ifindex) = ifindex(ifname) else {
+                continue;
+            };
+            let Some(prog_name) = framing(ifname).ok().and_then(|f| hook.program(f).ok()) else {
+                continue;
+            };
+            let Ok(prog) = program_mut(&mut self.ebpf, prog_name) else {
+                continue;
+            };
+            let pin = dir.join(&attachment);
+            if let Ok(Some(Some(true))) = runs_ours(prog, ifname, ifindex, hook.attach_type(), &pin)
+            {
+                verified.insert(attachment, ifindex);
+            }
+        }
+        verified
     }
 
     pub fn config(&self) -> &DatapathConfig {
@@ -660,12 +695,16 @@ impl Datapath {
         let tcx = self.mode() == AttachMode::Tcx;
         let pin_dir = self.config.pin_dir.clone();
         let link_pin = pin_dir.as_ref().map(|d| d.join("links").join(&attachment));
+        let verified = self.verified.remove(&attachment) == Some(ifindex);
         let prog = program_mut(&mut self.ebpf, prog_name)?;
         let mut writes = Writes::default();
-        if let Some(pin) = link_pin.as_ref().filter(|p| tcx && p.exists())
-            && let Some(adopted) = adopt_tcx(prog, prog_name, ifname, ifindex, attach_type, pin)?
-        {
-            return Ok(adopted);
+        if let Some(pin) = link_pin.as_ref().filter(|p| tcx && p.exists()) {
+            if verified {
+                return Ok(writes);
+            }
+            if let Some(adopted) = adopt_tcx(prog, prog_name, ifname, ifindex, attach_type, pin)? {
+                return Ok(adopted);
+            }
         }
         // Netlink: the clsact qdisc first (EEXIST when it is there already: any real problem
         // fails the attach), then our filter replaced in place if it is there.
@@ -810,27 +849,13 @@ fn adopt_tcx(
     pin: &Path,
 ) -> Result<Option<Writes>, DatapathError> {
     let mut writes = Writes::default();
-    let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
-    let prog_id = link.info().map_err(link_err(ifname))?.program_id();
     let stale = || {
         tracing::info!(ifname, "datapath: stale link pin, attaching anew");
         fs::remove_file(pin).map_err(io(pin))?;
         Ok(None)
     };
-    // `Some(Some(ours))` while the link runs on this device, `Some(None)` when it does not, `None`
-    // when that cannot be read.
-    let current = match SchedClassifier::query_tcx(ifindex, attach_type) {
-        Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EPERM) => {
-            None
-        }
-        r => {
-            let (_, attached) = r.map_err(link_err(ifname))?;
-            let ours = prog.info().map_err(link_err(ifname))?;
-            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
-                running.tag() == ours.tag() && pinned_maps(running) == pinned_maps(&ours)
-            }))
-        }
-    };
+    let current = runs_ours(prog, ifname, ifindex, attach_type, pin)?;
+    let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
     match current {
         Some(Some(true)) => return Ok(Some(writes)),
         Some(None) => return stale(),
@@ -852,6 +877,32 @@ fn adopt_tcx(
         }
         Err(e) => Err(DatapathError::program(prog_name, e)),
     }
+}
+
+/// Whether the TCX link pinned at `pin` runs `prog` (the same code on the same maps) at
+/// `ifindex`: `Some(Some(ours))` while it runs on that device, `Some(None)` when it does not,
+/// `None` when that cannot be read (by-id lookups take CAP_SYS_ADMIN).
+fn runs_ours(
+    prog: &SchedClassifier,
+    ifname: &str,
+    ifindex: u32,
+    attach_type: TcAttachType,
+    pin: &Path,
+) -> Result<Option<Option<bool>>, DatapathError> {
+    let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
+    let prog_id = link.info().map_err(link_err(ifname))?.program_id();
+    Ok(match SchedClassifier::query_tcx(ifindex, attach_type) {
+        Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EPERM) => {
+            None
+        }
+        r => {
+            let (_, attached) = r.map_err(link_err(ifname))?;
+            let ours = prog.info().map_err(link_err(ifname))?;
+            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
+                running.tag() == ours.tag() && pinned_maps(running) == pinned_maps(&ours)
+            }))
+        }
+    })
 }
 
 /// A `map_err` for a file system call on `path`.
