@@ -151,6 +151,32 @@ fn a_deleted_wireguard_device_is_reported_then_configured_when_it_returns() {
     );
 }
 
+/// A userspace device (a wireguard-go sidecar) that starts after kg is driven over its socket,
+/// not over the kernel's netlink API that kg found nothing at when it started.
+#[test]
+fn a_wireguard_device_started_after_kg_is_configured() {
+    if !support::require_root("a_wireguard_device_started_after_kg_is_configured") {
+        return;
+    }
+    let mut kg = Kg::start_before_device(
+        env!("CARGO_BIN_EXE_kg"),
+        "wl",
+        2,
+        &[&format!("--resync-period={}s", RESYNC.as_secs())],
+    );
+    let name = kg.wg.name.clone();
+    eventually("the missing device is reported", || {
+        kg.logged(&format!("WireGuard interface {name} does not exist")) > 0
+    });
+    kg.wg.restart(&kg.ns);
+    eventually("the peers are configured", || kg.wg_peers().len() == 2);
+    eventually("/ready", || kg.get("/ready").0 == 200);
+    let settled = bounded(&kg, "after the device came");
+    assert!(!kg.log().contains("configure device"), "{}", kg.log());
+    kg.stop();
+    assert!(settled <= BOUND);
+}
+
 #[test]
 fn our_routes_deleted_or_altered_are_restored_and_a_foreign_one_is_left_alone() {
     if !support::require_root(

@@ -315,7 +315,8 @@ pub enum WgApi {
 pub struct WgControl {
     name: String,
     iface: wgc::InterfaceName,
-    api: WgApi,
+    /// `None`: chosen at each operation, so a wireguard-go started after kg is used.
+    api: Option<WgApi>,
 }
 
 /// Where wireguard-go puts its UAPI sockets (the first directory that exists).
@@ -330,6 +331,16 @@ pub fn uapi_socket(name: &str) -> PathBuf {
 
 impl WgControl {
     pub fn new(name: &str, api: WgApi) -> Result<Self, WgError> {
+        Self::with(name, Some(api))
+    }
+
+    /// Userspace whenever a UAPI socket exists for the name, else the kernel; checked at every
+    /// operation, since a userspace device (a sidecar) may start after kg or be replaced.
+    pub fn detect(name: &str) -> Result<Self, WgError> {
+        Self::with(name, None)
+    }
+
+    fn with(name: &str, api: Option<WgApi>) -> Result<Self, WgError> {
         let iface = name.parse().map_err(|_| WgError::Name(name.into()))?;
         Ok(WgControl {
             name: name.into(),
@@ -338,22 +349,19 @@ impl WgControl {
         })
     }
 
-    /// Userspace when a UAPI socket exists for the name, else the kernel.
-    pub fn detect(name: &str) -> Result<Self, WgError> {
-        let api = if uapi_socket(name).exists() {
-            WgApi::Userspace
-        } else {
-            WgApi::Kernel
-        };
-        Self::new(name, api)
-    }
-
+    /// The API the next operation goes through.
     pub fn api(&self) -> WgApi {
-        self.api
+        self.api.unwrap_or_else(|| {
+            if uapi_socket(&self.name).exists() {
+                WgApi::Userspace
+            } else {
+                WgApi::Kernel
+            }
+        })
     }
 
-    fn backend(&self) -> wgc::Backend {
-        match self.api {
+    fn backend(api: WgApi) -> wgc::Backend {
+        match api {
             WgApi::Kernel => wgc::Backend::Kernel,
             WgApi::Userspace => wgc::Backend::Userspace,
         }
@@ -391,13 +399,14 @@ fn allowed(ips: &BTreeSet<IpNet>) -> Vec<wgc::AllowedIp> {
 
 impl WgControl {
     fn read(&self) -> Result<Option<DeviceState>, WgError> {
-        if self.api == WgApi::Userspace && !self.socket_live() {
+        let api = self.api();
+        if api == WgApi::Userspace && !self.socket_live() {
             return Ok(None);
         }
-        let dev = match wgc::Device::get(&self.iface, self.backend()) {
+        let dev = match wgc::Device::get(&self.iface, Self::backend(api)) {
             Ok(d) => d,
             Err(e)
-                if self.api == WgApi::Kernel
+                if api == WgApi::Kernel
                     && matches!(e.raw_os_error(), Some(libc::ENODEV | libc::ENOENT)) =>
             {
                 return Ok(None);
@@ -459,7 +468,8 @@ impl WireGuard for WgControl {
             return Ok(Writes::default());
         }
         // wireguard-control would exec wireguard-go when the socket is missing: refuse instead.
-        if self.api == WgApi::Userspace && !self.socket_live() {
+        let api = self.api();
+        if api == WgApi::Userspace && !self.socket_live() {
             return Err(WgError::NoSocket {
                 interface: self.name.clone(),
                 path: uapi_socket(&self.name).display().to_string(),
@@ -509,7 +519,7 @@ impl WireGuard for WgControl {
             update = update.add_peer(b);
         }
         update
-            .apply(&self.iface, self.backend())
+            .apply(&self.iface, Self::backend(api))
             .map_err(self.io("configure device"))?;
         Ok(count(diff))
     }

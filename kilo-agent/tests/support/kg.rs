@@ -42,12 +42,27 @@ impl Kg {
     /// do not have) for node `kgtest` (pod CIDR 10.42.1.0/24) with Peers `1..=peers` and `args`
     /// after the common ones, and waits until `/ready` answers 200.
     pub fn start(bin: &str, tag: &str, peers: u8, args: &[&str]) -> Kg {
+        let kg = Self::launch(bin, tag, peers, args, true);
+        eventually("kg is ready", || kg.get("/ready").0 == 200);
+        kg
+    }
+
+    /// [`Kg::start`] with the WireGuard device (wireguard-go, a sidecar) not yet running:
+    /// `kg.wg.restart(&kg.ns)` starts it. Returns once kg is started, not ready.
+    pub fn start_before_device(bin: &str, tag: &str, peers: u8, args: &[&str]) -> Kg {
+        Self::launch(bin, tag, peers, args, false)
+    }
+
+    fn launch(bin: &str, tag: &str, peers: u8, args: &[&str], device: bool) -> Kg {
         let ns = NetNs::new(tag);
         let gw = NetNs::new(&format!("{tag}g"));
         veth(&ns, "eth0", &gw, "eth0");
         ns.sh("ip addr add 10.9.0.1/24 dev eth0 && ip route add default via 10.9.0.254 dev eth0");
         ns.sh("ip link add kube-bridge type bridge && ip link set kube-bridge up");
-        let wg = WgGo::start(&ns);
+        let mut wg = WgGo::start(&ns);
+        if !device {
+            wg.stop();
+        }
         let bpffs = BpfFs::new();
         let dir = tempfile::tempdir().unwrap();
         let objects = dir.path().join("objects");
@@ -103,7 +118,6 @@ impl Kg {
             }
         });
         kg.child = Some(child);
-        eventually("kg is ready", || kg.get("/ready").0 == 200);
         kg
     }
 

@@ -136,10 +136,15 @@ impl WgGo {
 
     /// Starts the device again in `ns` (a sidecar restarted after its device went away).
     pub fn restart(&mut self, ns: &NetNs) {
+        self.stop();
+        self.child = spawn_wg(ns, &self.name);
+    }
+
+    /// Stops the device: wireguard-go ends, and its interface and socket go with it.
+    pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(uapi_socket(&self.name));
-        self.child = spawn_wg(ns, &self.name);
     }
 }
 
@@ -167,8 +172,6 @@ fn spawn_wg(ns: &NetNs, name: &str) -> Child {
 
 impl Drop for WgGo {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(uapi_socket(&self.name));
+        self.stop();
     }
 }
