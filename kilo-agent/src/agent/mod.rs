@@ -75,8 +75,8 @@ pub struct PlanOutcome {
     pub errors: Vec<String>,
     /// The invalid fields among `errors`: a node's was ignored, a peer's left the peer out.
     pub invalid: Vec<crate::mesh::ObjectError>,
-    /// The topology as DOT, served on `/graph`.
-    pub graph: Option<String>,
+    /// The topology, rendered on `/graph`.
+    pub graph: Option<crate::telemetry::Graph>,
     pub ready_nodes: usize,
     pub ready_peers: usize,
     pub leader: bool,

@@ -6,6 +6,7 @@ use super::{PlanOutcome, Planner};
 use crate::{
     mesh::Snapshot,
     plan::{PlanError, Planned, Settings, plan_for},
+    telemetry::Graph,
 };
 
 /// Plans with `settings`.
@@ -46,7 +47,9 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
     PlanOutcome {
         peer_names,
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
-        graph: topology.map(crate::kgctl::render_dot),
+        graph: planned
+            .topology
+            .map(|t| Graph::new(move || crate::kgctl::render_dot(&t))),
         plan: planned.plan,
         errors: planned.errors.iter().map(ToString::to_string).collect(),
         invalid: planned

@@ -258,8 +258,29 @@ pub struct Metrics {
     backend_connected: Arc<AtomicBool>,
     datapath: SourceSlot,
     wireguard: wireguard::Slot,
-    /// The latest plan's graph (DOT), for `/graph`.
-    graph: Arc<Mutex<Option<String>>>,
+    /// The latest plan's graph, for `/graph`.
+    graph: Arc<Mutex<Option<Graph>>>,
+}
+
+/// Renders the latest plan's topology as DOT: only when `/graph` is asked, since a large
+/// mesh's graph (every pair of locations) is far bigger than its plan.
+#[derive(Clone)]
+pub struct Graph(Arc<dyn Fn() -> String + Send + Sync>);
+
+impl Graph {
+    pub fn new(render: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Graph(Arc::new(render))
+    }
+
+    pub fn render(&self) -> String {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Graph")
+    }
 }
 
 impl Default for Metrics {
@@ -409,9 +430,9 @@ impl Metrics {
         self.ready.load(Ordering::Relaxed)
     }
 
-    /// The graph `/graph` serves (DOT); `None` until a plan exists.
-    pub fn set_graph(&self, dot: Option<String>) {
-        *self.graph.lock().unwrap_or_else(|e| e.into_inner()) = dot;
+    /// The graph `/graph` serves; `None` until a plan exists.
+    pub fn set_graph(&self, graph: Option<Graph>) {
+        *self.graph.lock().unwrap_or_else(|e| e.into_inner()) = graph;
     }
 
     /// The OpenMetrics text exposition.
@@ -438,8 +459,8 @@ impl Metrics {
             ),
             "/graph" => {
                 let query = path.split_once('?').map_or("", |(_, q)| q);
-                let graph = self.graph.lock().unwrap_or_else(|e| e.into_inner());
-                graph_response(graph.as_deref(), query)
+                let graph = self.graph.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                graph_response(graph.map(|g| g.render()).as_deref(), query)
             }
             "/health" | "/healthz" => (200, "text/plain", "ok\n".into()),
             "/ready" | "/readyz" if !self.is_ready() => (
@@ -666,9 +687,9 @@ mod tests {
     fn graph_like_kilo() {
         let m = Metrics::new();
         assert_eq!(m.respond("/graph", "").0, 500, "no graph before a plan");
-        m.set_graph(Some(
-            "digraph kilo {\n\t\"n1\" [ label=\"n1\" ];\n}\n".into(),
-        ));
+        m.set_graph(Some(Graph::new(|| {
+            "digraph kilo {\n\t\"n1\" [ label=\"n1\" ];\n}\n".into()
+        })));
         let (status, ctype, body) = m.respond("/graph", "");
         assert_eq!((status, ctype), (200, "image/svg+xml"));
         roxmltree::Document::parse(&body).unwrap();
