@@ -544,7 +544,7 @@ impl Datapath {
                 continue;
             };
             let pin = dir.join(&attachment);
-            if let Ok(Some(Some(true))) = runs_ours(prog, ifname, ifindex, hook.attach_type(), &pin)
+            if let Ok(PinnedRuns::Ours) = runs_ours(prog, ifname, ifindex, hook.attach_type(), &pin)
             {
                 verified.insert(attachment, ifindex);
             }
@@ -857,9 +857,9 @@ fn adopt_tcx(
     let current = runs_ours(prog, ifname, ifindex, attach_type, pin)?;
     let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
     match current {
-        Some(Some(true)) => return Ok(Some(writes)),
-        Some(None) => return stale(),
-        Some(Some(false)) | None => {}
+        PinnedRuns::Ours => return Ok(Some(writes)),
+        PinnedRuns::Detached => return stale(),
+        PinnedRuns::Other | PinnedRuns::Unreadable => {}
     }
     let link = SchedClassifierLink::try_from(link).map_err(link_err(ifname))?;
     match prog.attach_to_link(link) {
@@ -871,7 +871,8 @@ fn adopt_tcx(
         }
         // Unread, the device may be gone: the kernel says so.
         Err(ProgramError::SyscallError(e))
-            if current.is_none() && e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+            if current == PinnedRuns::Unreadable
+                && e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
         {
             stale()
         }
@@ -879,29 +880,44 @@ fn adopt_tcx(
     }
 }
 
-/// Whether the TCX link pinned at `pin` runs `prog` (the same code on the same maps) at
-/// `ifindex`: `Some(Some(ours))` while it runs on that device, `Some(None)` when it does not,
-/// `None` when that cannot be read (by-id lookups take CAP_SYS_ADMIN).
+/// What a pinned TCX link runs, as far as kg can tell.
+#[derive(Debug, PartialEq, Eq)]
+enum PinnedRuns {
+    /// `prog` (the same code on the same maps) on the device.
+    Ours,
+    /// Another program on the device.
+    Other,
+    /// Nothing on the device: the link is stale.
+    Detached,
+    /// Unknown: by-id lookups take CAP_SYS_ADMIN.
+    Unreadable,
+}
+
+/// What the TCX link pinned at `pin` runs at `ifindex`.
 fn runs_ours(
     prog: &SchedClassifier,
     ifname: &str,
     ifindex: u32,
     attach_type: TcAttachType,
     pin: &Path,
-) -> Result<Option<Option<bool>>, DatapathError> {
+) -> Result<PinnedRuns, DatapathError> {
     let link = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err(ifname))?);
     let prog_id = link.info().map_err(link_err(ifname))?.program_id();
-    Ok(match SchedClassifier::query_tcx(ifindex, attach_type) {
+    let attached = match SchedClassifier::query_tcx(ifindex, attach_type) {
         Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EPERM) => {
-            None
+            return Ok(PinnedRuns::Unreadable);
         }
-        r => {
-            let (_, attached) = r.map_err(link_err(ifname))?;
-            let ours = prog.info().map_err(link_err(ifname))?;
-            Some(attached.iter().find(|p| p.id() == prog_id).map(|running| {
-                running.tag() == ours.tag() && pinned_maps(running) == pinned_maps(&ours)
-            }))
+        r => r.map_err(link_err(ifname))?.1,
+    };
+    let ours = prog.info().map_err(link_err(ifname))?;
+    Ok(match attached.iter().find(|p| p.id() == prog_id) {
+        None => PinnedRuns::Detached,
+        Some(running)
+            if running.tag() == ours.tag() && pinned_maps(running) == pinned_maps(&ours) =>
+        {
+            PinnedRuns::Ours
         }
+        Some(_) => PinnedRuns::Other,
     })
 }
 
