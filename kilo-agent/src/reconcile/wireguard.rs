@@ -400,14 +400,15 @@ fn allowed(ips: &BTreeSet<IpNet>) -> Vec<wgc::AllowedIp> {
 impl WgControl {
     fn read(&self) -> Result<Option<DeviceState>, WgError> {
         let api = self.api();
-        if api == WgApi::Userspace && !self.socket_live() {
-            return Ok(None);
-        }
         let dev = match wgc::Device::get(&self.iface, Self::backend(api)) {
             Ok(d) => d,
+            // No device: no module or link (kernel), no socket or nobody behind it (userspace).
             Err(e)
-                if api == WgApi::Kernel
-                    && matches!(e.raw_os_error(), Some(libc::ENODEV | libc::ENOENT)) =>
+                if matches!(
+                    (api, e.raw_os_error()),
+                    (WgApi::Kernel, Some(libc::ENODEV | libc::ENOENT))
+                        | (WgApi::Userspace, Some(libc::ENOENT | libc::ECONNREFUSED))
+                ) =>
             {
                 return Ok(None);
             }
