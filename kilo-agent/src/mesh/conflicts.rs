@@ -17,50 +17,84 @@
 //!
 //! Each loser is an [`ObjectError`] naming both objects and the losing field, so it is
 //! logged and counted like any invalid value (`kilo_invalid_objects_total{kind,field}`).
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+};
 
 use ipnet::IpNet;
 
 use super::{Key, MeshPeer, Node, ObjectError, ObjectKind, annotations};
 
-/// Who claims which network (truncated), with the first claimant's description.
-#[derive(Default)]
-struct Claims(BTreeMap<IpNet, String>);
+/// Who claims a network, described (only when an error names it) as `pod CIDR 10.2.1.0/24 of
+/// node "a"` and the like.
+#[derive(Clone, Copy)]
+enum Owner<'a> {
+    PodCidr(IpNet, &'a str),
+    InternalIp(IpNet, &'a str),
+    ServiceCidr(IpNet),
+    WireGuardIp(IpNet, IpNet),
+    Peer(IpNet, &'a str),
+}
 
-impl Claims {
-    fn add(&mut self, net: IpNet, owner: impl FnOnce() -> String) {
-        self.0.entry(net.trunc()).or_insert_with(owner);
+impl fmt::Display for Owner<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Owner::PodCidr(c, node) => write!(f, "pod CIDR {c} of node {node:?}"),
+            Owner::InternalIp(ip, node) => write!(f, "internal IP {ip} of node {node:?}"),
+            Owner::ServiceCidr(s) => write!(f, "service CIDR {s}"),
+            Owner::WireGuardIp(ip, subnet) => {
+                write!(f, "WireGuard IP {ip} (one per ready node in {subnet})")
+            }
+            Owner::Peer(ip, peer) => write!(f, "{ip} of peer {peer:?}"),
+        }
+    }
+}
+
+/// Who claims which network (truncated): the first claimant.
+#[derive(Default)]
+struct Claims<'a> {
+    owners: BTreeMap<IpNet, Owner<'a>>,
+    /// The prefix lengths claimed, per family (IPv4, IPv6): a lookup tries only these.
+    lens: [BTreeSet<u8>; 2],
+}
+
+impl<'a> Claims<'a> {
+    fn add(&mut self, net: IpNet, owner: Owner<'a>) {
+        self.owners.entry(net.trunc()).or_insert(owner);
+        self.lens[usize::from(net.addr().is_ipv6())].insert(net.prefix_len());
+    }
+
+    /// The most specific claim containing `net` with a prefix length in `lens`.
+    fn longest(&self, net: &IpNet, lens: impl DoubleEndedIterator<Item = u8>) -> Option<Owner<'a>> {
+        lens.rev()
+            .filter_map(|l| IpNet::new(net.addr(), l).ok())
+            .find_map(|n| self.owners.get(&n.trunc()).copied())
     }
 
     /// The most specific claim equal to or containing `net`.
-    fn containing(&self, net: &IpNet) -> Option<&str> {
-        (0..=net.prefix_len())
-            .rev()
-            .filter_map(|l| IpNet::new(net.addr(), l).ok())
-            .find_map(|n| self.0.get(&n.trunc()))
-            .map(String::as_str)
+    fn containing(&self, net: &IpNet) -> Option<Owner<'a>> {
+        let lens = &self.lens[usize::from(net.addr().is_ipv6())];
+        self.longest(net, lens.range(..=net.prefix_len()).copied())
     }
 
     /// A claim strictly containing `net`.
-    fn containing_strictly(&self, net: &IpNet) -> Option<&str> {
-        (0..net.prefix_len())
-            .rev()
-            .filter_map(|l| IpNet::new(net.addr(), l).ok())
-            .find_map(|n| self.0.get(&n.trunc()))
-            .map(String::as_str)
+    fn containing_strictly(&self, net: &IpNet) -> Option<Owner<'a>> {
+        let lens = &self.lens[usize::from(net.addr().is_ipv6())];
+        self.longest(net, lens.range(..net.prefix_len()).copied())
     }
 
     /// A claim inside `net` (equal included): claims are truncated, so their network address
     /// lies between `net`'s first and last address.
-    fn inside(&self, net: &IpNet) -> Option<&str> {
+    fn inside(&self, net: &IpNet) -> Option<Owner<'a>> {
         let (first, last) = (net.trunc(), IpNet::from(net.broadcast()));
-        self.0
+        self.owners
             .range(first..=last)
             .find(|(n, _)| net.contains(*n))
-            .map(|(_, o)| o.as_str())
+            .map(|(_, o)| *o)
     }
 
-    fn overlapping(&self, net: &IpNet) -> Option<&str> {
+    fn overlapping(&self, net: &IpNet) -> Option<Owner<'a>> {
         self.containing(net).or_else(|| self.inside(net))
     }
 }
@@ -77,6 +111,7 @@ pub fn resolve_conflicts(
     let mut errors = Vec::new();
     let mut keys: BTreeMap<Key, &str> = BTreeMap::new();
     let mut pods = Claims::default();
+    let mut kept_nodes = Vec::with_capacity(nodes.len());
     let mut left_out = Vec::new();
     for n in nodes.values() {
         let out = |field: &str, problem: String| {
@@ -104,42 +139,42 @@ pub fn resolve_conflicts(
                 keys.insert(k, &n.name);
             }
             for c in &n.pod_cidrs {
-                pods.add(*c, || format!("pod CIDR {c} of node {:?}", n.name));
+                pods.add(*c, Owner::PodCidr(*c, &n.name));
             }
+            kept_nodes.push(n);
         } else {
             errors.extend(lost);
             left_out.push(n.name.clone());
         }
     }
-    for name in left_out {
-        nodes.remove(&name);
-    }
 
     let mut reserved = pods;
-    for n in nodes.values() {
+    for n in &kept_nodes {
         for ip in &n.internal_ips {
             let host = IpNet::from(ip.addr());
-            reserved.add(host, || format!("internal IP {host} of node {:?}", n.name));
+            reserved.add(host, Owner::InternalIp(host, &n.name));
         }
     }
     for s in service_cidrs {
-        reserved.add(*s, || format!("service CIDR {s}"));
+        reserved.add(*s, Owner::ServiceCidr(*s));
     }
     // Segment i gets the subnet's address i + 1, and there are at most as many segments as nodes.
     let network = subnet.network();
-    let wireguard_ips = subnet.hosts().filter(|a| *a != network).take(nodes.len());
+    let wireguard_ips = subnet
+        .hosts()
+        .filter(|a| *a != network)
+        .take(kept_nodes.len());
     for ip in wireguard_ips.map(IpNet::from) {
-        reserved.add(ip, || {
-            format!("WireGuard IP {ip} (one per ready node in {subnet})")
-        });
+        reserved.add(ip, Owner::WireGuardIp(ip, subnet));
     }
     let mut claimed = Claims::default();
-    for p in peers.values_mut() {
+    let mut kept_ips = Vec::with_capacity(peers.len());
+    for p in peers.values() {
         let mut kept = Vec::with_capacity(p.allowed_ips.len());
         for (i, ip) in p.allowed_ips.iter().enumerate() {
             let owner = reserved.containing(ip).or_else(|| {
                 // The same network as an earlier Peer is Kilo's deduplication, not a conflict.
-                let same = claimed.0.contains_key(&ip.trunc());
+                let same = claimed.owners.contains_key(&ip.trunc());
                 (!same).then(|| claimed.containing_strictly(ip)).flatten()
             });
             match owner {
@@ -153,9 +188,15 @@ pub fn resolve_conflicts(
             }
         }
         for ip in &kept {
-            claimed.add(*ip, || format!("{ip} of peer {:?}", p.name));
+            claimed.add(*ip, Owner::Peer(*ip, &p.name));
         }
+        kept_ips.push(kept);
+    }
+    for (p, kept) in peers.values_mut().zip(kept_ips) {
         p.allowed_ips = kept;
+    }
+    for name in left_out {
+        nodes.remove(&name);
     }
     errors
 }

@@ -149,28 +149,36 @@ pub struct Parsed {
 /// Parses every object of a snapshot. Every node is kept (its bad fields ignored, as Kilo does);
 /// a Peer that fails Kilo's validation is skipped. Every bad field is reported.
 pub fn parse_snapshot(snapshot: &Snapshot, topology_label: &str) -> Parsed {
-    let mut out = Parsed::default();
+    let mut errors = Vec::new();
+    // Collected, then built in one go (the names mostly arrive sorted); a later object with
+    // the same name replaces an earlier one, as an insert would.
+    let mut nodes = Vec::with_capacity(snapshot.nodes.len());
     for (name, kn) in &snapshot.nodes {
         let (mut n, errs) = Node::from_kube(kn, topology_label);
         if n.name.is_empty() {
             n.name = name.clone();
         }
-        out.nodes.insert(n.name.clone(), n);
-        out.errors.extend(errs);
+        nodes.push((n.name.clone(), n));
+        errors.extend(errs);
     }
+    let mut peers = Vec::with_capacity(snapshot.peers.len());
     for (name, p) in &snapshot.peers {
         match MeshPeer::from_crd(p) {
             Ok((mut mp, warnings)) => {
                 if mp.name.is_empty() {
                     mp.name = name.clone();
                 }
-                out.peers.insert(mp.name.clone(), mp);
-                out.errors.extend(warnings);
+                peers.push((mp.name.clone(), mp));
+                errors.extend(warnings);
             }
-            Err(errs) => out.errors.extend(errs),
+            Err(errs) => errors.extend(errs),
         }
     }
-    out
+    Parsed {
+        nodes: nodes.into_iter().collect(),
+        peers: peers.into_iter().collect(),
+        errors,
+    }
 }
 
 /// Parses a CIDR the way Kilo's `normalizeIP` does: the address keeps its host bits

@@ -98,11 +98,11 @@ impl Node {
         let all = kn.metadata.annotations.as_ref().unwrap_or(&empty);
         // A value larger than Kubernetes allows all of an object's annotations together is
         // refused (named below) rather than parsed.
-        let ann: &BTreeMap<String, String> = &all
-            .iter()
-            .filter(|(_, v)| v.len() <= MAX_ANNOTATION_BYTES)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let ann = |k: &str| {
+            all.get(k)
+                .map(String::as_str)
+                .filter(|v| v.len() <= MAX_ANNOTATION_BYTES)
+        };
         let labels = kn.metadata.labels.as_ref().unwrap_or(&empty);
         let mut errs: Vec<_> = all
             .iter()
@@ -129,7 +129,7 @@ impl Node {
             ))
         };
         let a = |k: &str| format!("annotation {k}");
-        let get = |k: &str| ann.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+        let get = |k: &str| ann(k).map(str::trim).filter(|s| !s.is_empty());
 
         let mut endpoint = None;
         for (k, fallback) in [
@@ -153,7 +153,7 @@ impl Node {
         }
 
         let mut internal_ips = Vec::new();
-        let force = ann.get(annotations::FORCE_INTERNAL_IP).map(|s| s.trim());
+        let force = ann(annotations::FORCE_INTERNAL_IP).map(str::trim);
         let no_internal_ip = matches!(force, Some("") | Some("-"));
         let candidates = [
             (
@@ -211,12 +211,11 @@ impl Node {
                 .ok()
         });
 
-        let leader = ann.contains_key(annotations::LEADER);
-        let location = ann
-            .get(annotations::LOCATION)
-            .or_else(|| labels.get(topology_label))
-            .cloned()
-            .unwrap_or_default();
+        let leader = ann(annotations::LEADER).is_some();
+        let location = ann(annotations::LOCATION)
+            .or_else(|| labels.get(topology_label).map(String::as_str))
+            .unwrap_or_default()
+            .to_string();
 
         let persistent_keepalive = match get(annotations::PERSISTENT_KEEPALIVE) {
             None => 0,
@@ -231,7 +230,9 @@ impl Node {
 
         let mut pod_cidrs = Vec::new();
         let spec = kn.spec.as_ref();
-        let list = spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default();
+        let list = spec
+            .and_then(|s| s.pod_cidrs.as_deref())
+            .unwrap_or_default();
         if !list.is_empty() {
             for (i, c) in list.iter().enumerate() {
                 match parse_cidr(c) {

@@ -19,7 +19,7 @@
 //! - Routes to a destination whose family differs from the WireGuard subnet's go to the
 //!   WireGuard interface without a gateway (WireGuard picks the peer by allowed IP).
 use std::{
-    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet, hash_map::Entry},
     fmt,
     net::{IpAddr, SocketAddr},
     str::FromStr,
@@ -254,8 +254,8 @@ pub fn plan_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
 /// first peer that claims it, peers with the same public key merged into the first.
 pub fn normalize_wireguard(peers: Vec<WireGuardPeer>) -> Vec<WireGuardPeer> {
     let mut out: Vec<WireGuardPeer> = Vec::with_capacity(peers.len());
-    let mut by_key: BTreeMap<mesh::Key, usize> = BTreeMap::new();
-    let mut claimed: BTreeSet<IpNet> = BTreeSet::new();
+    let mut by_key: HashMap<mesh::Key, usize> = HashMap::with_capacity(peers.len());
+    let mut claimed: HashSet<IpNet> = HashSet::new();
     for p in peers {
         let ips: Vec<IpNet> = p
             .allowed_ips
@@ -289,7 +289,7 @@ pub fn normalize_wireguard(peers: Vec<WireGuardPeer>) -> Vec<WireGuardPeer> {
 /// Collects routes, first one per (table, destination) wins.
 #[derive(Default)]
 struct Routes {
-    seen: BTreeSet<(u32, IpNet)>,
+    seen: HashSet<(u32, IpNet)>,
     routes: Vec<Route>,
     rules: BTreeSet<Rule>,
 }

@@ -209,6 +209,27 @@ pub fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
     subnet.contains(&ip).then_some(ip)
 }
 
+/// A location or group key, `(LOGICAL_PREFIX or NODE_PREFIX, name)`: it sorts as the joined
+/// string would, since the two prefixes differ in their first byte.
+type Place<'a> = (&'static str, &'a str);
+
+/// Which segments share a private network (see the module docs).
+fn group_of(n: &Node, g: Granularity) -> Place<'_> {
+    match g {
+        Granularity::Full => (NODE_PREFIX, &n.name),
+        _ if n.internal_ips.is_empty() => (NODE_PREFIX, &n.name),
+        _ => (LOGICAL_PREFIX, &n.location),
+    }
+}
+
+/// The segment of a node.
+fn location_of(n: &Node, g: Granularity) -> Place<'_> {
+    match g {
+        Granularity::Location => group_of(n, g),
+        Granularity::Full | Granularity::Cross => (NODE_PREFIX, &n.name),
+    }
+}
+
 fn intersect(a: &IpNet, b: &IpNet) -> bool {
     a.contains(&b.addr()) || b.contains(&a.addr())
 }
@@ -223,39 +244,28 @@ impl Topology {
         let local = nodes
             .get(&opts.hostname)
             .ok_or_else(|| TopologyError::LocalNodeMissing(opts.hostname.clone()))?;
-        let group_of = |n: &Node| -> String {
-            match opts.granularity {
-                Granularity::Full => format!("{NODE_PREFIX}{}", n.name),
-                _ if n.internal_ips.is_empty() => format!("{NODE_PREFIX}{}", n.name),
-                _ => format!("{LOGICAL_PREFIX}{}", n.location),
-            }
-        };
-        let location_of = |n: &Node| -> String {
-            match opts.granularity {
-                Granularity::Location => group_of(n),
-                Granularity::Full | Granularity::Cross => format!("{NODE_PREFIX}{}", n.name),
-            }
-        };
+        let g = opts.granularity;
+        let key = |(prefix, name): Place| format!("{prefix}{name}");
         // BTreeMap iteration gives nodes sorted by name inside each location, and locations
         // sorted by key: Kilo's two sorts.
-        let mut by_location: BTreeMap<String, Vec<&Node>> = BTreeMap::new();
-        let mut by_group: BTreeMap<String, Vec<&Node>> = BTreeMap::new();
+        let mut by_location: BTreeMap<Place, Vec<&Node>> = BTreeMap::new();
         for n in nodes.values() {
-            by_location.entry(location_of(n)).or_default().push(n);
-            by_group.entry(group_of(n)).or_default().push(n);
+            by_location.entry(location_of(n, g)).or_default().push(n);
         }
         // In cross, a location's allowed-location IPs go to the node findLeader picks.
-        let mut cross_alips: BTreeMap<String, Vec<IpNet>> = BTreeMap::new();
-        if opts.granularity == Granularity::Cross {
-            for (g, members) in &by_group {
+        let mut cross_alips: BTreeMap<Place, Vec<IpNet>> = BTreeMap::new();
+        if g == Granularity::Cross {
+            let mut by_group: BTreeMap<Place, Vec<&Node>> = BTreeMap::new();
+            for n in nodes.values() {
+                by_group.entry(group_of(n, g)).or_default().push(n);
+            }
+            for members in by_group.values() {
                 let owner = members[find_leader(members)];
-                let ips = merged_alips(members);
-                cross_alips.insert(format!("{NODE_PREFIX}{}", owner.name), ips);
-                let _ = g;
+                cross_alips.insert((NODE_PREFIX, &owner.name), merged_alips(members));
             }
         }
-        let location = location_of(local);
-        let group = group_of(local);
+        let location = location_of(local, g);
+        let group = group_of(local, g);
         let mut leader = false;
         let mut segments = Vec::with_capacity(by_location.len());
         for (loc, members) in &by_location {
@@ -268,15 +278,15 @@ impl Topology {
                 allowed_ips.extend(n.pod_cidrs.iter().copied());
                 allowed_ips.extend(n.internal_ips.iter().map(|i| host_net(i.addr())));
             }
-            let allowed_location_ips = if opts.granularity == Granularity::Cross {
+            let allowed_location_ips = if g == Granularity::Cross {
                 cross_alips.remove(loc).unwrap_or_default()
             } else {
                 merged_alips(members)
             };
             let l = members[li];
             segments.push(Segment {
-                location: loc.clone(),
-                group: group_of(l),
+                location: key(*loc),
+                group: key(group_of(l, g)),
                 nodes: members
                     .iter()
                     .map(|n| SegmentNode {
@@ -296,6 +306,7 @@ impl Topology {
                 allowed_location_ips,
             });
         }
+        let (location, group) = (key(location), key(group));
         let subnet = opts.subnet.trunc();
         let mut t = Topology {
             granularity: opts.granularity,
@@ -330,7 +341,7 @@ impl Topology {
             peer_addrs,
             wireguard_ips: HashSet::new(),
         };
-        for i in 0..t.segments.len() {
+        for (i, members) in by_location.values().enumerate() {
             let ip = nth_address(subnet, i as u128 + 1).ok_or_else(|| {
                 TopologyError::OutOfAddresses {
                     subnet,
@@ -345,7 +356,7 @@ impl Topology {
                 t.wireguard_cidr =
                     IpNet::new(ip, subnet.prefix_len()).expect("prefix of the subnet");
             }
-            for n in &by_location[&s.location] {
+            for n in members {
                 for (k, v) in &n.discovered_endpoints {
                     t.discovered_endpoints.entry(*k).or_insert(*v);
                 }
