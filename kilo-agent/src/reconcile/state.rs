@@ -279,11 +279,12 @@ impl fmt::Display for KRoute {
         if let Some(src) = self.src {
             write!(f, " src {src}")?;
         }
-        if let Some(mtu) = self.mtu {
-            write!(f, " mtu {mtu}")?;
-        }
+        // In `ip route`'s order.
         if let Some(realm) = self.realm {
             write!(f, " realm {realm}")?;
+        }
+        if let Some(mtu) = self.mtu {
+            write!(f, " mtu {mtu}")?;
         }
         write!(f, " table {}", self.table)
     }
