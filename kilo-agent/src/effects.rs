@@ -105,6 +105,11 @@ pub trait DatapathSync {
     }
     /// Removes map entries, programs, pins and the NAT rule.
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    /// Whether the kernel keeps the realm of the routes it encapsulates (so the encapsulation
+    /// may skip packets routed otherwise); writes only a change.
+    fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
     /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
     /// scrape time, never writing). `None` when there is nothing to read.
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
@@ -125,6 +130,9 @@ impl DatapathSync for Box<dyn DatapathSync> {
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         (**self).clean_up()
+    }
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+        (**self).route_realm(hold)
     }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         (**self).stats_source()

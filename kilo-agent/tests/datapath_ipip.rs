@@ -2,7 +2,8 @@
 //! UDP and ICMP to a destination to encapsulate (outer header fields and checksum, inner packet
 //! intact) and leaves everything else byte for byte; `kilo_decap` unwraps IPIP from a location
 //! node to a destination it serves and drops (and counts) IPIP from a stranger or to anything
-//! else; both count what they did.
+//! else; both count what they did. Route realms are off (a test run gives a packet no route),
+//! but for the test that turns them on.
 mod support;
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
@@ -212,6 +213,32 @@ fn encapsulation_leaves_everything_else_byte_for_byte() {
         arp(),
     ];
     passes_untouched(&dp, prog, others);
+}
+
+/// With route realms on (what kg sets once the kernel keeps them), only a packet whose route
+/// carries `KILO_REALM` is looked up. BPF_PROG_TEST_RUN gives a packet no route, so a packet to
+/// a destination to encapsulate passes as other traffic: untouched and uncounted. (Real
+/// traffic with realms on: `mesh_ipip.rs`.)
+#[test]
+fn with_route_realms_on_a_packet_without_our_realm_passes_untouched() {
+    if !support::require_root("with_route_realms_on_a_packet_without_our_realm_passes_untouched") {
+        return;
+    }
+    let mut dp = open();
+    assert_eq!(dp.set_route_realm(true).unwrap().get("map_config"), 1);
+    assert!(dp.set_route_realm(true).unwrap().is_empty(), "unchanged");
+    let pkts = ["10.42.2.7", NEIGHBOUR]
+        .into_iter()
+        .flat_map(|dst| l4_packets("10.42.1.5", dst))
+        .map(|(_, p)| with_eth(p))
+        .collect();
+    passes_untouched(&dp, dp.program_named(PROG_ENCAP), pkts);
+    // Off again: the full lookup wraps them.
+    dp.set_route_realm(false).unwrap();
+    let pkt = with_eth(l4_packets("10.42.1.5", "10.42.2.7").remove(0).1);
+    let (r, moved) = counted(&dp, dp.program_named(PROG_ENCAP), &pkt);
+    assert_eq!((r.verdict, r.data.len()), (OK, pkt.len() + 20));
+    assert_eq!(moved.0, vec![Decision::Encapsulated]);
 }
 
 #[test]

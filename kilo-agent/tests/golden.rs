@@ -412,14 +412,17 @@ fn datapath_entries_have_kind_owner_and_next_hop() {
     assert_eq!(d.nat_sources[&n("10.2.1.0/24")].kind, EntryKind::LocalPods);
     assert_eq!(d.nat_sources[&n("10.5.0.0/24")].kind, EntryKind::Peer);
     assert!(d.masquerade_destinations.is_empty());
-    // Non-leader c (location:2, leader b at 192.168.0.1): remote via the leader's private IP.
-    let d = plan_of(&snap, &settings(Granularity::Location, "c")).datapath;
+    // Non-leader c (location:2, leader b at 192.168.0.1): remote via the leader's private IP,
+    // through tunl0 (encapsulated, so never redirected bare out of the private interface).
+    let p = plan_of(&snap, &settings(Granularity::Location, "c"));
+    let d = p.datapath;
     let gw = Some(NextHop::Gateway {
         address: "192.168.0.1".parse().unwrap(),
-        device: Device::Private,
+        device: Device::Tunnel,
     });
     assert_eq!(d.mesh_destinations[&n("10.2.1.0/24")].next_hop, gw);
     assert_eq!(d.mesh_destinations[&n("10.5.0.0/24")].next_hop, gw);
+    assert!(p.ipip.encapsulate.contains_key(&n("10.2.1.0/24")));
     assert_eq!(d.mesh_destinations[&n("10.2.2.0/24")].next_hop, None);
     assert_eq!(d.mesh_destinations[&svc].next_hop, None);
     let m = &d.masquerade_destinations[&n("192.168.178.3/32")];

@@ -37,7 +37,7 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         "pod3 saw the packet from 10.42.1.2",
         "latest handshake",
         "kilo_leader 1",
-        "10.42.3.0/24 via 192.168.50.1 dev eth0 proto 107 src 192.168.50.2 onlink mtu 1480",
+        "10.42.3.0/24 via 192.168.50.1 dev eth0 proto 107 src 192.168.50.2 onlink realm 1107 mtu 1480",
         "\"subnet\": \"10.42.1.0/24\"",
         "demo OK",
     ] {

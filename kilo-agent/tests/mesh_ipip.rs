@@ -6,7 +6,9 @@
 //!   non-leader's pod pings and sends TCP (large enough for GSO super-packets) to pods in its
 //!   own location and in the other; a capture on the location's underlay sees IPIP between the
 //!   nodes and never a bare pod address; the routes Kilo points at `tunl0` leave by `eth0` with
-//!   its MTU minus 20; the counters moved. A plain IPIP packet built by the kernel (what a Kilo
+//!   its MTU minus 20 and realm `KILO_REALM`, and kg told the datapath realms hold
+//!   (`CONFIG_ROUTE_REALM`); the counters moved. The node's own traffic to a location node
+//!   leaves bare and uncounted (its route has no realm). A plain IPIP packet built by the kernel (what a Kilo
 //!   node's `tunl0` sends) from a node of the location reaches the pod; the same from an
 //!   address outside the location is dropped and counted.
 //! - `--encapsulate=crosssubnet`, one location over two subnets joined by a router: plain
@@ -45,6 +47,7 @@ struct Spec {
 }
 
 struct Node {
+    name: &'static str,
     ns: NetNs,
     pod: NetNs,
     _wg: WgGo,
@@ -56,7 +59,7 @@ struct Mesh {
     unders: Vec<NetNs>,
     _router: Option<NetNs>,
     work: tempfile::TempDir,
-    _bpffs: BpfFs,
+    bpffs: BpfFs,
 }
 
 impl Mesh {
@@ -149,6 +152,7 @@ impl Mesh {
                 .spawn()
                 .unwrap();
             nodes.push(Node {
+                name: s.name,
                 ns,
                 pod,
                 _wg: wg,
@@ -160,7 +164,7 @@ impl Mesh {
             unders,
             _router: router,
             work,
-            _bpffs: bpffs,
+            bpffs,
         }
     }
 
@@ -206,6 +210,17 @@ impl Mesh {
             .ns
             .sh("busybox wget -q -O - http://127.0.0.1:1107/metrics");
         support::agent::metric(&out, series).unwrap_or(0)
+    }
+
+    /// The flags of node `i`'s pinned config map.
+    fn config_flags(&self, i: usize) -> u32 {
+        use aya::maps::{Array, Map, MapData};
+        let pin = (self.bpffs.pin_dir(self.nodes[i].name))
+            .join("maps")
+            .join(kilo_common::MAP_CONFIG);
+        let data = MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+        let config: Array<_, kilo_common::Config> = Array::try_from(Map::Array(data)).unwrap();
+        config.get(&0, 0).unwrap().flags
     }
 
     /// SIGTERM to every agent (they clean up), then waits for them.
@@ -421,12 +436,33 @@ fn two_locations_with_default_encapsulation() {
         "bare pod addresses on the underlay: {bare:?}"
     );
 
-    // The route to the other location leaves by eth0, toward the leader, 20 bytes short.
+    // The route to the other location leaves by eth0, toward the leader, 20 bytes short,
+    // with our realm; so do the other routes Kilo points at tunl0, and no other of ours.
     let route = mesh.nodes[1].ns.sh("ip route show 10.42.3.0/24");
+    let realm = format!("realm {}", kilo_common::KILO_REALM);
     assert!(
-        route.contains("via 192.168.50.1 dev eth0") && route.contains("mtu 1480"),
+        route.contains("via 192.168.50.1 dev eth0")
+            && route.contains("mtu 1480")
+            && route.contains(&realm),
         "{route}"
     );
+    for table in ["main", "1107"] {
+        let routes = mesh.nodes[1]
+            .ns
+            .sh(&format!("ip route show proto 107 table {table}"));
+        for line in routes.lines() {
+            assert_eq!(line.contains("dev eth0"), line.contains(&realm), "{line}");
+        }
+    }
+    // Seen by kg: the encapsulation checks the realm first.
+    for i in 0..4 {
+        let flags = mesh.config_flags(i);
+        assert_ne!(
+            flags & kilo_common::CONFIG_ROUTE_REALM,
+            0,
+            "node {i}: {flags:#x}"
+        );
+    }
     assert!(mesh.metric(1, &decision("encapsulated")) > 0);
     assert!(mesh.metric(1, &decision("decapsulated")) > 0);
     assert!(mesh.metric(0, &decision("decapsulated")) > 0);
@@ -436,6 +472,33 @@ fn two_locations_with_default_encapsulation() {
         mesh.metric(1, "kilo_datapath_bytes_total{decision=\"encapsulated\"}"),
     );
     assert!(bytes / packets > 1500, "{bytes} bytes in {packets} packets");
+
+    // n2's own traffic to n1 is in the encapsulation's map (n1's private IP, for n2's pods
+    // through table 1107) but its route (main table) carries no realm: it leaves bare and
+    // uncounted. (With the full lookup, the program would have wrapped it.)
+    let wrapped = mesh.metric(1, &decision("encapsulated"));
+    let ((), frames) = capture(&mesh.unders[0], || {
+        mesh.nodes[1]
+            .ns
+            .sh("busybox ping -c3 -W2 192.168.50.1 >/dev/null");
+    });
+    let bare_icmp = frames
+        .iter()
+        .filter(|(p, s, d)| *p == 1 && (*s, *d) == (n2, n1))
+        .count();
+    assert!(
+        bare_icmp >= 3,
+        "{bare_icmp} bare echo requests from n2 to n1"
+    );
+    assert_eq!(mesh.metric(1, &decision("encapsulated")), wrapped);
+    // ...while its pods' traffic to n1 (through table 1107, with the realm) is still wrapped.
+    let ((), frames) = capture(&mesh.unders[0], || mesh.ping(1, "192.168.50.1"));
+    assert!(
+        frames
+            .iter()
+            .any(|(p, s, d)| *p == 4 && (*s, *d) == (n2, n1))
+    );
+    assert!(mesh.metric(1, &decision("encapsulated")) >= wrapped + 3);
 
     // Kilo's wire format: IPIP made by the kernel from n2 reaches n1's pod...
     let listener = Listener::new(&mesh.nodes[0].pod, false, 7001);

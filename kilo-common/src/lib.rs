@@ -87,13 +87,25 @@ pub const CONFIG_FAST_PATH: u32 = 1;
 /// `Config::flags`: the tries have held a whole plan once (a sync completed). Until then the
 /// agent attaches no new program to them. Not read by the program.
 pub const CONFIG_SYNCED: u32 = 2;
+/// `Config::flags`: the kernel keeps route realms (CONFIG_IP_ROUTE_CLASSID): the agent has read
+/// one of its own routes through `tunl0` back carrying [`KILO_REALM`]. `kilo_encap` then looks
+/// up only packets whose route carries it; without it, every IPv4 packet (correct, slower).
+pub const CONFIG_ROUTE_REALM: u32 = 4;
+
+/// The route realm of the routes the datapath encapsulates (Kilo's `tunl0` routes, sent out of
+/// the private interface): `ip route ... realm 1107` (Kilo's table number), i.e. RTA_FLOW with
+/// this "to" realm in its low 16 bits and no "from" realm. The kernel copies a route's RTA_FLOW
+/// into the tclassid of the dst it builds (`rt_set_nexthop`); for a forwarded packet
+/// `set_class_tag` adds the realm of the route back to the source in the high 16 bits, so
+/// `bpf_get_route_realm` returns `KILO_REALM | from << 16`: compare the low 16 bits only.
+pub const KILO_REALM: u16 = 1107;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     /// [`LAYOUT`] of the agent that wrote it (0: never written).
     pub layout: u32,
-    /// [`CONFIG_FAST_PATH`], [`CONFIG_SYNCED`].
+    /// [`CONFIG_FAST_PATH`], [`CONFIG_SYNCED`], [`CONFIG_ROUTE_REALM`].
     pub flags: u32,
     /// The program's log level (aya-log: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace),
     /// read only on the paths that log.

@@ -3,18 +3,26 @@
 //! (protocol 4) between the entry's addresses; `kilo_decap`, at its ingress, removes it when the
 //! outer source is in `KILO_IPIP_SRC` and the inner destination in `KILO_DECAP`, and drops other
 //! IPIP (Kilo's `KILO-IPIP`). Both pass every other packet untouched and uncounted.
+//!
+//! `kilo_encap` sees all of the host's traffic out of that interface. The agent gives the routes
+//! it encapsulates the realm `KILO_REALM`; once it has seen the kernel keep it
+//! (`CONFIG_ROUTE_REALM`), a packet whose route lacks it leaves after one helper call, without
+//! the lookup (which still gives the outer addresses). A packet without a route (a fast-path
+//! redirect with an explicit next hop) has no realm: the agent redirects nothing to wrap so.
 use aya_ebpf::{
+    EbpfContext,
     bindings::{
         BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO,
         TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
     },
+    helpers::generated::bpf_get_route_realm,
     macros::{classifier, map},
     maps::LpmTrie,
     programs::TcContext,
 };
-use kilo_common::{DEFAULT_MAX_ENTRIES, Decision, ENTRY_IPIP};
+use kilo_common::{CONFIG_ROUTE_REALM, DEFAULT_MAX_ENTRIES, Decision, ENTRY_IPIP, KILO_REALM};
 
-use crate::{ETH_HLEN, ETH_P_IP, IP_HLEN, Run, Trie, ipv4, key, skb};
+use crate::{ETH_HLEN, ETH_P_IP, IP_HLEN, KILO_CONFIG, Run, Trie, ipv4, key, skb};
 
 #[map]
 static KILO_ENCAP: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
@@ -41,16 +49,29 @@ fn eth_ipv4(ctx: &TcContext) -> Option<[u8; IP_HLEN]> {
 #[classifier]
 pub fn kilo_encap(ctx: TcContext) -> i32 {
     let ok = TC_ACT_OK as i32;
+    if skb(&ctx).protocol != u32::from(ETH_P_IP.to_be()) {
+        return ok;
+    }
+    let Some(cfg) = KILO_CONFIG.get(0) else {
+        return ok;
+    };
+    // The realm is the "to" realm of the packet's route, in the low 16 bits (the high ones
+    // hold the realm of the route back to a forwarded packet's source).
+    if cfg.flags & CONFIG_ROUTE_REALM != 0
+        // SAFETY: the context of a TC program is a __sk_buff.
+        && unsafe { bpf_get_route_realm(ctx.as_ptr() as *mut _) } & 0xffff
+            != u32::from(KILO_REALM)
+    {
+        return ok;
+    }
     // IPIP already: ours (a redirect passing here again) or someone's; never wrapped twice.
-    let Some(hdr) = eth_ipv4(&ctx).filter(|h| h[9] != IPPROTO_IPIP) else {
+    let Some(hdr) = ipv4(&ctx, ETH_HLEN).filter(|h| h[9] != IPPROTO_IPIP) else {
         return ok;
     };
     let Some(entry) = KILO_ENCAP.get(&key::<4>(&hdr, 16)) else {
         return ok;
     };
-    let Some(run) = Run::new(&ctx) else {
-        return ok;
-    };
+    let run = Run::with_config(&ctx, cfg);
     if entry.flags & ENTRY_IPIP == 0 {
         return ok;
     }

@@ -118,15 +118,20 @@ struct Run<'a> {
 impl<'a> Run<'a> {
     #[inline(always)]
     fn new(ctx: &'a TcContext) -> Option<Self> {
-        let cfg = KILO_CONFIG.get(0)?;
+        Some(Self::with_config(ctx, KILO_CONFIG.get(0)?))
+    }
+
+    /// A run with the config already read.
+    #[inline(always)]
+    fn with_config(ctx: &'a TcContext, cfg: &'static Config) -> Self {
         // SAFETY: a helper without arguments.
         let cpu = unsafe { bpf_get_smp_processor_id() };
-        Some(Run {
+        Run {
             ctx,
             cfg,
             base: cpu * cfg.counter_stride,
             len: ctx.len() as u64,
-        })
+        }
     }
 
     /// Counts a packet in this CPU's counter `index` (a decision, or DECISION_SLOTS + an

@@ -315,6 +315,12 @@ impl DatapathSync for AgentDatapath {
         Ok(lines)
     }
 
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+        let shared = self.shared.clone();
+        let mut shared = shared.lock();
+        loaded(&mut shared)?.set_route_realm(hold).map_err(failed)
+    }
+
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
         self.attached.clear();
         self.lost.clear();
@@ -343,6 +349,8 @@ struct FakeShared {
     /// The last plan synced (for the owner labels).
     plan: DatapathPlan,
     ipip: IpipPlan,
+    /// The last [`DatapathSync::route_realm`].
+    route_realm: bool,
 }
 
 impl Default for FakeShared {
@@ -351,6 +359,7 @@ impl Default for FakeShared {
             maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
             plan: DatapathPlan::default(),
             ipip: IpipPlan::default(),
+            route_realm: false,
         }
     }
 }
@@ -377,6 +386,11 @@ impl FakeDatapath {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// What the last [`DatapathSync::route_realm`] said.
+    pub fn route_realm(&self) -> bool {
+        self.lock().route_realm
+    }
 }
 
 impl DatapathSync for FakeDatapath {
@@ -397,6 +411,15 @@ impl DatapathSync for FakeDatapath {
         shared.plan = DatapathPlan::default();
         shared.ipip = IpipPlan::default();
         sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(failed)
+    }
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+        let mut shared = self.lock();
+        let mut writes = Writes::default();
+        if shared.route_realm != hold {
+            shared.route_realm = hold;
+            writes.add("map_config", 1);
+        }
+        Ok(writes)
     }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         Some(Arc::new(self.clone()))

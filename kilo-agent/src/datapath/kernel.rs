@@ -30,10 +30,10 @@ use aya::{
 };
 use ipnet::IpNet;
 use kilo_common::{
-    CONFIG_FAST_PATH, CONFIG_SYNCED, Config, Counter, DEFAULT_COUNTER_SLOTS, DEFAULT_MARK,
-    DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, EntryValue, LAYOUT, LpmData, MAP_CONFIG, MAP_COUNTERS,
-    MAP_DECAP, MAP_ENCAP, MAP_IPIP_SRC, MAP_LOGS, MAP_MASQ_DST, MAP_MESH, MAP_NAT_SRC, PROG_DECAP,
-    PROG_ENCAP, PROG_L2, PROG_L3, counter_stride,
+    CONFIG_FAST_PATH, CONFIG_ROUTE_REALM, CONFIG_SYNCED, Config, Counter, DEFAULT_COUNTER_SLOTS,
+    DEFAULT_MARK, DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, EntryValue, LAYOUT, LpmData, MAP_CONFIG,
+    MAP_COUNTERS, MAP_DECAP, MAP_ENCAP, MAP_IPIP_SRC, MAP_LOGS, MAP_MASQ_DST, MAP_MESH,
+    MAP_NAT_SRC, PROG_DECAP, PROG_ENCAP, PROG_L2, PROG_L3, counter_stride,
 };
 
 use super::{
@@ -151,6 +151,9 @@ pub struct DatapathConfig {
     pub mask: u32,
     /// Redirect mesh traffic straight to its egress (bypasses netfilter's FORWARD chain).
     pub fast_path: bool,
+    /// The kernel keeps the realm of our `tunl0` routes ([`CONFIG_ROUTE_REALM`]): the
+    /// encapsulation looks up only packets routed by them. Set by the agent once it has seen it.
+    pub route_realm: bool,
     /// Capacity of each table.
     pub max_entries: u32,
     /// Per-entry counter slots (entries without one are not counted).
@@ -169,6 +172,7 @@ impl Default for DatapathConfig {
             mark: DEFAULT_MARK,
             mask: DEFAULT_MARK_MASK,
             fast_path: false,
+            route_realm: false,
             max_entries: DEFAULT_MAX_ENTRIES,
             counter_slots: DEFAULT_COUNTER_SLOTS,
             nft_table: "kilo".into(),
@@ -213,10 +217,12 @@ impl DatapathConfig {
 
     /// The value of the program's config map (`synced`: see [`CONFIG_SYNCED`]).
     pub fn map_config(&self, synced: bool) -> Config {
-        let fast_path = if self.fast_path { CONFIG_FAST_PATH } else { 0 };
+        let flag = |on: bool, bit: u32| if on { bit } else { 0 };
         Config {
             layout: LAYOUT,
-            flags: fast_path | if synced { CONFIG_SYNCED } else { 0 },
+            flags: flag(self.fast_path, CONFIG_FAST_PATH)
+                | flag(synced, CONFIG_SYNCED)
+                | flag(self.route_realm, CONFIG_ROUTE_REALM),
             log_level: self.log_level,
             mark: self.mark,
             mask: self.mask,
@@ -635,6 +641,13 @@ impl Datapath {
     /// Turns the fast path on or off (one config write, none if unchanged).
     pub fn set_fast_path(&mut self, on: bool) -> Result<Writes, DatapathError> {
         self.config.fast_path = on;
+        self.write_config()
+    }
+
+    /// Tells the encapsulation whether route realms hold ([`DatapathConfig::route_realm`]; one
+    /// config write, none if unchanged).
+    pub fn set_route_realm(&mut self, on: bool) -> Result<Writes, DatapathError> {
+        self.config.route_realm = on;
         self.write_config()
     }
 

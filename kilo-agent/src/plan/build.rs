@@ -13,9 +13,11 @@
 //!   IPs with the second's). `kgctl showconf` still prints Kilo's text.
 //! - IPIP (tunl0) carries IPv4 only: IPv6 routes inside a location use the private interface.
 //! - IPIP is the datapath's ([`IpipPlan`]): the routes still name `tunl0` here (Kilo's text),
-//!   the reconciler sends them out of the private interface, where the datapath encapsulates by
-//!   destination. So the node's own traffic to a location node's private IP is wrapped too
-//!   (Kilo wraps only what its pods and kilo0 send there, by ip rules into table 1107).
+//!   the reconciler sends them out of the private interface with a realm, where the datapath
+//!   encapsulates what they route, by destination (on a kernel without route realms, every
+//!   packet to such a destination: then the node's own traffic to a location node's private IP
+//!   is wrapped too, where Kilo wraps only what its pods and kilo0 send there, by ip rules into
+//!   table 1107). The fast path does not redirect to a destination so wrapped.
 //! - Routes to a destination whose family differs from the WireGuard subnet's go to the
 //!   WireGuard interface without a gateway (WireGuard picks the peer by allowed IP).
 use std::{
@@ -487,7 +489,18 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
             Vec::new()
         },
     };
-    let datapath = datapath(t, s);
+    let mut datapath = datapath(t, s);
+    let ipip = ipip(t, s, &routes, &datapath);
+    // A destination the datapath encapsulates is reached through `tunl0`, as Kilo's route
+    // says: no fast-path redirect straight out of the private interface, where the packet,
+    // without a route and so without its realm, would leave bare.
+    for (net, e) in &mut datapath.mesh_destinations {
+        if let Some(NextHop::Gateway { device, .. }) = &mut e.next_hop
+            && ipip.encapsulate.contains_key(net)
+        {
+            *device = Device::Tunnel;
+        }
+    }
     Plan {
         addresses: if t.leader {
             vec![t.wireguard_cidr]
@@ -495,7 +508,7 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
             Vec::new()
         },
         wireguard,
-        ipip: ipip(t, s, &routes, &datapath),
+        ipip,
         routes,
         rules: rt.rules.into_iter().collect(),
         datapath,

@@ -11,6 +11,11 @@
 //! `wireguard_peer_update`, `wireguard_peer_remove`, plus whatever the datapath reports
 //! (`map_insert`, `map_delete`, ...). A reconcile of a node that matches its plan returns none.
 //!
+//! Route realms: the routes the datapath encapsulates carry [`KILO_REALM`], so its
+//! encapsulation skips the host's other traffic after one helper call ([`Realms`]). A kernel
+//! without CONFIG_IP_ROUTE_CLASSID drops the realm silently: seen once, it is no longer asked
+//! for (the encapsulation then looks up every packet: correct, slower).
+//!
 //! Ownership marker: our routes and rules carry protocol [`RTPROT_KILO`] (107, from Kilo's table
 //! 1107; unused by iproute2's `rt_protos`, bird, FRR, Calico (80) or Cilium), so the agent never
 //! reads, replaces or deletes anybody else's routes, even in the main table.
@@ -25,6 +30,7 @@ use std::{
 };
 
 pub use kilo_common::Counter;
+use kilo_common::KILO_REALM;
 
 pub use crate::effects::{
     DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, MapUsage,
@@ -75,6 +81,8 @@ pub trait Kernel {
 pub struct FakeKernel {
     pub state: KernelState,
     pub next_index: u32,
+    /// Drops the realm of the routes it adds, like a kernel without CONFIG_IP_ROUTE_CLASSID.
+    pub drops_realms: bool,
 }
 
 impl Kernel for FakeKernel {
@@ -135,7 +143,8 @@ impl Kernel for FakeKernel {
                     .routes
                     .retain(|o| !(o.table == r.table && o.dst == r.dst));
             }
-            self.state.routes.insert(r.clone());
+            let realm = r.realm.filter(|_| !self.drops_realms);
+            self.state.routes.insert(KRoute { realm, ..r.clone() });
             w.add(
                 if *replace {
                     "route_replace"
@@ -218,6 +227,18 @@ impl std::fmt::Display for DryRun {
     }
 }
 
+/// What the kernel does with the realm of the routes the datapath encapsulates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Realms {
+    /// None of ours read back yet: asked for; the datapath looks up every packet.
+    #[default]
+    Unknown,
+    /// One of ours was read back carrying it: the datapath checks it first.
+    Hold,
+    /// One of ours was read back without it (no CONFIG_IP_ROUTE_CLASSID): no longer asked for.
+    Dropped,
+}
+
 /// Runs the reconcilers in dependency order: link, WireGuard device, datapath (before the
 /// routes that send into its encapsulation), addresses, routes, rules, and (with [`Reconciler::with_cni`]) the CNI configuration file.
 pub struct Reconciler<K, W, D> {
@@ -226,6 +247,7 @@ pub struct Reconciler<K, W, D> {
     pub datapath: D,
     pub settings: Settings,
     pub cni: Option<cni::CniFile>,
+    realms: Realms,
 }
 
 impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
@@ -236,6 +258,51 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             datapath,
             settings,
             cni: None,
+            realms: Realms::Unknown,
+        }
+    }
+
+    /// What the kernel has shown of route realms so far.
+    pub fn realms(&self) -> Realms {
+        self.realms
+    }
+
+    /// The realm to give the routes the datapath encapsulates.
+    fn realm(&self) -> Option<u16> {
+        (self.realms != Realms::Dropped).then_some(KILO_REALM)
+    }
+
+    /// Learns from our routes read from the kernel whether it keeps realms: one carrying ours
+    /// says it does; one of `written` (just written with ours) read back without says it does
+    /// not (logged once).
+    fn learn_realms(&mut self, routes: &BTreeSet<KRoute>, written: &[(KRoute, bool)]) {
+        if self.realms != Realms::Unknown {
+            return;
+        }
+        if routes.iter().any(|r| r.realm == Some(KILO_REALM)) {
+            self.realms = Realms::Hold;
+            tracing::info!(
+                realm = KILO_REALM,
+                "route realms hold: the encapsulation skips other traffic"
+            );
+            return;
+        }
+        let stripped = written
+            .iter()
+            .filter(|(r, _)| r.realm.is_some())
+            .any(|(r, _)| {
+                routes.contains(&KRoute {
+                    realm: None,
+                    ..r.clone()
+                })
+            });
+        if stripped {
+            self.realms = Realms::Dropped;
+            tracing::warn!(
+                realm = KILO_REALM,
+                "the kernel drops route realms (no CONFIG_IP_ROUTE_CLASSID?): routes keep none, \
+                 and the encapsulation looks up every packet out of the private interface"
+            );
         }
     }
 
@@ -331,8 +398,9 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         // the encapsulation there already.
         self.sync_datapath(plan, &mut report);
 
+        self.learn_realms(&observed.routes, &[]);
         let underlay = self.underlay(plan, &observed).await;
-        let want = state::desired(plan, &devices, &observed.links, &underlay);
+        let want = state::desired(plan, &devices, &observed.links, &underlay, self.realm());
         report.problems.extend(want.problems.iter().cloned());
         // Added anyway (the kernel allows it), but the other link's prefix route may take the
         // mesh's traffic: somebody has to remove one of them.
@@ -353,6 +421,19 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             report
                 .problems
                 .extend(errors.into_iter().map(|e| e.to_string()));
+            // Read back at once (rarely: until realms are known) so the datapath need not wait
+            // for the next pass, and so a kernel that drops them is never asked again.
+            if self.realms == Realms::Unknown && d.route_add.iter().any(|(r, _)| r.realm.is_some())
+            {
+                match self.kernel.observe(&devices).await {
+                    Ok(after) => self.learn_realms(&after.routes, &d.route_add),
+                    Err(e) => report.problems.push(e.to_string()),
+                }
+            }
+        }
+        match self.datapath.route_realm(self.realms == Realms::Hold) {
+            Ok(w) => report.writes += w,
+            Err(e) => report.problems.push(e.to_string()),
         }
         self.sync_cni(plan, &mut report);
         report.links = observed.links;
@@ -406,7 +487,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             }
         };
         let underlay = self.underlay(plan, &observed).await;
-        let want = state::desired(plan, &devices, &observed.links, &underlay);
+        let want = state::desired(plan, &devices, &observed.links, &underlay, self.realm());
         out.problems.extend(want.problems.iter().cloned());
         out.kernel = state::diff(&link, self.link_want(), &want, &observed);
         match self.datapath.describe(&plan.datapath, &plan.ipip) {
@@ -611,6 +692,109 @@ mod tests {
                 "{:?}",
                 report.problems
             );
+        });
+    }
+
+    /// A datapath that only remembers what it was told of route realms.
+    #[derive(Default)]
+    struct RealmDatapath(bool);
+
+    impl DatapathSync for RealmDatapath {
+        fn sync(
+            &mut self,
+            _: &DatapathPlan,
+            _: &crate::plan::IpipPlan,
+        ) -> Result<Writes, DatapathSyncError> {
+            Ok(Writes::default())
+        }
+        fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+            Ok(Writes::default())
+        }
+        fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+            let mut w = Writes::default();
+            if self.0 != hold {
+                self.0 = hold;
+                w.add("map_config", 1);
+            }
+            Ok(w)
+        }
+    }
+
+    /// The plan with a route the datapath encapsulates (through `tunl0`, no tunnel device),
+    /// reconciled by a kernel that keeps realms or drops them.
+    fn realm_reconciler(
+        drops_realms: bool,
+    ) -> (Reconciler<FakeKernel, FakeWireGuard, RealmDatapath>, Plan) {
+        let r = reconciler();
+        let datapath = RealmDatapath::default();
+        let mut r = Reconciler::new(r.kernel, r.wireguard, datapath, r.settings);
+        r.settings.devices.private = Some("eth0".into());
+        r.kernel.drops_realms = drops_realms;
+        let eth0 = LinkState {
+            index: 2,
+            up: true,
+            mtu: 1500,
+        };
+        r.kernel.state.links.insert("eth0".into(), eth0);
+        let mut plan = plan();
+        plan.routes.push(Route {
+            dst: "192.168.0.2/32".parse().unwrap(),
+            gateway: Some("192.168.0.2".parse().unwrap()),
+            src: None,
+            device: Device::Tunnel,
+            onlink: true,
+            table: KILO_TABLE,
+        });
+        (r, plan)
+    }
+
+    #[test]
+    fn tunnel_routes_carry_our_realm_and_the_datapath_learns_it_holds() {
+        block_on(async {
+            let (mut r, plan) = realm_reconciler(false);
+            let first = r.reconcile(&plan).await.unwrap();
+            assert!(first.problems.is_empty(), "{:?}", first.problems);
+            let tunnel: Vec<_> = (r.kernel.state.routes.iter())
+                .filter(|k| k.oif == 2)
+                .collect();
+            assert_eq!(tunnel.len(), 1);
+            assert_eq!(tunnel[0].realm, Some(KILO_REALM), "{}", tunnel[0]);
+            assert!(
+                r.kernel
+                    .state
+                    .routes
+                    .iter()
+                    .all(|k| k.oif == 2 || k.realm.is_none()),
+                "only the encapsulated routes carry it"
+            );
+            // Read back in the same pass: the datapath checks realms from now on.
+            assert_eq!(r.realms(), Realms::Hold);
+            assert!(r.datapath.0);
+            assert_eq!(first.writes.get("map_config"), 1, "{}", first.writes);
+            assert!(r.reconcile(&plan).await.unwrap().writes.is_empty());
+            // A new agent (restart) learns it from the routes it finds.
+            let (mut again, _) = realm_reconciler(false);
+            again.kernel.state = r.kernel.state.clone();
+            let report = again.reconcile(&plan).await.unwrap();
+            assert_eq!(again.realms(), Realms::Hold);
+            assert_eq!(report.writes.get("route_replace"), 0, "{}", report.writes);
+            assert!(again.datapath.0);
+        });
+    }
+
+    #[test]
+    fn a_kernel_that_drops_realms_is_not_asked_again() {
+        block_on(async {
+            let (mut r, plan) = realm_reconciler(true);
+            let first = r.reconcile(&plan).await.unwrap();
+            assert!(first.problems.is_empty(), "{:?}", first.problems);
+            assert_eq!(r.realms(), Realms::Dropped);
+            assert!(!r.datapath.0, "the full lookup stays on");
+            // No replacing the route pass after pass.
+            let second = r.reconcile(&plan).await.unwrap();
+            assert!(second.writes.is_empty(), "{}", second.writes);
+            assert!(r.dry_run(&plan).await.unwrap().to_string().is_empty());
+            assert!(r.kernel.state.routes.iter().all(|k| k.realm.is_none()));
         });
     }
 

@@ -18,7 +18,7 @@ use netlink_packet_route::{
     link::{LinkAttribute, LinkFlags, LinkMessage},
     route::{
         RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteMetric,
-        RouteProtocol, RouteScope, RouteType,
+        RouteProtocol, RouteRealm, RouteScope, RouteType,
     },
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
@@ -185,8 +185,10 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
     let mut src = None;
     let mut oif = 0;
     let mut mtu = None;
+    let mut realm = None;
     for a in &m.attributes {
         match a {
+            RouteAttribute::Realm(r) => realm = Some(r.destination).filter(|r| *r != 0),
             RouteAttribute::Metrics(metrics) => {
                 mtu = metrics.iter().find_map(|x| match x {
                     RouteMetric::Mtu(v) => Some(*v),
@@ -214,6 +216,7 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
         oif,
         onlink: gateway.is_some() && m.header.flags.contains(RouteFlags::Onlink),
         mtu,
+        realm,
     })
 }
 
@@ -275,6 +278,12 @@ fn route_message(r: &KRoute) -> RouteMessage {
     if let Some(mtu) = r.mtu {
         m.attributes
             .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+    }
+    if let Some(destination) = r.realm {
+        m.attributes.push(RouteAttribute::Realm(RouteRealm {
+            source: 0,
+            destination,
+        }));
     }
     if r.onlink {
         m.header.flags |= RouteFlags::Onlink;
@@ -724,6 +733,7 @@ mod tests {
             oif: 3,
             onlink: true,
             mtu: Some(1480),
+            realm: Some(kilo_common::KILO_REALM),
         };
         assert_eq!(parse_route(&route_message(&r)), Some(r));
         let rule = KRule {
@@ -754,6 +764,7 @@ mod tests {
             oif: 9,
             onlink: false,
             mtu: None,
+            realm: None,
         });
         let ours = foreign.clone();
         foreign.header.protocol = RouteProtocol::Bird;

@@ -34,6 +34,9 @@ pub struct KRoute {
     pub onlink: bool,
     /// The route's MTU metric (routes the datapath encapsulates leave room for the outer header).
     pub mtu: Option<u32>,
+    /// The route's "to" realm (RTA_FLOW's low 16 bits; `None` for 0 or none): the datapath's
+    /// encapsulation looks only at packets routed with [`kilo_common::KILO_REALM`].
+    pub realm: Option<u16>,
 }
 
 /// An ip rule in kernel terms (`from SRC to DST iif IF lookup TABLE`).
@@ -104,14 +107,15 @@ pub fn ipip_gateways(plan: &Plan, devices: &Devices) -> BTreeSet<IpAddr> {
 /// Translates the plan into kernel terms. A route through a device that does not exist is
 /// reported and skipped; everything else is still applied. Without a tunnel device, the routes
 /// through `Device::Tunnel` go out of the private interface, where the datapath encapsulates
-/// them, with its MTU minus [`IPIP_OVERHEAD`], and through `underlay[gateway]` when the
-/// gateway is not on that link (the outer packet goes to the gateway through that router, as
-/// Kilo's `tunl0` routes it).
+/// them, with its MTU minus [`IPIP_OVERHEAD`] and the realm `realm` (`None` once the kernel
+/// is known to drop realms), and through `underlay[gateway]` when the gateway is not on that
+/// link (the outer packet goes to the gateway through that router, as Kilo's `tunl0` routes it).
 pub fn desired(
     plan: &Plan,
     devices: &Devices,
     links: &BTreeMap<String, LinkState>,
     underlay: &BTreeMap<IpAddr, IpAddr>,
+    realm: Option<u16>,
 ) -> Desired {
     let mut out = Desired {
         addresses: plan.addresses.iter().copied().collect(),
@@ -149,6 +153,7 @@ pub fn desired(
             mtu: link
                 .filter(|_| datapath_ipip)
                 .map(|l| l.mtu.saturating_sub(IPIP_OVERHEAD)),
+            realm: realm.filter(|_| datapath_ipip),
         });
     }
     for rule in &plan.rules {
@@ -273,6 +278,10 @@ impl fmt::Display for KRoute {
         }
         if let Some(src) = self.src {
             write!(f, " src {src}")?;
+        }
+        // In `ip route`'s order.
+        if let Some(realm) = self.realm {
+            write!(f, " realm {realm}")?;
         }
         if let Some(mtu) = self.mtu {
             write!(f, " mtu {mtu}")?;
@@ -402,7 +411,7 @@ mod tests {
             tunnel: Some("tunl0".into()),
             ..devices()
         };
-        let d = desired(&plan(), &devices, &links(), &BTreeMap::new());
+        let d = desired(&plan(), &devices, &links(), &BTreeMap::new(), Some(1107));
         assert_eq!(d.routes.len(), 1);
         assert_eq!(d.rules.len(), 1);
         assert_eq!(d.problems.len(), 1);
@@ -411,17 +420,20 @@ mod tests {
 
     #[test]
     fn without_a_tunnel_device_tunnel_routes_leave_by_the_private_interface() {
-        let d = desired(&plan(), &devices(), &links(), &BTreeMap::new());
+        let d = desired(&plan(), &devices(), &links(), &BTreeMap::new(), Some(1107));
         assert!(d.problems.is_empty(), "{:?}", d.problems);
         let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
-        assert_eq!((r.oif, r.mtu), (2, Some(1480)), "{r}");
-        // Other routes keep the device's own MTU.
+        assert_eq!((r.oif, r.mtu, r.realm), (2, Some(1480), Some(1107)), "{r}");
+        // Other routes keep the device's own MTU and carry no realm.
         assert!(
             d.routes
                 .iter()
                 .filter(|r| r.table != KILO_TABLE)
-                .all(|r| r.mtu.is_none())
+                .all(|r| r.mtu.is_none() && r.realm.is_none())
         );
+        // Realms known not to hold: none asked for.
+        let d = desired(&plan(), &devices(), &links(), &BTreeMap::new(), None);
+        assert!(d.routes.iter().all(|r| r.realm.is_none()));
         // A gateway off the link: through the underlay's router toward it.
         let router: IpAddr = "192.168.0.254".parse().unwrap();
         let mut plan = plan();
@@ -431,7 +443,7 @@ mod tests {
             BTreeSet::from(["192.168.9.9".parse().unwrap()])
         );
         let underlay = BTreeMap::from([("192.168.9.9".parse().unwrap(), router)]);
-        let d = desired(&plan, &devices(), &links(), &underlay);
+        let d = desired(&plan, &devices(), &links(), &underlay, Some(1107));
         let r = d.routes.iter().find(|r| r.table == KILO_TABLE).unwrap();
         assert_eq!(r.gateway, Some(router), "{r}");
     }
@@ -439,7 +451,7 @@ mod tests {
     #[test]
     fn matching_kernel_gives_an_empty_diff() {
         let l = links();
-        let d = desired(&plan(), &devices(), &l, &BTreeMap::new());
+        let d = desired(&plan(), &devices(), &l, &BTreeMap::new(), Some(1107));
         let observed = KernelState {
             links: l.clone(),
             addresses: d.addresses.clone(),
@@ -462,7 +474,7 @@ mod tests {
             tunnel: Some("tunl0".into()),
             ..devices()
         };
-        let d = desired(&plan(), &devices, &l, &BTreeMap::new());
+        let d = desired(&plan(), &devices, &l, &BTreeMap::new(), Some(1107));
         let mut old = d.routes.iter().next().unwrap().clone();
         old.gateway = Some("10.4.0.3".parse().unwrap());
         let stale = KRoute {
@@ -473,6 +485,7 @@ mod tests {
             oif: 5,
             onlink: false,
             mtu: None,
+            realm: None,
         };
         let observed = KernelState {
             links: l.clone(),
