@@ -110,6 +110,9 @@ pub trait DatapathSync {
     fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
         Ok(Writes::default())
     }
+    /// Every link's index by name, as just read from the kernel, for the next `sync` only (it
+    /// asks the kernel itself for a name not in it, and when not given any).
+    fn link_indexes(&mut self, _indexes: &BTreeMap<String, u32>) {}
     /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
     /// scrape time, never writing). `None` when there is nothing to read.
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
@@ -133,6 +136,9 @@ impl DatapathSync for Box<dyn DatapathSync> {
     }
     fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
         (**self).route_realm(hold)
+    }
+    fn link_indexes(&mut self, indexes: &BTreeMap<String, u32>) {
+        (**self).link_indexes(indexes)
     }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         (**self).stats_source()

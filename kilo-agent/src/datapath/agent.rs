@@ -122,6 +122,8 @@ pub struct AgentDatapath {
     /// The private interface's index while the IPIP programs are attached there; `None` before
     /// the first sync (a pinned attachment of an earlier run may exist).
     ipip: Option<Option<u32>>,
+    /// Link indexes by name for the next sync ([`DatapathSync::link_indexes`]).
+    indexes: BTreeMap<String, u32>,
 }
 
 impl AgentDatapath {
@@ -150,6 +152,7 @@ impl AgentDatapath {
             attached: BTreeMap::new(),
             lost: BTreeSet::new(),
             ipip: None,
+            indexes: BTreeMap::new(),
         }
     }
 
@@ -164,7 +167,7 @@ impl AgentDatapath {
         let Some(private) = self.devices.private.as_deref() else {
             return Ok(writes);
         };
-        let index = ifindex(private).ok().filter(|_| want);
+        let index = self.ifindex(private).filter(|_| want);
         if self.ipip == Some(index) {
             return Ok(writes);
         }
@@ -185,25 +188,12 @@ impl AgentDatapath {
         Ok(writes)
     }
 
-    /// The shared state, locked (held only for the duration of one call).
-    fn lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock()
-    }
-}
-
-fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
-    shared
-        .datapath
-        .as_mut()
-        .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
-}
-
-fn failed(e: DatapathError) -> DatapathSyncError {
-    DatapathSyncError::Other(Box::new(e))
-}
-
-impl DatapathSync for AgentDatapath {
-    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
+    /// [`DatapathSync::sync`], with the link indexes it was given.
+    fn sync_now(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+    ) -> Result<Writes, DatapathSyncError> {
         let mut writes = Writes::default();
         let shared = self.shared.clone();
         let mut shared = shared.lock();
@@ -212,7 +202,7 @@ impl DatapathSync for AgentDatapath {
         writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
         // Each device resolved once per sync, not once per entry.
         let index = [Device::WireGuard, Device::Private, Device::Tunnel]
-            .map(|d| (d, self.devices.name(d).and_then(|n| ifindex(n).ok())));
+            .map(|d| (d, self.devices.name(d).and_then(|n| self.ifindex(n))));
         let resolver = |device: Device| index.iter().find(|(d, _)| *d == device)?.1;
         let synced = datapath
             .sync(Plans { nat: plan, ipip }, &resolver)
@@ -234,8 +224,8 @@ impl DatapathSync for AgentDatapath {
         let pin_dir = datapath.config().pin_dir.clone().unwrap_or_default();
         let mut not_yet = Vec::new();
         for name in self.interfaces.iter().filter(|_| ready) {
-            match ifindex(name) {
-                Ok(index) if self.attached.get(name) != Some(&index) => {
+            match self.ifindex(name) {
+                Some(index) if self.attached.get(name) != Some(&index) => {
                     match datapath.attach(name) {
                         Ok(w) => {
                             writes += w;
@@ -248,9 +238,9 @@ impl DatapathSync for AgentDatapath {
                         Err(e) => return Err(failed(e)),
                     }
                 }
-                Ok(_) => {}
+                Some(_) => {}
                 // Not there (yet): attached on the reconcile after it appears.
-                Err(_) => {
+                None => {
                     self.attached.remove(name);
                 }
             }
@@ -287,6 +277,35 @@ impl DatapathSync for AgentDatapath {
         Ok(writes)
     }
 
+    /// A link's index: from those read with the plan, else from the kernel.
+    fn ifindex(&self, name: &str) -> Option<u32> {
+        (self.indexes.get(name).copied()).or_else(|| ifindex(name).ok())
+    }
+
+    /// The shared state, locked (held only for the duration of one call).
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock()
+    }
+}
+
+fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
+    shared
+        .datapath
+        .as_mut()
+        .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
+}
+
+fn failed(e: DatapathError) -> DatapathSyncError {
+    DatapathSyncError::Other(Box::new(e))
+}
+
+impl DatapathSync for AgentDatapath {
+    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
+        let synced = self.sync_now(plan, ipip);
+        self.indexes.clear();
+        synced
+    }
+
     fn describe(
         &mut self,
         plan: &DatapathPlan,
@@ -313,6 +332,10 @@ impl DatapathSync for AgentDatapath {
             }
         }
         Ok(lines)
+    }
+
+    fn link_indexes(&mut self, indexes: &BTreeMap<String, u32>) {
+        self.indexes.clone_from(indexes);
     }
 
     fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {

@@ -349,7 +349,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 // attached to the link once it is back) and the CNI file.
                 let missing = KernelError::NoInterface(devices.wireguard.clone());
                 report.problems.push(missing.to_string());
-                self.sync_datapath(plan, &mut report);
+                self.sync_datapath(plan, &observed.indexes, &mut report);
                 self.sync_cni(plan, &mut report);
                 report.links = observed.links;
                 return Ok(report);
@@ -396,7 +396,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
 
         // The datapath before the routes: what they send out of the private interface must find
         // the encapsulation there already.
-        self.sync_datapath(plan, &mut report);
+        self.sync_datapath(plan, &observed.indexes, &mut report);
 
         self.learn_realms(&observed.routes, &[]);
         let underlay = self.underlay(plan, &observed).await;
@@ -440,7 +440,8 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         Ok(report)
     }
 
-    fn sync_datapath(&mut self, plan: &Plan, report: &mut Report) {
+    fn sync_datapath(&mut self, plan: &Plan, indexes: &BTreeMap<String, u32>, report: &mut Report) {
+        self.datapath.link_indexes(indexes);
         match self.datapath.sync(&plan.datapath, &plan.ipip) {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),

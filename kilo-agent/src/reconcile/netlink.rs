@@ -395,6 +395,7 @@ impl Kernel for NetlinkKernel {
         let all = self.links().await?;
         let name_of: std::collections::BTreeMap<u32, String> =
             all.iter().map(|(n, l)| (l.index, n.clone())).collect();
+        let indexes = all.iter().map(|(n, l)| (n.clone(), l.index)).collect();
         let links = all
             .into_iter()
             .filter(|(n, _)| names.contains(n.as_str()))
@@ -415,6 +416,7 @@ impl Kernel for NetlinkKernel {
             routes: self.routes().await?,
             rules: self.rules().await?.into_iter().collect(),
             elsewhere,
+            indexes,
         })
     }
 

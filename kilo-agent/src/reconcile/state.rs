@@ -67,6 +67,8 @@ pub struct KernelState {
     pub rules: BTreeMap<KRule, Option<u32>>,
     /// Addresses on the other links, with the link's name: one of ours there is a conflict.
     pub elsewhere: BTreeMap<IpAddr, String>,
+    /// Every link's index by name (the datapath attaches by name without asking again).
+    pub indexes: BTreeMap<String, u32>,
 }
 
 /// What the WireGuard link itself should look like.
@@ -458,6 +460,7 @@ mod tests {
             routes: d.routes.clone(),
             rules: d.rules.iter().map(|r| (r.clone(), Some(32765))).collect(),
             elsewhere: BTreeMap::new(),
+            indexes: BTreeMap::new(),
         };
         let want = LinkWant {
             up: true,
@@ -493,6 +496,7 @@ mod tests {
             routes: [old, stale.clone()].into(),
             rules: BTreeMap::new(),
             elsewhere: BTreeMap::new(),
+            indexes: BTreeMap::new(),
         };
         let want = LinkWant {
             up: true,
