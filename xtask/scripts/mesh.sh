@@ -84,6 +84,8 @@ mesh_down() {
     rm -f "$WORK/wireguard-go.pids"
   fi
   for ns in $NAMESPACES; do ip netns del "$P-$ns" 2>/dev/null; done
+  # A wireguard-go killed with SIGKILL (the fault tests) leaves its socket behind.
+  for i in 1 2 3; do rm -f "/var/run/wireguard/$WG$i.sock"; done
   return 0
 }
 
