@@ -1110,6 +1110,8 @@ mod tests {
         let plans = agent.plans.lock().unwrap().clone();
         assert_eq!(plans.len(), 2, "{plans:?}");
         assert_eq!(plans[1].1, ["a", "me"]);
+        agent.stop.send(()).unwrap();
+        agent.run.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
