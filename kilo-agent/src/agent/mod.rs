@@ -931,6 +931,16 @@ mod tests {
 
     use testing::{Plans, Running, T0, planned, spawn};
 
+    /// A backend's first update: `snapshot`, complete.
+    fn first_update(snapshot: Arc<Snapshot>) -> Update {
+        Update {
+            snapshot,
+            generation: 1,
+            connected: true,
+            ..Update::default()
+        }
+    }
+
     fn start(
         update: Update,
         outcome: impl Fn() -> PlanOutcome + Send + 'static,
@@ -1066,16 +1076,8 @@ mod tests {
     /// Nodes `names`, `me` carrying the annotations the test agent publishes (as a backend
     /// shows them once published).
     fn published(names: &[&str]) -> Arc<Snapshot> {
-        let me = Local {
-            hostname: "me".into(),
-            public_key: Key([1; 32]),
-            endpoint: None,
-            internal_ip: None,
-            granularity: "location".into(),
-            cni_compatibility_ip: None,
-        };
         let mut snapshot = (*nodes(names)).clone();
-        let mut want = me.annotations(None);
+        let mut want = testing::local().annotations(None);
         want.remove(ANNOTATION_WIREGUARD_IP);
         snapshot.nodes.get_mut("me").unwrap().metadata.annotations = Some(want);
         Arc::new(snapshot)
@@ -1086,15 +1088,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_unchanged_snapshot_is_planned_once() {
         let begin = tokio::time::Instant::now();
-        let (backend, agent) = start(
-            Update {
-                snapshot: published(&["me"]),
-                generation: 1,
-                connected: true,
-                ..Update::default()
-            },
-            planned,
-        );
+        let (backend, agent) = start(first_update(published(&["me"])), planned);
         at(begin, 30_000).await;
         assert_eq!(agent.plans.lock().unwrap().len(), 1);
         assert!(
@@ -1158,15 +1152,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_heartbeat_is_a_checkin_error() {
         let begin = tokio::time::Instant::now();
-        let (backend, agent) = start(
-            Update {
-                snapshot: nodes(&["me"]),
-                generation: 1,
-                connected: true,
-                ..Update::default()
-            },
-            planned,
-        );
+        let (backend, agent) = start(first_update(nodes(&["me"])), planned);
         at(begin, 1_000).await;
         backend
             .failing
@@ -1186,12 +1172,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_publish_is_retried_with_backoff() {
         let begin = tokio::time::Instant::now();
-        let (tx, _) = tokio::sync::watch::channel(Update {
-            snapshot: nodes(&["me"]),
-            generation: 1,
-            connected: true,
-            ..Update::default()
-        });
+        let (tx, _) = tokio::sync::watch::channel(first_update(nodes(&["me"])));
         let backend = Arc::new(Driven {
             tx,
             published: Mutex::default(),
@@ -1234,25 +1215,17 @@ mod tests {
         let begin = tokio::time::Instant::now();
         let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let fail = failing.clone();
-        let (backend, agent) = start(
-            Update {
-                snapshot: nodes(&["me"]),
-                generation: 1,
-                connected: true,
-                ..Update::default()
-            },
-            move || {
-                if fail.load(std::sync::atomic::Ordering::Relaxed) {
-                    return PlanOutcome::default();
-                }
-                PlanOutcome {
-                    leader: true,
-                    wireguard_ip: Some("10.4.0.1/16".parse().unwrap()),
-                    ready_nodes: 1,
-                    ..planned()
-                }
-            },
-        );
+        let (backend, agent) = start(first_update(nodes(&["me"])), move || {
+            if fail.load(std::sync::atomic::Ordering::Relaxed) {
+                return PlanOutcome::default();
+            }
+            PlanOutcome {
+                leader: true,
+                wireguard_ip: Some("10.4.0.1/16".parse().unwrap()),
+                ready_nodes: 1,
+                ..planned()
+            }
+        });
         at(begin, 1_000).await;
         failing.store(true, std::sync::atomic::Ordering::Relaxed);
         // Five resyncs without a plan.
@@ -1288,15 +1261,9 @@ mod tests {
             ..crate::plan::Settings::default()
         };
         let snapshot = crate::mesh::cloned_snapshot();
-        let (_backend, agent) = start(
-            Update {
-                snapshot: nodes(&["a"]),
-                generation: 1,
-                connected: true,
-                ..Update::default()
-            },
-            move || planner::outcome(crate::plan::plan_for(&snapshot, &settings)),
-        );
+        let (_backend, agent) = start(first_update(nodes(&["a"])), move || {
+            planner::outcome(crate::plan::plan_for(&snapshot, &settings))
+        });
         // Three resyncs (every 8 s).
         at(begin, 25_000).await;
         agent.stop.send(()).unwrap();
@@ -1327,6 +1294,18 @@ pub(crate) mod testing {
         pub stop: tokio::sync::oneshot::Sender<()>,
         pub run: tokio::task::JoinHandle<Stats>,
         pub metrics: Metrics,
+    }
+
+    /// The test loop's node, `me`.
+    pub fn local() -> Local {
+        Local {
+            hostname: "me".into(),
+            public_key: Key([1; 32]),
+            endpoint: None,
+            internal_ip: None,
+            granularity: "location".into(),
+            cni_compatibility_ip: None,
+        }
     }
 
     /// A plan (empty).
@@ -1375,14 +1354,7 @@ pub(crate) mod testing {
                 resolver: Box::new(crate::reconcile::wireguard::system_resolver),
             },
         );
-        let local = Local {
-            hostname: "me".into(),
-            public_key: Key([1; 32]),
-            endpoint: None,
-            internal_ip: None,
-            granularity: "location".into(),
-            cni_compatibility_ip: None,
-        };
+        let local = local();
         let settings = LoopSettings {
             clock: clock(begin),
             ..settings
