@@ -15,7 +15,7 @@ use ipnet::IpNet;
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::{AddressAttribute, AddressMessage},
-    link::{LinkAttribute, LinkFlags, LinkMessage},
+    link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage},
     route::{
         RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteMetric,
         RouteProtocol, RouteRealm, RouteScope, RouteType,
@@ -65,6 +65,8 @@ impl NetlinkKernel {
             .handle
             .link()
             .get()
+            // Without their counters: a node with many pods has many links.
+            .set_filter_mask(AddressFamily::Unspec, vec![LinkExtentMask::SkipStats])
             .execute()
             .try_collect()
             .await
@@ -88,36 +90,29 @@ impl NetlinkKernel {
             .collect())
     }
 
+    /// Ours (protocol kilo), both families in one dump.
     async fn routes(&self) -> Result<BTreeSet<KRoute>, KernelError> {
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = AddressFamily::Unspec;
+        msg.header.protocol = RouteProtocol::from(RTPROT_KILO);
         let mut out = BTreeSet::new();
-        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
-            let mut msg = RouteMessage::default();
-            msg.header.address_family = family;
-            msg.header.protocol = RouteProtocol::from(RTPROT_KILO);
-            let mut stream = self.handle.route().get(msg).execute();
-            while let Some(m) = stream.try_next().await.map_err(err("dump routes"))? {
-                if let Some(r) = parse_route(&m) {
-                    out.insert(r);
-                }
-            }
+        let mut stream = self.handle.route().get(msg).execute();
+        while let Some(m) = stream.try_next().await.map_err(err("dump routes"))? {
+            out.extend(parse_route(&m));
         }
         Ok(out)
     }
 
+    /// Ours, every family in one dump.
     async fn rules(&self) -> Result<Vec<(KRule, Option<u32>)>, KernelError> {
-        let mut out = Vec::new();
-        for v in [IpVersion::V4, IpVersion::V6] {
-            let msgs: Vec<RuleMessage> = self
-                .handle
-                .rule()
-                .get(v)
-                .execute()
-                .try_collect()
-                .await
-                .map_err(err("dump rules"))?;
-            out.extend(msgs.iter().filter_map(parse_rule));
-        }
-        Ok(out)
+        let mut get = self.handle.rule().get(IpVersion::V4);
+        get.message_mut().header.family = AddressFamily::Unspec;
+        let msgs: Vec<RuleMessage> = get
+            .execute()
+            .try_collect()
+            .await
+            .map_err(err("dump rules"))?;
+        Ok(msgs.iter().filter_map(parse_rule).collect())
     }
 }
 
@@ -175,8 +170,13 @@ fn route_ip(a: &RouteAddress) -> Option<IpAddr> {
     }
 }
 
+/// IPv4 or IPv6 (a dump of every family also holds multicast and MPLS ones).
+fn inet(family: AddressFamily) -> bool {
+    matches!(family, AddressFamily::Inet | AddressFamily::Inet6)
+}
+
 fn parse_route(m: &RouteMessage) -> Option<KRoute> {
-    if u8::from(m.header.protocol) != RTPROT_KILO {
+    if u8::from(m.header.protocol) != RTPROT_KILO || !inet(m.header.address_family) {
         return None;
     }
     let mut table = u32::from(m.header.table);
@@ -221,6 +221,9 @@ fn parse_route(m: &RouteMessage) -> Option<KRoute> {
 }
 
 fn parse_rule(m: &RuleMessage) -> Option<(KRule, Option<u32>)> {
+    if !inet(m.header.family) {
+        return None;
+    }
     let mut ours = false;
     let mut table = u32::from(m.header.table);
     let (mut src, mut dst, mut iif, mut priority) = (None, None, None, None);
