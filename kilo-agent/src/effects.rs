@@ -110,8 +110,8 @@ pub trait DatapathSync {
     fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
         Ok(Writes::default())
     }
-    /// Every link's index by name, as just read from the kernel, for the next `sync` only (it
-    /// asks the kernel itself for a name not in it, and when not given any).
+    /// Every link's index by name, as just read from the kernel, for the next `sync` only (a
+    /// name not in it is not there; it asks the kernel itself when not given any).
     fn link_indexes(&mut self, _indexes: &BTreeMap<String, u32>) {}
     /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
     /// scrape time, never writing). `None` when there is nothing to read.

@@ -277,9 +277,14 @@ impl AgentDatapath {
         Ok(writes)
     }
 
-    /// A link's index: from those read with the plan, else from the kernel.
+    /// A link's index: from those read with the plan (a name not among them is not there), or
+    /// from the kernel when none were given.
     fn ifindex(&self, name: &str) -> Option<u32> {
-        (self.indexes.get(name).copied()).or_else(|| ifindex(name).ok())
+        if self.indexes.is_empty() {
+            ifindex(name).ok()
+        } else {
+            self.indexes.get(name).copied()
+        }
     }
 
     /// The shared state, locked (held only for the duration of one call).
