@@ -279,7 +279,7 @@ pub struct Agent<P, K, W, D> {
     retry: Retry,
     /// The last snapshot planned and what the planner made of it: a pass on the same snapshot
     /// (a resync, a kernel notification) reuses it instead of planning again.
-    last_plan: Option<(Arc<Snapshot>, PlanOutcome)>,
+    last_plan: Option<(Arc<Snapshot>, Arc<PlanOutcome>)>,
 }
 
 /// When a pass that failed to apply or publish is tried again: after 1 s, doubling up to 30 s,
@@ -425,13 +425,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         Arc::new(snapshot)
     }
 
-    fn plan(&mut self, snapshot: &Arc<Snapshot>) -> PlanOutcome {
+    fn plan(&mut self, snapshot: &Arc<Snapshot>) -> Arc<PlanOutcome> {
         if let Some((last, outcome)) = &self.last_plan
             && Arc::ptr_eq(last, snapshot)
         {
             return outcome.clone();
         }
-        let outcome = self.planner.plan(snapshot);
+        let outcome = Arc::new(self.planner.plan(snapshot));
         self.last_plan = Some((snapshot.clone(), outcome.clone()));
         // Without a plan the roles stay as they were.
         if outcome.plan.is_some() {
@@ -560,8 +560,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
         let alive = self.alive(&update);
         let snapshot = self.with_own_annotations(alive);
-        let mut outcome = self.plan(&snapshot);
-        let Some(plan) = outcome.plan.take() else {
+        let outcome = self.plan(&snapshot);
+        let Some(plan) = outcome.plan.as_ref() else {
             self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;
             return Err(AgentError::NoPlan(
@@ -574,7 +574,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         };
         self.metrics.reconciles.inc();
         self.stats.reconciles += 1;
-        let report = match self.reconciler.reconcile(&plan).await {
+        let report = match self.reconciler.reconcile(plan).await {
             Ok(r) => r,
             Err(e) => {
                 self.publish(&update.snapshot, &outcome, true, &BTreeMap::new())
@@ -627,7 +627,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         for e in &update.errors {
             out.push_str(&format!("! {e}\n"));
         }
-        let plan = outcome.plan.ok_or_else(|| {
+        let plan = outcome.plan.as_ref().ok_or_else(|| {
             AgentError::NoPlan(if outcome.errors.is_empty() {
                 format!(
                     "node {} is not in the backend yet (a dry run does not publish it)",
@@ -637,7 +637,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 outcome.errors.join("; ")
             })
         })?;
-        out.push_str(&self.reconciler.dry_run(&plan).await?.to_string());
+        out.push_str(&self.reconciler.dry_run(plan).await?.to_string());
         Ok(out)
     }
 
