@@ -13,8 +13,10 @@
 //!
 //! One `inet` table covers IPv4 and IPv6. [`ensure_masquerade`] reads the table first and writes
 //! nothing when it is already exactly this; otherwise it replaces the whole table in one atomic
-//! batch (add, delete, add: the usual idempotent reload). [`remove_masquerade`] deletes it.
-//! Everything happens in the calling thread's network namespace.
+//! batch (add, delete, add: the usual idempotent reload). [`Keeper`] does the same over many
+//! calls, reading the ruleset only when netfilter announced a change or a check is due.
+//! [`remove_masquerade`] deletes it. Everything happens in the calling thread's network
+//! namespace.
 use std::io;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
@@ -323,9 +325,13 @@ fn be32(p: Option<&[u8]>) -> Option<u32> {
     Some(u32::from_be_bytes(p?.get(..4)?.try_into().ok()?))
 }
 
+/// A netfilter netlink socket (in the network namespace it was opened in), for any number of
+/// calls.
 struct Conn {
     sock: Socket,
     seq: u32,
+    /// One datagram; the kernel's replies here are far smaller.
+    buf: Vec<u8>,
 }
 
 impl Conn {
@@ -333,6 +339,7 @@ impl Conn {
         Ok(Conn {
             sock: netlink_socket(NETLINK_NETFILTER)?,
             seq: 0,
+            buf: Vec::with_capacity(1 << 16),
         })
     }
 
@@ -356,8 +363,9 @@ impl Conn {
         let mut done = !dump;
         let mut error = None;
         while seen < acks || !done {
-            let reply = match self.sock.recv_from_full() {
-                Ok((reply, _)) => reply,
+            self.buf.clear();
+            match self.sock.recv(&mut self.buf, 0) {
+                Ok(_) => {}
                 // A failed batch may leave some acks out: report the error we have.
                 Err(e)
                     if error.is_some()
@@ -370,7 +378,7 @@ impl Conn {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let mut b = &reply[..];
+            let mut b = &self.buf[..];
             while b.len() >= 16 {
                 let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
                 let ty = u16::from_ne_bytes([b[4], b[5]]);
@@ -430,8 +438,7 @@ fn not_found(e: &NftError) -> bool {
 }
 
 /// Reads our table, chain and rules.
-pub fn observe(table: &str) -> Result<Observed, NftError> {
-    let mut c = Conn::open()?;
+fn observe(c: &mut Conn, table: &str) -> Result<Observed, NftError> {
     let mut out = Observed::default();
     let seq = c.next_seq();
     let mut m = Msg::nft(NFT_MSG_GETTABLE, NLM_F_REQUEST | NLM_F_ACK, seq);
@@ -496,11 +503,15 @@ pub fn desired(rule: &MasqueradeRule) -> Observed {
 
 /// Installs the rule unless it is there already (then nothing is written).
 pub fn ensure_masquerade(rule: &MasqueradeRule) -> Result<Writes, NftError> {
+    ensure_masquerade_with(&mut Conn::open()?, rule)
+}
+
+/// [`ensure_masquerade`] over an open socket.
+fn ensure_masquerade_with(c: &mut Conn, rule: &MasqueradeRule) -> Result<Writes, NftError> {
     let mut writes = Writes::default();
-    if observe(&rule.table)? == desired(rule) {
+    if observe(c, &rule.table)? == desired(rule) {
         return Ok(writes);
     }
-    let mut c = Conn::open()?;
     let batch = replace_batch(rule, &mut c.seq);
     c.exchange(&batch, 5, false, "masquerade table batch")?;
     writes.add("nft_table", 1);
@@ -509,13 +520,101 @@ pub fn ensure_masquerade(rule: &MasqueradeRule) -> Result<Writes, NftError> {
     Ok(writes)
 }
 
+/// Keeps the rule in place over many calls without reading the ruleset at each: it checks (and
+/// repairs) at the first call, after netfilter announced any ruleset change in the namespace (the
+/// nftables multicast group, drained without waiting), after an error, and at least every
+/// `every` calls. Without the group (no subscription possible) it checks at every call.
+pub struct Keeper {
+    rule: MasqueradeRule,
+    every: u32,
+    conn: Option<Conn>,
+    changes: Option<Socket>,
+    /// Calls since the last check; `None` when the next call must check.
+    since: Option<u32>,
+    checks: u64,
+}
+
+impl Keeper {
+    pub fn new(rule: MasqueradeRule, every: u32) -> Self {
+        Keeper {
+            rule,
+            every,
+            conn: None,
+            changes: None,
+            since: None,
+            checks: 0,
+        }
+    }
+
+    /// [`ensure_masquerade`] when due (see the type's doc).
+    pub fn ensure(&mut self) -> Result<Writes, NftError> {
+        // Subscribed before the first check, so that no change after it goes unseen.
+        if self.changes.is_none() {
+            self.changes = subscribe().ok();
+            self.since = None;
+        }
+        let announced = self.changes.as_mut().is_none_or(drain);
+        match self.since {
+            Some(n) if !announced && n + 1 < self.every => {
+                self.since = Some(n + 1);
+                return Ok(Writes::default());
+            }
+            _ => {}
+        }
+        self.since = None;
+        self.checks += 1;
+        let conn = match &mut self.conn {
+            Some(c) => c,
+            None => self.conn.insert(Conn::open()?),
+        };
+        match ensure_masquerade_with(conn, &self.rule) {
+            Ok(w) => {
+                self.since = Some(0);
+                Ok(w)
+            }
+            Err(e) => {
+                self.conn = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Times the ruleset was read.
+    pub fn checks(&self) -> u64 {
+        self.checks
+    }
+}
+
+/// A socket in the nftables multicast group, not blocking.
+fn subscribe() -> io::Result<Socket> {
+    const NFNLGRP_NFTABLES: u32 = 7;
+    let mut sock = Socket::new(NETLINK_NETFILTER)?;
+    sock.bind_auto()?;
+    sock.add_membership(NFNLGRP_NFTABLES)?;
+    sock.set_non_blocking(true)?;
+    Ok(sock)
+}
+
+/// Reads every queued notification; whether there was any (a lost one, an overrun, counts too).
+fn drain(sock: &mut Socket) -> bool {
+    let mut buf = [0u8; 8192];
+    let mut any = false;
+    loop {
+        match sock.recv(&mut &mut buf[..], 0) {
+            Ok(_) => any = true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
+            Err(_) => return true,
+        }
+    }
+}
+
 /// Deletes the table (and with it the chain and rule) if it exists.
 pub fn remove_masquerade(table: &str) -> Result<Writes, NftError> {
     let mut writes = Writes::default();
-    if !observe(table)?.table {
+    let mut c = Conn::open()?;
+    if !observe(&mut c, table)?.table {
         return Ok(writes);
     }
-    let mut c = Conn::open()?;
     let mut out = Vec::new();
     let s = c.next_seq();
     out.extend(

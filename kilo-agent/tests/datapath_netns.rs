@@ -288,6 +288,52 @@ fn nft_rule_is_idempotent_repaired_and_removed() {
 }
 
 #[test]
+fn nft_keeper_reads_the_ruleset_only_when_announced_or_due() {
+    if !support::require_root("nft_keeper_reads_the_ruleset_only_when_announced_or_due") {
+        return;
+    }
+    let ns = NetNs::new("nftk");
+    // Each call runs in the namespace; the keeper's sockets stay bound to it.
+    let call = |k: nft::Keeper| {
+        ns.run(move || {
+            let mut k = k;
+            let w = k.ensure().unwrap();
+            (k, w.get("nft_rule"))
+        })
+    };
+    let k = nft::Keeper::new(MasqueradeRule::new(0x1000, 0x1000), 4);
+    let (k, rules) = call(k);
+    assert_eq!(
+        (rules, k.checks()),
+        (1, 1),
+        "the first call checks and writes"
+    );
+    // Our own write is announced too: one more check, which finds the rule.
+    let (k, rules) = call(k);
+    assert_eq!((rules, k.checks()), (0, 2));
+    let mut k = k;
+    for _ in 0..3 {
+        let (next, rules) = call(k);
+        assert_eq!((rules, next.checks()), (0, 2), "quiet calls read nothing");
+        k = next;
+    }
+    let (k, rules) = call(k);
+    assert_eq!((rules, k.checks()), (0, 3), "every 4th call checks");
+    // Someone deletes the table: netfilter announces it and the next call repairs.
+    ns.sh("nft delete table inet kilo");
+    let (k, rules) = call(k);
+    assert_eq!((rules, k.checks()), (1, 4));
+    assert!(ns.sh("nft list ruleset").contains("masquerade"));
+    // An unrelated table's change is announced as well: checked, nothing written.
+    let (k, _) = call(k);
+    ns.sh("nft add table inet other");
+    let (k, rules) = call(k);
+    assert_eq!((rules, k.checks()), (0, 6));
+    let (k, rules) = call(k);
+    assert_eq!((rules, k.checks()), (0, 6));
+}
+
+#[test]
 fn fast_path_redirects_mesh_past_a_forward_drop_but_not_services() {
     if !support::require_root("fast_path_redirects_mesh_past_a_forward_drop_but_not_services") {
         return;

@@ -40,7 +40,7 @@ use super::{
     DatapathError, Role,
     counters::CounterArray,
     keys, qdisc,
-    sync::{Counters, DatapathMaps, MapSync, Plans, Resolver},
+    sync::{Counters, DatapathMaps, MapSync, Plans, READ_BACK_EVERY, Resolver},
 };
 use crate::{
     effects::Writes,
@@ -182,6 +182,14 @@ impl Default for DatapathConfig {
 }
 
 impl DatapathConfig {
+    fn masquerade_rule(&self) -> MasqueradeRule {
+        MasqueradeRule {
+            table: self.nft_table.clone(),
+            mark: self.mark,
+            mask: self.mask,
+        }
+    }
+
     fn validate(&self) -> Result<(), DatapathError> {
         if self.mark == 0 || self.mark & !self.mask != 0 {
             return Err(DatapathError::Config(format!(
@@ -453,6 +461,8 @@ pub struct Datapath {
     /// index then: checked while kg still had the capabilities to read which program a link
     /// runs, so that adopting them after the drop writes nothing.
     verified: BTreeMap<String, u32>,
+    /// Keeps the masquerade rule.
+    nft: nft::Keeper,
 }
 
 impl Datapath {
@@ -515,6 +525,7 @@ impl Datapath {
             "datapath: maps ready"
         );
         let synced = maps.config()?.layout == LAYOUT && maps.config()?.flags & CONFIG_SYNCED != 0;
+        let nft = nft::Keeper::new(config.masquerade_rule(), READ_BACK_EVERY);
         let mut datapath = Datapath {
             config,
             ebpf,
@@ -523,6 +534,7 @@ impl Datapath {
             synced,
             held: BTreeMap::new(),
             verified: BTreeMap::new(),
+            nft,
         };
         datapath.verified = datapath.verify_pinned_links();
         let writes = datapath.write_config()?;
@@ -609,17 +621,14 @@ impl Datapath {
 
     /// The masquerade rule for this config's mark.
     pub fn masquerade_rule(&self) -> MasqueradeRule {
-        MasqueradeRule {
-            table: self.config.nft_table.clone(),
-            mark: self.config.mark,
-            mask: self.config.mask,
-        }
+        self.config.masquerade_rule()
     }
 
-    /// Installs the static masquerade rule (in the calling thread's network namespace) unless it
-    /// is there already.
-    pub fn ensure_masquerade(&self) -> Result<Writes, DatapathError> {
-        Ok(nft::ensure_masquerade(&self.masquerade_rule())?)
+    /// Installs the static masquerade rule (in the network namespace of the first call) unless
+    /// it is there already: read at the first call, after netfilter announced a ruleset change, and
+    /// every [`READ_BACK_EVERY`] calls ([`nft::Keeper`]).
+    pub fn ensure_masquerade(&mut self) -> Result<Writes, DatapathError> {
+        Ok(self.nft.ensure()?)
     }
 
     /// Sets the program's log level (one config write, none if unchanged; see [`super::logs`]).
