@@ -527,10 +527,11 @@ fn ensure_masquerade_with(c: &mut Conn, rule: &MasqueradeRule) -> Result<Writes,
 pub struct Keeper {
     rule: MasqueradeRule,
     every: u32,
+    /// `None` before the first check and after an error: the next call checks.
     conn: Option<Conn>,
     changes: Option<Socket>,
-    /// Calls since the last check; `None` when the next call must check.
-    since: Option<u32>,
+    /// Calls since the last check.
+    since: u32,
     checks: u64,
 }
 
@@ -541,42 +542,37 @@ impl Keeper {
             every,
             conn: None,
             changes: None,
-            since: None,
+            since: 0,
             checks: 0,
         }
     }
 
     /// [`ensure_masquerade`] when due (see the type's doc).
     pub fn ensure(&mut self) -> Result<Writes, NftError> {
-        // Subscribed before the first check, so that no change after it goes unseen.
-        if self.changes.is_none() {
-            self.changes = subscribe().ok();
-            self.since = None;
-        }
-        let announced = self.changes.as_mut().is_none_or(drain);
-        match self.since {
-            Some(n) if !announced && n + 1 < self.every => {
-                self.since = Some(n + 1);
-                return Ok(Writes::default());
+        // Subscribed before a check, so that no change after it goes unseen; until then every
+        // call checks.
+        let announced = match &mut self.changes {
+            Some(sock) => drain(sock),
+            None => {
+                self.changes = subscribe().ok();
+                true
             }
-            _ => {}
+        };
+        self.since += 1;
+        if self.conn.is_some() && !announced && self.since < self.every {
+            return Ok(Writes::default());
         }
-        self.since = None;
+        self.since = 0;
         self.checks += 1;
         let conn = match &mut self.conn {
             Some(c) => c,
             None => self.conn.insert(Conn::open()?),
         };
-        match ensure_masquerade_with(conn, &self.rule) {
-            Ok(w) => {
-                self.since = Some(0);
-                Ok(w)
-            }
-            Err(e) => {
-                self.conn = None;
-                Err(e)
-            }
+        let checked = ensure_masquerade_with(conn, &self.rule);
+        if checked.is_err() {
+            self.conn = None;
         }
+        checked
     }
 
     /// Times the ruleset was read.

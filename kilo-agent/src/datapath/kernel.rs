@@ -619,11 +619,6 @@ impl Datapath {
         self.sync.counters(&self.maps)
     }
 
-    /// The masquerade rule for this config's mark.
-    pub fn masquerade_rule(&self) -> MasqueradeRule {
-        self.config.masquerade_rule()
-    }
-
     /// Installs the static masquerade rule (in the network namespace of the first call) unless
     /// it is there already: read at the first call, after netfilter announced a ruleset change, and
     /// every [`READ_BACK_EVERY`] calls ([`nft::Keeper`]).
