@@ -14,7 +14,8 @@
 //! One `inet` table covers IPv4 and IPv6. [`ensure_masquerade`] reads the table first and writes
 //! nothing when it is already exactly this; otherwise it replaces the whole table in one atomic
 //! batch (add, delete, add: the usual idempotent reload). [`Keeper`] does the same over many
-//! calls, reading the ruleset only when netfilter announced a change or a check is due.
+//! calls, reading the ruleset only when netfilter announced a change to our table or a check
+//! is due.
 //! [`remove_masquerade`] deletes it. Everything happens in the calling thread's network
 //! namespace.
 use std::io;
@@ -329,6 +330,8 @@ fn be32(p: Option<&[u8]>) -> Option<u32> {
 /// calls.
 struct Conn {
     sock: Socket,
+    /// The socket's netlink port: notifications of our own writes carry it.
+    port: Option<u32>,
     seq: u32,
     /// One datagram; the kernel's replies here are far smaller.
     buf: Vec<u8>,
@@ -336,8 +339,15 @@ struct Conn {
 
 impl Conn {
     fn open() -> Result<Self, NftError> {
+        let sock = netlink_socket(NETLINK_NETFILTER)?;
+        let mut addr = netlink_sys::SocketAddr::new(0, 0);
+        let port = sock
+            .get_address(&mut addr)
+            .ok()
+            .map(|()| addr.port_number());
         Ok(Conn {
-            sock: netlink_socket(NETLINK_NETFILTER)?,
+            sock,
+            port,
             seq: 0,
             buf: Vec::with_capacity(1 << 16),
         })
@@ -521,9 +531,10 @@ fn ensure_masquerade_with(c: &mut Conn, rule: &MasqueradeRule) -> Result<Writes,
 }
 
 /// Keeps the rule in place over many calls without reading the ruleset at each: it checks (and
-/// repairs) at the first call, after netfilter announced any ruleset change in the namespace (the
-/// nftables multicast group, drained without waiting), after an error, and at least every
-/// `every` calls. Without the group (no subscription possible) it checks at every call.
+/// repairs) at the first call, after netfilter announced a change to our table made by someone
+/// else (the nftables multicast group, drained without waiting; other tables' changes, e.g.
+/// kube-proxy's, and the echoes of our own writes do not count), after an error, and at least
+/// every `every` calls. Without the group (no subscription possible) it checks at every call.
 pub struct Keeper {
     rule: MasqueradeRule,
     every: u32,
@@ -551,8 +562,9 @@ impl Keeper {
     pub fn ensure(&mut self) -> Result<Writes, NftError> {
         // Subscribed before a check, so that no change after it goes unseen; until then every
         // call checks.
+        let own = self.conn.as_ref().and_then(|c| c.port);
         let announced = match &mut self.changes {
-            Some(sock) => drain(sock),
+            Some(sock) => drain(sock, own, &self.rule.table),
             None => {
                 self.changes = subscribe().ok();
                 true
@@ -591,17 +603,45 @@ fn subscribe() -> io::Result<Socket> {
     Ok(sock)
 }
 
-/// Reads every queued notification; whether there was any (a lost one, an overrun, counts too).
-fn drain(sock: &mut Socket) -> bool {
+/// Reads every queued notification; whether any may concern `table` (family inet) and came
+/// from another socket than `own` (the port our writes go through): a change to our table, its
+/// chain or rule, a message too long for the buffer, a lost one or an overrun count; another
+/// table's changes and the generation messages do not.
+fn drain(sock: &mut Socket, own: Option<u32>, table: &str) -> bool {
     let mut buf = [0u8; 8192];
     let mut any = false;
     loop {
-        match sock.recv(&mut &mut buf[..], 0) {
-            Ok(_) => any = true,
+        match sock.recv(&mut &mut buf[..], libc::MSG_TRUNC) {
+            Ok(n) if n > buf.len() => any = true,
+            Ok(n) => any |= concerns(&buf[..n], own, table),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
             Err(_) => return true,
         }
     }
+}
+
+/// Whether one datagram of nftables notifications may concern `table` (see [`drain`]).
+fn concerns(mut b: &[u8], own: Option<u32>, table: &str) -> bool {
+    let mut any = false;
+    while b.len() >= 16 {
+        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+        if len < 16 || len > b.len() {
+            return true;
+        }
+        let ty = u16::from_ne_bytes([b[4], b[5]]);
+        let port = u32::from_ne_bytes(b[12..16].try_into().expect("4 bytes"));
+        let body = &b[16..len];
+        // nfgenmsg (family, version, resource id), then the attributes: the table's name is
+        // attribute 1 in every table, chain, rule, set and object message. The generation
+        // message that ends each batch has family AF_UNSPEC.
+        let other = ty >> 8 != NFNL_SUBSYS_NFTABLES
+            || body.len() >= 4
+                && (body[0] != NFPROTO_INET
+                    || get(&attrs(&body[4..]), NFTA_TABLE_NAME).is_some_and(|n| cstr(n) != table));
+        any |= own != Some(port) && !other;
+        b = &b[((len + 3) & !3).min(b.len())..];
+    }
+    any
 }
 
 /// Deletes the table (and with it the chain and rule) if it exists.

@@ -620,8 +620,8 @@ impl Datapath {
     }
 
     /// Installs the static masquerade rule (in the network namespace of the first call) unless
-    /// it is there already: read at the first call, after netfilter announced a ruleset change, and
-    /// every [`READ_BACK_EVERY`] calls ([`nft::Keeper`]).
+    /// it is there already: read at the first call, after netfilter announced a change to its
+    /// table by someone else, and every [`READ_BACK_EVERY`] calls ([`nft::Keeper`]).
     pub fn ensure_masquerade(&mut self) -> Result<Writes, DatapathError> {
         Ok(self.nft.ensure()?)
     }
