@@ -94,7 +94,14 @@ pub enum DatapathSyncError {
 /// The eBPF datapath as the agent sees it; the datapath module provides the real one.
 pub trait DatapathSync {
     /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
-    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError>;
+    /// `links`: every link's index by name, as just read from the kernel (a name not in it is
+    /// not there); `None` to ask the kernel.
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        links: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError>;
     /// Lines describing what `sync` would change (for `--dry-run`).
     fn describe(
         &mut self,
@@ -110,9 +117,6 @@ pub trait DatapathSync {
     fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
         Ok(Writes::default())
     }
-    /// Every link's index by name, as just read from the kernel, for the next `sync` only (a
-    /// name not in it is not there; it asks the kernel itself when not given any).
-    fn link_indexes(&mut self, _indexes: &BTreeMap<String, u32>) {}
     /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
     /// scrape time, never writing). `None` when there is nothing to read.
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
@@ -121,8 +125,13 @@ pub trait DatapathSync {
 }
 
 impl DatapathSync for Box<dyn DatapathSync> {
-    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
-        (**self).sync(plan, ipip)
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        links: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
+        (**self).sync(plan, ipip, links)
     }
     fn describe(
         &mut self,
@@ -137,9 +146,6 @@ impl DatapathSync for Box<dyn DatapathSync> {
     fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
         (**self).route_realm(hold)
     }
-    fn link_indexes(&mut self, indexes: &BTreeMap<String, u32>) {
-        (**self).link_indexes(indexes)
-    }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         (**self).stats_source()
     }
@@ -150,7 +156,12 @@ impl DatapathSync for Box<dyn DatapathSync> {
 pub struct NoDatapath;
 
 impl DatapathSync for NoDatapath {
-    fn sync(&mut self, _: &DatapathPlan, _: &IpipPlan) -> Result<Writes, DatapathSyncError> {
+    fn sync(
+        &mut self,
+        _: &DatapathPlan,
+        _: &IpipPlan,
+        _: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
         Ok(Writes::default())
     }
     fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {

@@ -198,10 +198,10 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
             &["kube-bridge".to_string()],
             false,
         );
-        let failed = dp.sync(&too_big, &Default::default()).is_err();
+        let failed = dp.sync(&too_big, &Default::default(), None).is_err();
         let after_failure = [attached("kwg0"), attached("kube-bridge")];
         let writes = dp
-            .sync(&fits, &Default::default())
+            .sync(&fits, &Default::default(), None)
             .expect("a plan that fits");
         let after_success = [attached("kwg0"), attached("kube-bridge")];
         dp.clean_up().unwrap();
@@ -276,14 +276,14 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         };
         let mut dp = open();
         // Alone in its location: nothing on eth0.
-        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!(w.get("link_attach"), 1, "kwg0 only: {w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         // A neighbour: both programs, three entries; then idle.
-        let w = dp.sync(&nat, &neighbour).unwrap();
+        let w = dp.sync(&nat, &neighbour, None).unwrap();
         assert_eq!((w.get("link_attach"), w.get("map_insert")), (2, 3), "{w}");
         assert!(attached_at("eth0", Egress) && attached_at("eth0", Ingress));
-        assert!(dp.sync(&nat, &neighbour).unwrap().is_empty());
+        assert!(dp.sync(&nat, &neighbour, None).unwrap().is_empty());
         // A restarted agent adopts the pinned links and maps: nothing to write.
         drop(dp);
         assert!(
@@ -291,10 +291,10 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
             "pinned links outlive the agent"
         );
         let mut dp = open();
-        let w = dp.sync(&nat, &neighbour).unwrap();
+        let w = dp.sync(&nat, &neighbour, None).unwrap();
         assert!(w.is_empty(), "adopting wrote {w}");
         // The neighbour leaves: entries deleted, programs detached.
-        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!((w.get("link_detach"), w.get("map_delete")), (2, 3), "{w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         dp.clean_up().unwrap();
@@ -340,16 +340,16 @@ fn ipip_programs_attach_and_detach_as_netlink_filters() {
             false,
         );
         let nat = DatapathPlan::default();
-        let w = dp.sync(&nat, &neighbour).unwrap();
+        let w = dp.sync(&nat, &neighbour, None).unwrap();
         assert_eq!(w.get("link_attach"), 3, "kwg0 and both on eth0: {w}");
         let attached = filters(&ns);
-        let w = dp.sync(&nat, &IpipPlan::default()).unwrap();
+        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!(w.get("link_detach"), 2, "{w}");
         let show =
             || String::from_utf8_lossy(&ns.try_sh("tc qdisc show dev eth0").stdout).into_owned();
         let mut detached = show();
         // Clean-up takes them (and the qdisc) too.
-        dp.sync(&nat, &neighbour).unwrap();
+        dp.sync(&nat, &neighbour, None).unwrap();
         dp.clean_up().unwrap();
         detached += &show();
         (attached, detached)

@@ -122,8 +122,6 @@ pub struct AgentDatapath {
     /// The private interface's index while the IPIP programs are attached there; `None` before
     /// the first sync (a pinned attachment of an earlier run may exist).
     ipip: Option<Option<u32>>,
-    /// Link indexes by name for the next sync ([`DatapathSync::link_indexes`]).
-    indexes: BTreeMap<String, u32>,
 }
 
 impl AgentDatapath {
@@ -152,7 +150,6 @@ impl AgentDatapath {
             attached: BTreeMap::new(),
             lost: BTreeSet::new(),
             ipip: None,
-            indexes: BTreeMap::new(),
         }
     }
 
@@ -162,12 +159,13 @@ impl AgentDatapath {
         &mut self,
         datapath: &mut Datapath,
         want: bool,
+        links: Links,
     ) -> Result<Writes, DatapathError> {
         let mut writes = Writes::default();
         let Some(private) = self.devices.private.as_deref() else {
             return Ok(writes);
         };
-        let index = self.ifindex(private).filter(|_| want);
+        let index = links.index(private).filter(|_| want);
         if self.ipip == Some(index) {
             return Ok(writes);
         }
@@ -188,11 +186,12 @@ impl AgentDatapath {
         Ok(writes)
     }
 
-    /// [`DatapathSync::sync`], with the link indexes it was given.
-    fn sync_now(
+    /// [`DatapathSync::sync`].
+    fn sync_with(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
+        links: Links,
     ) -> Result<Writes, DatapathSyncError> {
         let mut writes = Writes::default();
         let shared = self.shared.clone();
@@ -202,7 +201,7 @@ impl AgentDatapath {
         writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
         // Each device resolved once per sync, not once per entry.
         let index = [Device::WireGuard, Device::Private, Device::Tunnel]
-            .map(|d| (d, self.devices.name(d).and_then(|n| self.ifindex(n))));
+            .map(|d| (d, self.devices.name(d).and_then(|n| links.index(n))));
         let resolver = |device: Device| index.iter().find(|(d, _)| *d == device)?.1;
         let synced = datapath
             .sync(Plans { nat: plan, ipip }, &resolver)
@@ -224,7 +223,7 @@ impl AgentDatapath {
         let pin_dir = datapath.config().pin_dir.clone().unwrap_or_default();
         let mut not_yet = Vec::new();
         for name in self.interfaces.iter().filter(|_| ready) {
-            match self.ifindex(name) {
+            match links.index(name) {
                 Some(index) if self.attached.get(name) != Some(&index) => {
                     match datapath.attach(name) {
                         Ok(w) => {
@@ -246,7 +245,8 @@ impl AgentDatapath {
             }
         }
         let ipip_attached = if ready {
-            self.attach_ipip(datapath, !ipip.is_empty()).map_err(failed)
+            self.attach_ipip(datapath, !ipip.is_empty(), links)
+                .map_err(failed)
         } else {
             Ok(Writes::default())
         };
@@ -277,19 +277,22 @@ impl AgentDatapath {
         Ok(writes)
     }
 
-    /// A link's index: from those read with the plan (a name not among them is not there), or
-    /// from the kernel when none were given.
-    fn ifindex(&self, name: &str) -> Option<u32> {
-        if self.indexes.is_empty() {
-            ifindex(name).ok()
-        } else {
-            self.indexes.get(name).copied()
-        }
-    }
-
     /// The shared state, locked (held only for the duration of one call).
     fn lock(&self) -> MutexGuard<'_, Shared> {
         self.shared.lock()
+    }
+}
+
+/// The links a sync sees: those read with the plan ([`DatapathSync::sync`]), or the kernel's.
+#[derive(Clone, Copy)]
+struct Links<'a>(Option<&'a BTreeMap<String, u32>>);
+
+impl Links<'_> {
+    fn index(self, name: &str) -> Option<u32> {
+        match self.0 {
+            Some(links) => links.get(name).copied(),
+            None => ifindex(name).ok(),
+        }
     }
 }
 
@@ -305,10 +308,13 @@ fn failed(e: DatapathError) -> DatapathSyncError {
 }
 
 impl DatapathSync for AgentDatapath {
-    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
-        let synced = self.sync_now(plan, ipip);
-        self.indexes.clear();
-        synced
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        links: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
+        self.sync_with(plan, ipip, Links(links))
     }
 
     fn describe(
@@ -337,10 +343,6 @@ impl DatapathSync for AgentDatapath {
             }
         }
         Ok(lines)
-    }
-
-    fn link_indexes(&mut self, indexes: &BTreeMap<String, u32>) {
-        self.indexes.clone_from(indexes);
     }
 
     fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
@@ -422,7 +424,12 @@ impl FakeDatapath {
 }
 
 impl DatapathSync for FakeDatapath {
-    fn sync(&mut self, plan: &DatapathPlan, ipip: &IpipPlan) -> Result<Writes, DatapathSyncError> {
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        _: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
         let mut shared = self.lock();
         let writes =
             sync_maps(&mut shared.maps, Plans { nat: plan, ipip }, &NoResolver).map_err(failed);

@@ -441,8 +441,10 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
     }
 
     fn sync_datapath(&mut self, plan: &Plan, indexes: &BTreeMap<String, u32>, report: &mut Report) {
-        self.datapath.link_indexes(indexes);
-        match self.datapath.sync(&plan.datapath, &plan.ipip) {
+        match self
+            .datapath
+            .sync(&plan.datapath, &plan.ipip, Some(indexes))
+        {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
         }
@@ -705,6 +707,7 @@ mod tests {
             &mut self,
             _: &DatapathPlan,
             _: &crate::plan::IpipPlan,
+            _: Option<&BTreeMap<String, u32>>,
         ) -> Result<Writes, DatapathSyncError> {
             Ok(Writes::default())
         }
