@@ -771,6 +771,8 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
             1,
         );
         assert_eq!(r.mark, MARK);
+        // The agent has seen that route realms hold.
+        assert_eq!(second.set_route_realm(true).unwrap().get("map_config"), 1);
         drop(second);
         // An older version pinned a map this one no longer has: its pin goes.
         let stale = dir.join("maps").join("KILO_DECISIONS");
@@ -778,8 +780,10 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
             "bpftool map create {} type percpu_array key 4 value 16 entries 6 name KILO_DECISIONS",
             stale.display()
         ));
-        // A restart on the new pins adopts everything: nothing to write.
-        let mut third = Datapath::open(config.clone()).unwrap();
+        // A restart on the new pins adopts everything, the realm bit too: nothing to write.
+        let (mut third, w) = Datapath::open_counted(config.clone()).unwrap();
+        assert!(w.is_empty(), "{w}");
+        assert!(third.config().route_realm, "the realm bit is kept");
         assert!(!stale.exists(), "the stale pin is removed");
         assert!(third.attach("veth0").unwrap().is_empty());
         assert!(third.sync(&plan(), &NoResolver).unwrap().is_empty());

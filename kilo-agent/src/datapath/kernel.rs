@@ -152,7 +152,8 @@ pub struct DatapathConfig {
     /// Redirect mesh traffic straight to its egress (bypasses netfilter's FORWARD chain).
     pub fast_path: bool,
     /// The kernel keeps the realm of our `tunl0` routes ([`CONFIG_ROUTE_REALM`]): the
-    /// encapsulation looks up only packets routed by them. Set by the agent once it has seen it.
+    /// encapsulation looks up only packets routed by them. Set by the agent once it has seen it;
+    /// kept from adopted maps that have it until then.
     pub route_realm: bool,
     /// Capacity of each table.
     pub max_entries: u32,
@@ -478,7 +479,7 @@ impl Datapath {
     /// Pins are replaced rather than adopted when a map's definition differs (the kernel's
     /// check) or when the pinned config was written for another [`LAYOUT`] (what the maps
     /// mean changed); programs still attached keep the old maps until `attach` moves them.
-    pub fn open_counted(config: DatapathConfig) -> Result<(Self, Writes), DatapathError> {
+    pub fn open_counted(mut config: DatapathConfig) -> Result<(Self, Writes), DatapathError> {
         config.validate()?;
         let pins = config.pin_dir.as_ref().map(|d| d.join("maps"));
         if let (Some(dir), Some(maps)) = (&config.pin_dir, &pins) {
@@ -524,7 +525,11 @@ impl Datapath {
             counter_slots = maps.counter_slots(),
             "datapath: maps ready"
         );
-        let synced = maps.config()?.layout == LAYOUT && maps.config()?.flags & CONFIG_SYNCED != 0;
+        let pinned = maps.config()?;
+        let current = pinned.layout == LAYOUT;
+        let synced = current && pinned.flags & CONFIG_SYNCED != 0;
+        // The running program keeps checking realms until the agent has looked at its routes.
+        config.route_realm |= current && pinned.flags & CONFIG_ROUTE_REALM != 0;
         let nft = nft::Keeper::new(config.masquerade_rule(), READ_BACK_EVERY);
         let mut datapath = Datapath {
             config,
