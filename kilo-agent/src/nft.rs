@@ -388,19 +388,13 @@ impl Conn {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let mut b = &self.buf[..];
-            while b.len() >= 16 {
-                let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-                let ty = u16::from_ne_bytes([b[4], b[5]]);
-                let flags = u16::from_ne_bytes([b[6], b[7]]);
-                if len < 16 || len > b.len() {
-                    return Err(NftError::Malformed(what));
-                }
-                let body = &b[16..len];
-                match ty {
+            for m in messages(&self.buf) {
+                let m = m.ok_or(NftError::Malformed(what))?;
+                match m.ty {
                     NLMSG_ERROR => {
                         let code = i32::from_ne_bytes(
-                            body.get(..4)
+                            m.body
+                                .get(..4)
                                 .ok_or(NftError::Malformed(what))?
                                 .try_into()
                                 .expect("4 bytes"),
@@ -415,15 +409,14 @@ impl Conn {
                     }
                     NLMSG_DONE => done = true,
                     _ => {
-                        if body.len() >= 4 {
-                            data.push(body[4..].to_vec());
+                        if m.body.len() >= 4 {
+                            data.push(m.body[4..].to_vec());
                         }
-                        if dump && flags & NLM_F_MULTI == 0 {
+                        if dump && m.flags & NLM_F_MULTI == 0 {
                             done = true;
                         }
                     }
                 }
-                b = &b[((len + 3) & !3).min(b.len())..];
             }
         }
         match error {
@@ -621,27 +614,51 @@ fn drain(sock: &mut Socket, own: Option<u32>, table: &str) -> bool {
 }
 
 /// Whether one datagram of nftables notifications may concern `table` (see [`drain`]).
-fn concerns(mut b: &[u8], own: Option<u32>, table: &str) -> bool {
-    let mut any = false;
-    while b.len() >= 16 {
-        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-        if len < 16 || len > b.len() {
+fn concerns(datagram: &[u8], own: Option<u32>, table: &str) -> bool {
+    messages(datagram).any(|m| {
+        let Some(m) = m else {
             return true;
-        }
-        let ty = u16::from_ne_bytes([b[4], b[5]]);
-        let port = u32::from_ne_bytes(b[12..16].try_into().expect("4 bytes"));
-        let body = &b[16..len];
+        };
         // nfgenmsg (family, version, resource id), then the attributes: the table's name is
         // attribute 1 in every table, chain, rule, set and object message. The generation
         // message that ends each batch has family AF_UNSPEC.
-        let other = ty >> 8 != NFNL_SUBSYS_NFTABLES
-            || body.len() >= 4
-                && (body[0] != NFPROTO_INET
-                    || get(&attrs(&body[4..]), NFTA_TABLE_NAME).is_some_and(|n| cstr(n) != table));
-        any |= own != Some(port) && !other;
+        let other = m.ty >> 8 != NFNL_SUBSYS_NFTABLES
+            || m.body.len() >= 4
+                && (m.body[0] != NFPROTO_INET
+                    || get(&attrs(&m.body[4..]), NFTA_TABLE_NAME)
+                        .is_some_and(|n| cstr(n) != table));
+        own != Some(m.port) && !other
+    })
+}
+
+/// One netlink message: its type, flags, sender's port and what follows the header.
+struct Message<'a> {
+    ty: u16,
+    flags: u16,
+    port: u32,
+    body: &'a [u8],
+}
+
+/// The messages of one datagram in order; `None` for a malformed length, and nothing after it.
+fn messages(mut b: &[u8]) -> impl Iterator<Item = Option<Message<'_>>> {
+    std::iter::from_fn(move || {
+        if b.len() < 16 {
+            return None;
+        }
+        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+        if len < 16 || len > b.len() {
+            b = &[];
+            return Some(None);
+        }
+        let m = Message {
+            ty: u16::from_ne_bytes([b[4], b[5]]),
+            flags: u16::from_ne_bytes([b[6], b[7]]),
+            port: u32::from_ne_bytes(b[12..16].try_into().expect("4 bytes")),
+            body: &b[16..len],
+        };
         b = &b[((len + 3) & !3).min(b.len())..];
-    }
-    any
+        Some(Some(m))
+    })
 }
 
 /// Deletes the table (and with it the chain and rule) if it exists.

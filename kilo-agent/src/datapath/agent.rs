@@ -186,13 +186,44 @@ impl AgentDatapath {
         Ok(writes)
     }
 
-    /// [`DatapathSync::sync`].
-    fn sync_with(
+    /// The shared state, locked (held only for the duration of one call).
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock()
+    }
+}
+
+/// The links a sync sees: those read with the plan ([`DatapathSync::sync`]), or the kernel's.
+#[derive(Clone, Copy)]
+struct Links<'a>(Option<&'a BTreeMap<String, u32>>);
+
+impl Links<'_> {
+    fn index(self, name: &str) -> Option<u32> {
+        match self.0 {
+            Some(links) => links.get(name).copied(),
+            None => ifindex(name).ok(),
+        }
+    }
+}
+
+fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
+    shared
+        .datapath
+        .as_mut()
+        .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
+}
+
+fn failed(e: DatapathError) -> DatapathSyncError {
+    DatapathSyncError::Other(Box::new(e))
+}
+
+impl DatapathSync for AgentDatapath {
+    fn sync(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
-        links: Links,
+        links: Option<&BTreeMap<String, u32>>,
     ) -> Result<Writes, DatapathSyncError> {
+        let links = Links(links);
         let mut writes = Writes::default();
         let shared = self.shared.clone();
         let mut shared = shared.lock();
@@ -275,46 +306,6 @@ impl AgentDatapath {
             return Err(DatapathSyncError::Failed(message));
         }
         Ok(writes)
-    }
-
-    /// The shared state, locked (held only for the duration of one call).
-    fn lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock()
-    }
-}
-
-/// The links a sync sees: those read with the plan ([`DatapathSync::sync`]), or the kernel's.
-#[derive(Clone, Copy)]
-struct Links<'a>(Option<&'a BTreeMap<String, u32>>);
-
-impl Links<'_> {
-    fn index(self, name: &str) -> Option<u32> {
-        match self.0 {
-            Some(links) => links.get(name).copied(),
-            None => ifindex(name).ok(),
-        }
-    }
-}
-
-fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
-    shared
-        .datapath
-        .as_mut()
-        .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
-}
-
-fn failed(e: DatapathError) -> DatapathSyncError {
-    DatapathSyncError::Other(Box::new(e))
-}
-
-impl DatapathSync for AgentDatapath {
-    fn sync(
-        &mut self,
-        plan: &DatapathPlan,
-        ipip: &IpipPlan,
-        links: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
-        self.sync_with(plan, ipip, Links(links))
     }
 
     fn describe(

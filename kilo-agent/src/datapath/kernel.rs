@@ -507,10 +507,11 @@ impl Datapath {
             }
             loaded => loaded?,
         };
-        let layout = maps.config()?.layout;
-        if adopted && layout != LAYOUT {
+        let mut pinned = maps.config()?;
+        if adopted && pinned.layout != LAYOUT {
             drop((ebpf, maps));
-            (ebpf, maps) = replace(&format_args!("layout {layout}, not {LAYOUT}"))?;
+            (ebpf, maps) = replace(&format_args!("layout {}, not {LAYOUT}", pinned.layout))?;
+            pinned = maps.config()?;
         }
         if let Some(maps) = &pins {
             remove_pins(maps, &PINNED_MAPS)?;
@@ -525,7 +526,6 @@ impl Datapath {
             counter_slots = maps.counter_slots(),
             "datapath: maps ready"
         );
-        let pinned = maps.config()?;
         let current = pinned.layout == LAYOUT;
         let synced = current && pinned.flags & CONFIG_SYNCED != 0;
         // The running program keeps checking realms until the agent has looked at its routes.
