@@ -12,9 +12,10 @@
 //! The record is read back from the maps at the first sync, after a failed write, and every
 //! [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our pinned maps; the
 //! kernel sends no notification about map contents). Per-entry counter slots are stored in the
-//! entry values, so they survive syncs and adoption by a new agent; a slot is reused only once
-//! its entry is gone, and zeroed (only if non-zero) before reuse. The metrics read the entries
-//! from the record too ([`MapSync::counters`]): no system call per entry.
+//! entry values, so they survive syncs and adoption by a new agent; the record also knows which
+//! slots are held, and a slot freed by a sync's deletes is handed out from the next sync on,
+//! zeroed (only if non-zero) first. The metrics read the entries from the record too
+//! ([`MapSync::counters`]): no system call per entry.
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
@@ -127,8 +128,49 @@ const DELETE_ORDER: [Role; 6] = [
 /// an idle resync's average under a millisecond.
 pub const READ_BACK_EVERY: u32 = 20;
 
-/// What the maps hold, per role.
-type Record = BTreeMap<Role, BTreeMap<IpNet, EntryValue>>;
+/// What the maps hold, per role, and which counter slots their entries hold.
+#[derive(Debug)]
+struct Record {
+    tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
+    /// Bit `s % 64` of word `s / 64` set: slot `s` is held.
+    used: Vec<u64>,
+}
+
+impl Record {
+    fn new(tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>, slots: u32) -> Self {
+        let mut record = Record {
+            tries: BTreeMap::new(),
+            used: vec![0; slots.div_ceil(64) as usize],
+        };
+        for v in tries.values().flat_map(|t| t.values()) {
+            record.hold(v.counter, true);
+        }
+        record.tries = tries;
+        record
+    }
+
+    /// Marks a slot held or free (slots out of range, like [`NO_COUNTER`], are ignored).
+    fn hold(&mut self, slot: u32, held: bool) {
+        if let Some(w) = self.used.get_mut(slot as usize / 64) {
+            let bit = 1 << (slot % 64);
+            *w = if held { *w | bit } else { *w & !bit };
+        }
+    }
+
+    /// The lowest free slot below `slots`, now held.
+    fn take_slot(&mut self, slots: u32) -> Option<u32> {
+        let (i, w) = self
+            .used
+            .iter()
+            .enumerate()
+            .find(|(_, w)| **w != u64::MAX)?;
+        let slot = (i * 64) as u32 + w.trailing_ones();
+        (slot < slots).then(|| {
+            self.hold(slot, true);
+            slot
+        })
+    }
+}
 
 /// The diff with its record of what the maps hold (see the module doc).
 #[derive(Debug, Default)]
@@ -160,13 +202,13 @@ impl MapSync {
         let slots = maps.counter_slots();
         let changes: BTreeMap<Role, Vec<Change>> = Role::ALL
             .into_iter()
-            .map(|r| (r, changes(plan.role(r), &record[&r], slots, resolver)))
+            .map(|r| (r, changes(plan.role(r), &record.tries[&r], slots, resolver)))
             .collect();
         let mut diff = Diff {
             maps,
             record,
             writes: Writes::default(),
-            free: None,
+            exhausted: false,
         };
         let done = diff.apply(&changes, resolver);
         // A failed write leaves the kernel unknown: read it back next time.
@@ -196,10 +238,11 @@ pub fn sync_maps<'a, M: DatapathMaps + ?Sized>(
 }
 
 fn read_back<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Record, DatapathError> {
-    Role::ALL
+    let tries = Role::ALL
         .into_iter()
         .map(|role| Ok((role, maps.entries(role)?.into_iter().collect())))
-        .collect()
+        .collect::<Result<_, DatapathError>>()?;
+    Ok(Record::new(tries, maps.counter_slots()))
 }
 
 /// One entry to write or delete.
@@ -211,8 +254,8 @@ enum Change<'a> {
 }
 
 /// What differs between the plan's entries of one role and the record's: one ordered pass over
-/// both, no lookups (plan CIDRs with host bits set are keyed as the maps key them first, a copy
-/// of references), none at all when nothing differs.
+/// both, no lookups and no allocation when nothing differs (a plan CIDR with host bits set
+/// makes a second pass over the plan keyed as the maps key it).
 fn changes<'a>(
     want: &'a BTreeMap<IpNet, DatapathEntry>,
     have: &BTreeMap<IpNet, EntryValue>,
@@ -226,27 +269,43 @@ fn changes<'a>(
     if want.len() == have.len() && want.iter().zip(have).all(same) {
         return Vec::new();
     }
-    if want.keys().any(|n| n.trunc() != *n) {
+    merge(want.iter().map(|(n, e)| (*n, e)), have, slots, resolver).unwrap_or_else(|| {
         let keyed: BTreeMap<IpNet, &DatapathEntry> =
             want.iter().map(|(n, e)| (n.trunc(), e)).collect();
-        return merge(keyed.into_iter(), have, slots, resolver);
-    }
-    merge(want.iter().map(|(n, e)| (*n, e)), have, slots, resolver)
+        merge(keyed.into_iter(), have, slots, resolver).expect("keys without host bits")
+    })
 }
 
+/// The changes, or `None` at the first CIDR with host bits set.
 fn merge<'a>(
     want: impl Iterator<Item = (IpNet, &'a DatapathEntry)>,
     have: &BTreeMap<IpNet, EntryValue>,
     slots: u32,
     resolver: &dyn Resolver,
-) -> Vec<Change<'a>> {
+) -> Option<Vec<Change<'a>>> {
     let mut out = Vec::new();
-    let mut have = have.iter().peekable();
+    let mut have = have.iter();
+    let mut next = have.next();
     for (net, entry) in want {
-        while let Some((stale, _)) = have.next_if(|(h, _)| **h < net) {
-            out.push(Change::Delete(*stale));
-        }
-        let old = have.next_if(|(h, _)| **h == net).map(|(_, v)| *v);
+        let old = match next {
+            Some((h, v)) if *h == net => {
+                next = have.next();
+                Some(*v)
+            }
+            // Keys in the record have no host bits: only a key it lacks needs the check.
+            _ if net.addr() != net.network() => return None,
+            _ => {
+                while let Some((h, _)) = next.filter(|(h, _)| **h < net) {
+                    out.push(Change::Delete(*h));
+                    next = have.next();
+                }
+                let old = next.filter(|(h, _)| **h == net).map(|(_, v)| *v);
+                if old.is_some() {
+                    next = have.next();
+                }
+                old
+            }
+        };
         let same = old.is_some_and(|v| {
             v.counter < slots && keys::entry_value(entry, v.counter, resolver) == v
         });
@@ -254,32 +313,20 @@ fn merge<'a>(
             out.push(Change::Put(net, entry, old));
         }
     }
-    out.extend(have.map(|(stale, _)| Change::Delete(*stale)));
-    out
+    out.extend(
+        next.into_iter()
+            .chain(have)
+            .map(|(stale, _)| Change::Delete(*stale)),
+    );
+    Some(out)
 }
 
 struct Diff<'a, M: ?Sized> {
     maps: &'a mut M,
     record: Record,
     writes: Writes,
-    /// The counter slots no entry holds, found on the first need.
-    free: Option<FreeSlots>,
-}
-
-/// The slots free when a sync began, lowest first; each is handed out once.
-struct FreeSlots {
-    used: Vec<bool>,
-    next: usize,
-}
-
-impl Iterator for FreeSlots {
-    type Item = u32;
-
-    fn next(&mut self) -> Option<u32> {
-        let at = self.next + self.used[self.next..].iter().position(|u| !u)?;
-        self.next = at + 1;
-        Some(at as u32)
-    }
+    /// Whether an entry found no free counter slot in this sync (warned once).
+    exhausted: bool,
 }
 
 impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
@@ -306,25 +353,16 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
     }
 
     fn free_slot(&mut self) -> Option<u32> {
-        let record = &self.record;
         let slots = self.maps.counter_slots();
-        self.free
-            .get_or_insert_with(|| {
-                let mut used = vec![false; slots as usize];
-                for v in record.values().flat_map(|t| t.values()) {
-                    if let Some(u) = used.get_mut(v.counter as usize) {
-                        *u = true;
-                    }
-                }
-                if used.iter().all(|u| *u) {
-                    tracing::warn!(
-                        slots,
-                        "datapath: per-entry counter slots exhausted; new entries are not counted"
-                    );
-                }
-                FreeSlots { used, next: 0 }
-            })
-            .next()
+        let slot = self.record.take_slot(slots);
+        if slot.is_none() && !self.exhausted {
+            self.exhausted = true;
+            tracing::warn!(
+                slots,
+                "datapath: per-entry counter slots exhausted; new entries are not counted"
+            );
+        }
+        slot
     }
 
     /// Writes one new or changed entry, keeping its counter slot or giving it a free one.
@@ -357,6 +395,7 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         }
         self.maps.insert(role, net, &value).map_err(wrap)?;
         self.record
+            .tries
             .get_mut(&role)
             .expect("all roles")
             .insert(net, value);
@@ -377,7 +416,15 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
                 net,
                 source: Box::new(source),
             })?;
-        self.record.get_mut(&role).expect("all roles").remove(&net);
+        let gone = self
+            .record
+            .tries
+            .get_mut(&role)
+            .expect("all roles")
+            .remove(&net);
+        if let Some(v) = gone {
+            self.record.hold(v.counter, false);
+        }
         self.writes.add("map_delete", 1);
         Ok(())
     }
@@ -456,7 +503,7 @@ fn counters_of<M: DatapathMaps + ?Sized>(
         out.decisions
             .insert(d, decisions.get(d as usize).copied().unwrap_or_default());
     }
-    for (role, entries) in record {
+    for (role, entries) in &record.tries {
         for (net, value) in entries {
             let counter = if value.counter == NO_COUNTER {
                 Counter::default()
@@ -592,6 +639,53 @@ mod tests {
 
     fn slot(maps: &FakeMaps, role: Role, net: &str) -> u32 {
         maps.tries[&role][&net.parse::<IpNet>().unwrap()].counter
+    }
+
+    proptest::proptest! {
+        /// Syncs from one record (no read-back in between) keep the tries equal to the plan,
+        /// give no two entries one slot and a newly given slot a zeroed counter; an entry is
+        /// left without a slot only while all are held (slots freed by a sync's deletes are
+        /// handed out from the next sync on).
+        #[test]
+        fn syncs_from_the_record_keep_slots_distinct_and_zeroed(
+            plans in proptest::collection::vec(
+                [(); 3].map(|()| proptest::collection::btree_set(0u8..10, 0..6)),
+                1..10,
+            ),
+        ) {
+            let mut maps = FakeMaps::new(100, 8);
+            let mut sync = MapSync::default();
+            let mut before = BTreeSet::new();
+            for sets in plans {
+                let cidrs = sets.map(|s| s.iter().map(|i| format!("10.{i}.0.0/16")).collect::<Vec<_>>());
+                let [mesh, nat, masq] = cidrs.each_ref().map(|v| v.iter().map(String::as_str).collect::<Vec<_>>());
+                let p = plan(&mesh, &nat, &masq);
+                let want: BTreeSet<(Role, IpNet)> = Role::ALL
+                    .iter()
+                    .flat_map(|r| Plans::from(&p).role(*r).keys().map(move |n| (*r, *n)))
+                    .collect();
+                for _ in 0..2 {
+                    sync.sync(&mut maps, &p, &NoResolver).unwrap();
+                    let held: BTreeSet<(Role, IpNet, u32)> = Role::ALL
+                        .iter()
+                        .flat_map(|r| maps.tries[r].iter().map(move |(n, v)| (*r, *n, v.counter)))
+                        .collect();
+                    let have: BTreeSet<(Role, IpNet)> = held.iter().map(|(r, n, _)| (*r, *n)).collect();
+                    proptest::prop_assert_eq!(&have, &want);
+                    let slots: Vec<u32> = held.iter().map(|h| h.2).filter(|c| *c != NO_COUNTER).collect();
+                    let distinct: BTreeSet<u32> = slots.iter().copied().collect();
+                    proptest::prop_assert_eq!(distinct.len(), slots.len(), "{:?}", held);
+                    for (_, _, c) in held.difference(&before).filter(|h| h.2 != NO_COUNTER) {
+                        proptest::prop_assert_eq!(maps.counters[*c as usize], Counter::default());
+                    }
+                    // Traffic on every slot before the next sync.
+                    maps.counters.fill(Counter { packets: 1, bytes: 1 });
+                    before = held;
+                }
+                let counted = before.iter().filter(|h| h.2 != NO_COUNTER).count();
+                proptest::prop_assert_eq!(counted, want.len().min(8), "{:?}", before);
+            }
+        }
     }
 
     #[test]
