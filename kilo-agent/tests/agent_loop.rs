@@ -17,7 +17,7 @@ use kilo_agent::{
     mesh::Key,
     reconcile::{
         Reconciler, Settings,
-        netlink::{NetlinkKernel, watch},
+        netlink::{Changes, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl},
     },
     telemetry::Metrics,
@@ -116,8 +116,12 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
             .unwrap()
             .block_on(async move {
                 let backend = Arc::new(FileBackend::start(backend_dir).unwrap());
+                // As kg does: observes dump only after a notification.
+                let changes = Changes::default();
+                let mut kernel = NetlinkKernel::connect().unwrap();
+                kernel.follow(changes.clone());
                 let reconciler = Reconciler::new(
-                    NetlinkKernel::connect().unwrap(),
+                    kernel,
                     WgControl::new(&agent_wg, WgApi::Userspace).unwrap(),
                     FakeDatapath::default(),
                     Settings {
@@ -140,7 +144,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
                     agent_metrics,
                 );
                 let (tx, rx) = tokio::sync::mpsc::channel(1);
-                let _w = watch(agent.filter.clone(), tx).unwrap();
+                let _w = watch(agent.filter.clone(), tx, changes).unwrap();
                 agent
                     .run(Some(rx), async move {
                         let _ = stop_rx.await;

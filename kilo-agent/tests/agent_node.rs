@@ -8,12 +8,12 @@ mod support;
 use std::{collections::BTreeSet, time::Duration};
 
 use kilo_agent::{
-    datapath::FakeDatapath,
+    datapath::{FakeDatapath, READ_BACK_EVERY},
     mesh::Key,
     plan::{Device, KILO_TABLE, MAIN_TABLE, Plan, Route, Rule, WireGuardPeer, WireGuardPlan},
     reconcile::{
         Reconciler, Report, Settings,
-        netlink::{EventFilter, NetlinkKernel},
+        netlink::{Changes, EventFilter, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl, WireGuard},
     },
 };
@@ -419,8 +419,7 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
             own_port: Some(r.kernel.port()),
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(1000);
-        let _watch =
-            kilo_agent::reconcile::netlink::watch(std::sync::Arc::new(filter.into()), tx).unwrap();
+        let _watch = watch(std::sync::Arc::new(filter.into()), tx, Changes::default()).unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await; // subscription in place
         // Our own writes (a peer more: its routes) are echoes, not a reason to reconcile.
         let mut more = plan(remote, &[public(&key())]);
@@ -453,6 +452,93 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
         counted, 1,
         "our own writes and foreign churn (50 routes, 1 rule) must not trigger"
     );
+}
+
+/// Lets the watcher (on this runtime) take in what the kernel announced.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+#[test]
+fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
+    if !support::require_root(
+        "idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth",
+    ) {
+        return;
+    }
+    let (a, _b) = pair();
+    let wg = WgGo::start(&a);
+    let (sk, remote) = (key(), public(&key()));
+    let p = plan(remote, &[]);
+    let ip = format!("ip netns exec {}", a.name);
+    in_ns(&a, &wg.name, sk, async move |r: &mut Real| {
+        let changes = Changes::default();
+        r.kernel.follow(changes.clone());
+        let (tx, _rx) = tokio::sync::mpsc::channel(1);
+        let watcher = watch(Default::default(), tx, changes.clone()).unwrap();
+        settle().await;
+        ok(&r.reconcile(&p).await.unwrap());
+        // The echoes of our writes: the pass after them reads once, the next ones not.
+        settle().await;
+        ok(&r.reconcile(&p).await.unwrap());
+        let dumps = r.kernel.dumps();
+        for _ in 0..3 {
+            let idle = r.reconcile(&p).await.unwrap();
+            ok(&idle);
+            assert!(idle.writes.is_empty(), "{}", idle.writes);
+        }
+        assert_eq!(r.kernel.dumps(), dumps, "idle passes dumped the kernel");
+
+        // A change that triggers no reconcile (an address on another link) is still seen by
+        // the next pass: here, as a conflict with the WireGuard address.
+        sh(&format!("{ip} ip addr add 10.4.0.1/32 dev eth0"));
+        settle().await;
+        let conflict = r.reconcile(&p).await.unwrap();
+        assert_eq!(r.kernel.dumps(), dumps + 1);
+        assert!(
+            conflict.problems.iter().any(|p| p.contains("also on eth0")),
+            "{:?}",
+            conflict.problems
+        );
+        sh(&format!("{ip} ip addr del 10.4.0.1/32 dev eth0"));
+
+        // One of our routes deleted behind our back: repaired by the next pass.
+        sh(&format!("{ip} ip route del 10.0.0.2/32 table 1107"));
+        settle().await;
+        let repair = r.reconcile(&p).await.unwrap();
+        assert_eq!(repair.writes.get("route_add"), 1, "{}", repair.writes);
+        settle().await;
+        ok(&r.reconcile(&p).await.unwrap());
+
+        // A change the watcher misses is read at the READ_BACK_EVERY-th pass.
+        watcher.abort();
+        settle().await;
+        let dumps = r.kernel.dumps();
+        sh(&format!("{ip} ip route del 10.0.0.2/32 table 1107"));
+        let mut repaired_at = None;
+        for i in 1..=READ_BACK_EVERY {
+            if r.reconcile(&p).await.unwrap().writes.get("route_add") == 1 {
+                repaired_at.get_or_insert(i);
+            }
+        }
+        assert_eq!(repaired_at, Some(READ_BACK_EVERY));
+        assert_eq!(r.kernel.dumps(), dumps + 1);
+
+        // Still unwatched: after a write the next pass reads what it wrote, not the record.
+        let mut more = p.clone();
+        more.routes.push(Route {
+            dst: "10.10.0.0/24".parse().unwrap(),
+            gateway: Some("10.4.0.2".parse().unwrap()),
+            src: None,
+            device: Device::WireGuard,
+            onlink: true,
+            table: MAIN_TABLE,
+        });
+        assert_eq!(r.reconcile(&more).await.unwrap().writes.get("route_add"), 1);
+        let after = r.reconcile(&more).await.unwrap();
+        ok(&after);
+        assert!(after.writes.is_empty(), "{}", after.writes);
+    });
 }
 
 #[test]

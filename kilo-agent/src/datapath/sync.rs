@@ -123,10 +123,7 @@ const DELETE_ORDER: [Role; 6] = [
     Role::Mesh,
 ];
 
-/// Syncs between full read-backs of the maps: every 10 minutes at the default 30 s resync. A
-/// read-back costs about a microsecond of kernel time per entry, so at 10,000 entries this keeps
-/// an idle resync's average under a millisecond.
-pub const READ_BACK_EVERY: u32 = 20;
+pub use crate::effects::READ_BACK_EVERY;
 
 /// What the maps hold, per role, and which counter slots their entries hold.
 #[derive(Debug)]

@@ -4,10 +4,19 @@
 //!
 //! Ownership: every route and rule we add carries the protocol marker [`RTPROT_KILO`]; only
 //! routes and rules with that marker are ever observed, replaced or deleted.
+//!
+//! Reads: with a watcher ([`NetlinkKernel::follow`]), an observe dumps links, addresses, routes
+//! and rules only when something may have changed since the last dump: at start, after any
+//! notification the watcher saw (ours or not, relevant or not), after a write through this
+//! connection (failed or not), while the watcher is not subscribed, and at least every
+//! [`READ_BACK_EVERY`] observes. Otherwise it returns what the last dump read.
 use std::{
     collections::BTreeSet,
     net::IpAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use futures::{StreamExt, TryStreamExt};
@@ -28,11 +37,41 @@ use super::{
     Kernel, KernelError, RTPROT_KILO, Writes,
     state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState},
 };
+use crate::effects::READ_BACK_EVERY;
+
+/// The kernel notifications a [`watch`] has seen, plus one each time it (re)subscribes or loses
+/// its subscription. Zero: no watcher has subscribed yet.
+#[derive(Debug, Clone, Default)]
+pub struct Changes(Arc<AtomicU64>);
+
+impl Changes {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn bump(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// What the last dump read, and when.
+#[derive(Debug)]
+struct LastRead {
+    /// [`Changes::get`] just before the dump started.
+    seen: u64,
+    devices: Devices,
+    state: KernelState,
+    /// Observes served from it since.
+    served: u32,
+}
 
 /// The kernel, through one rtnetlink connection.
 pub struct NetlinkKernel {
     handle: Handle,
     port: u32,
+    changes: Option<Changes>,
+    last: Option<LastRead>,
+    dumps: u64,
 }
 
 impl NetlinkKernel {
@@ -51,7 +90,68 @@ impl NetlinkKernel {
             .map_err(|e| KernelError::Socket(e.to_string()))?
             .port_number();
         tokio::spawn(conn);
-        Ok(NetlinkKernel { handle, port })
+        Ok(NetlinkKernel {
+            handle,
+            port,
+            changes: None,
+            last: None,
+            dumps: 0,
+        })
+    }
+
+    /// Observes from now on dump only when `changes` (fed by a [`watch`] in this namespace)
+    /// says something may have changed: see the module doc.
+    pub fn follow(&mut self, changes: Changes) {
+        self.changes = Some(changes);
+    }
+
+    /// How many times an observe has dumped links, addresses, routes and rules.
+    pub fn dumps(&self) -> u64 {
+        self.dumps
+    }
+
+    /// The last dump, if nothing may have changed since.
+    fn unchanged(&mut self, devices: &Devices) -> Option<KernelState> {
+        let now = self.changes.as_ref()?.get();
+        let last = self.last.as_mut()?;
+        let fresh = now != 0
+            && last.seen == now
+            && last.devices == *devices
+            && last.served + 1 < READ_BACK_EVERY;
+        fresh.then(|| {
+            last.served += 1;
+            last.state.clone()
+        })
+    }
+
+    async fn dump(&self, devices: &Devices) -> Result<KernelState, KernelError> {
+        let names: BTreeSet<&str> = devices.names().collect();
+        let all = self.links().await?;
+        let name_of: std::collections::BTreeMap<u32, String> =
+            all.iter().map(|(n, l)| (l.index, n.clone())).collect();
+        let indexes = all.iter().map(|(n, l)| (n.clone(), l.index)).collect();
+        let links = all
+            .into_iter()
+            .filter(|(n, _)| names.contains(n.as_str()))
+            .collect::<std::collections::BTreeMap<_, _>>();
+        let wireguard = links.get(&devices.wireguard).map(|l| l.index);
+        // All of them, so that one of ours on another link is seen (a conflict).
+        let (mut addresses, mut elsewhere) = (BTreeSet::new(), std::collections::BTreeMap::new());
+        for (index, a) in self.addresses().await? {
+            if Some(index) == wireguard {
+                addresses.insert(a);
+            } else if let Some(name) = name_of.get(&index) {
+                elsewhere.insert(a.addr(), name.clone());
+            }
+        }
+        Ok(KernelState {
+            links,
+            addresses,
+            routes: self.routes().await?,
+            rules: self.rules().await?.into_iter().collect(),
+            elsewhere,
+            indexes,
+        })
     }
 
     /// The port of this connection's socket. The kernel's notifications of the changes made
@@ -394,36 +494,26 @@ async fn request(
 
 impl Kernel for NetlinkKernel {
     async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
-        let names: BTreeSet<&str> = devices.names().collect();
-        let all = self.links().await?;
-        let name_of: std::collections::BTreeMap<u32, String> =
-            all.iter().map(|(n, l)| (l.index, n.clone())).collect();
-        let indexes = all.iter().map(|(n, l)| (n.clone(), l.index)).collect();
-        let links = all
-            .into_iter()
-            .filter(|(n, _)| names.contains(n.as_str()))
-            .collect::<std::collections::BTreeMap<_, _>>();
-        let wireguard = links.get(&devices.wireguard).map(|l| l.index);
-        // All of them, so that one of ours on another link is seen (a conflict).
-        let (mut addresses, mut elsewhere) = (BTreeSet::new(), std::collections::BTreeMap::new());
-        for (index, a) in self.addresses().await? {
-            if Some(index) == wireguard {
-                addresses.insert(a);
-            } else if let Some(name) = name_of.get(&index) {
-                elsewhere.insert(a.addr(), name.clone());
-            }
+        if let Some(state) = self.unchanged(devices) {
+            return Ok(state);
         }
-        Ok(KernelState {
-            links,
-            addresses,
-            routes: self.routes().await?,
-            rules: self.rules().await?.into_iter().collect(),
-            elsewhere,
-            indexes,
-        })
+        let seen = self.changes.as_ref().map(Changes::get);
+        self.last = None;
+        let state = self.dump(devices).await?;
+        self.dumps += 1;
+        if let Some(seen) = seen {
+            self.last = Some(LastRead {
+                seen,
+                devices: devices.clone(),
+                state: state.clone(),
+                served: 0,
+            });
+        }
+        Ok(state)
     }
 
     async fn create_wireguard(&mut self, name: &str) -> Result<Writes, KernelError> {
+        self.last = None;
         self.handle
             .link()
             .add(LinkWireguard::new(name).build())
@@ -483,6 +573,7 @@ impl Kernel for NetlinkKernel {
     }
 
     async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
+        self.last = None;
         self.handle
             .link()
             .del(index)
@@ -495,6 +586,7 @@ impl Kernel for NetlinkKernel {
     }
 
     async fn apply(&mut self, d: &KernelDiff) -> (Writes, Vec<KernelError>) {
+        self.last = None;
         use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
         let mut w = Writes::default();
         let mut errors = Vec::new();
@@ -677,10 +769,11 @@ fn subscribe() -> Result<Subscription, KernelError> {
 /// and sends `()` on `tx` for each relevant one. Full channel = a trigger is already pending, so
 /// bursts coalesce. If the subscription ends (e.g. the socket overran under churn and
 /// notifications were lost) it triggers a reconcile and subscribes again. Runs until `tx` is
-/// closed.
+/// closed. Counts every notification, relevant or not, in `changes` (see [`Changes`]).
 pub fn watch(
     filter: Arc<Mutex<EventFilter>>,
     tx: tokio::sync::mpsc::Sender<()>,
+    changes: Changes,
 ) -> Result<tokio::task::JoinHandle<()>, KernelError> {
     let first = subscribe()?;
     Ok(tokio::spawn(async move {
@@ -697,7 +790,10 @@ pub fn watch(
                     }
                 },
             };
+            // What changed before the subscription was seen by nobody.
+            changes.bump();
             while let Some((msg, _)) = messages.next().await {
+                changes.bump();
                 let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
                     continue;
                 };
@@ -714,6 +810,7 @@ pub fn watch(
                 }
             }
             conn.abort();
+            changes.bump();
             if tx.is_closed() {
                 return;
             }
