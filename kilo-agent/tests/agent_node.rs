@@ -87,6 +87,18 @@ fn plan(remote: Key, extra: &[Key]) -> Plan {
     }
 }
 
+/// One more route through the remote segment (10.10.0.0/24 in the main table).
+fn route_through_remote() -> Route {
+    Route {
+        dst: "10.10.0.0/24".parse().unwrap(),
+        gateway: Some("10.4.0.2".parse().unwrap()),
+        src: None,
+        device: Device::WireGuard,
+        onlink: true,
+        table: MAIN_TABLE,
+    }
+}
+
 type Real = Reconciler<NetlinkKernel, WgControl, FakeDatapath>;
 
 fn reconciler(wg: &str, private_key: Key) -> Real {
@@ -423,14 +435,7 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
         tokio::time::sleep(Duration::from_millis(200)).await; // subscription in place
         // Our own writes (a peer more: its routes) are echoes, not a reason to reconcile.
         let mut more = plan(remote, &[public(&key())]);
-        more.routes.push(Route {
-            dst: "10.10.0.0/24".parse().unwrap(),
-            gateway: Some("10.4.0.2".parse().unwrap()),
-            src: None,
-            device: Device::WireGuard,
-            onlink: true,
-            table: MAIN_TABLE,
-        });
+        more.routes.push(route_through_remote());
         let more = r.reconcile(&more).await.unwrap();
         assert!(more.writes.get("route_add") > 0, "{}", more.writes);
         sh(&format!(
@@ -526,14 +531,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
 
         // Still unwatched: after a write the next pass reads what it wrote, not the record.
         let mut more = p.clone();
-        more.routes.push(Route {
-            dst: "10.10.0.0/24".parse().unwrap(),
-            gateway: Some("10.4.0.2".parse().unwrap()),
-            src: None,
-            device: Device::WireGuard,
-            onlink: true,
-            table: MAIN_TABLE,
-        });
+        more.routes.push(route_through_remote());
         assert_eq!(r.reconcile(&more).await.unwrap().writes.get("route_add"), 1);
         let after = r.reconcile(&more).await.unwrap();
         ok(&after);
