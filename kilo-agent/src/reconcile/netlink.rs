@@ -15,7 +15,7 @@ use std::{
     net::IpAddr,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -39,18 +39,31 @@ use super::{
 };
 use crate::effects::READ_BACK_EVERY;
 
-/// The kernel notifications a [`watch`] has seen, plus one each time it (re)subscribes or loses
-/// its subscription. Zero: no watcher has subscribed yet.
+/// The kernel notifications a [`watch`] has seen, plus one each time it subscribes or loses its
+/// subscription; `None` while it is not subscribed (nothing counts the changes then).
 #[derive(Debug, Clone, Default)]
-pub struct Changes(Arc<AtomicU64>);
+pub struct Changes(Arc<Seen>);
+
+#[derive(Debug, Default)]
+struct Seen {
+    count: AtomicU64,
+    subscribed: AtomicBool,
+}
 
 impl Changes {
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+    pub fn get(&self) -> Option<u64> {
+        let seen = &self.0;
+        let count = seen.count.load(Ordering::Acquire);
+        seen.subscribed.load(Ordering::Acquire).then_some(count)
     }
 
     fn bump(&self) {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        self.0.count.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn subscribed(&self, on: bool) {
+        self.0.subscribed.store(on, Ordering::Release);
+        self.bump();
     }
 }
 
@@ -112,12 +125,10 @@ impl NetlinkKernel {
 
     /// The last dump, if nothing may have changed since.
     fn unchanged(&mut self, devices: &Devices) -> Option<KernelState> {
-        let now = self.changes.as_ref()?.get();
+        let now = self.changes.as_ref()?.get()?;
         let last = self.last.as_mut()?;
-        let fresh = now != 0
-            && last.seen == now
-            && last.devices == *devices
-            && last.served + 1 < READ_BACK_EVERY;
+        let fresh =
+            last.seen == now && last.devices == *devices && last.served + 1 < READ_BACK_EVERY;
         fresh.then(|| {
             last.served += 1;
             last.state.clone()
@@ -497,7 +508,7 @@ impl Kernel for NetlinkKernel {
         if let Some(state) = self.unchanged(devices) {
             return Ok(state);
         }
-        let seen = self.changes.as_ref().map(Changes::get);
+        let seen = self.changes.as_ref().and_then(Changes::get);
         self.last = None;
         let state = self.dump(devices).await?;
         self.dumps += 1;
@@ -791,7 +802,7 @@ pub fn watch(
                 },
             };
             // What changed before the subscription was seen by nobody.
-            changes.bump();
+            changes.subscribed(true);
             while let Some((msg, _)) = messages.next().await {
                 changes.bump();
                 let netlink_packet_core::NetlinkPayload::InnerMessage(inner) = &msg.payload else {
@@ -810,7 +821,7 @@ pub fn watch(
                 }
             }
             conn.abort();
-            changes.bump();
+            changes.subscribed(false);
             if tx.is_closed() {
                 return;
             }
@@ -824,6 +835,20 @@ pub fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changes_count_only_while_subscribed() {
+        let c = Changes::default();
+        assert_eq!(c.get(), None, "no watcher yet");
+        c.subscribed(true);
+        let first = c.get().unwrap();
+        c.bump();
+        assert_eq!(c.get(), Some(first + 1));
+        c.subscribed(false);
+        assert_eq!(c.get(), None, "notifications may be lost: nothing to trust");
+        c.subscribed(true);
+        assert!(c.get().unwrap() > first + 1);
+    }
 
     #[test]
     fn route_messages_round_trip() {
