@@ -1,6 +1,7 @@
 //! The real kernel reconciler over rtnetlink: the WireGuard link (create, up, MTU), its
 //! addresses, our routes and our rules; plus the multicast watcher that turns kernel changes to
-//! our objects into reconcile triggers (foreign churn is filtered out before it costs anything).
+//! our objects into reconcile triggers (foreign churn triggers nothing; it only makes the next
+//! pass read the kernel again).
 //!
 //! Ownership: every route and rule we add carries the protocol marker [`RTPROT_KILO`]; only
 //! routes and rules with that marker are ever observed, replaced or deleted.
