@@ -219,25 +219,8 @@ pub struct EntryStats {
 /// A netlink socket of `protocol`, bound, whose reads give up after 5 s (a reply never comes
 /// only on a kernel bug; the agent must not hang on it).
 pub fn netlink_socket(protocol: isize) -> io::Result<netlink_sys::Socket> {
-    use std::os::fd::AsRawFd as _;
     let mut sock = netlink_sys::Socket::new(protocol)?;
     sock.bind_auto()?;
-    let tv = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: a valid socket fd and a timeval of the right size.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as u32,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    socket2::SockRef::from(&sock).set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
     Ok(sock)
 }

@@ -10,7 +10,6 @@
 use std::{
     borrow::Cow,
     collections::BTreeMap,
-    ffi::CString,
     fs, io,
     path::{Path, PathBuf},
 };
@@ -39,7 +38,7 @@ use kilo_common::{
 use super::{
     DatapathError, Role,
     counters::CounterArray,
-    keys, qdisc,
+    keys, rtnl,
     sync::{Counters, DatapathMaps, MapSync, Plans, READ_BACK_EVERY, Resolver},
 };
 use crate::{
@@ -50,7 +49,6 @@ use crate::{
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
 
-const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 /// Priority and handle of the netlink (clsact) filter, fixed so a restart can replace it.
 const NL_PRIORITY: u16 = 1107;
 const NL_HANDLE: TcHandle = TcHandle::new(0, 1);
@@ -1056,23 +1054,26 @@ fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, DatapathError> 
         return Ok(writes);
     }
     // The interface may be gone already (and its filter with it).
-    let link = SchedClassifierLink::attached(
-        ifname_cstr(ifname)?.as_c_str(),
-        hook.attach_type().into(),
-        hook.priority(),
-        NL_HANDLE,
-        None,
-    );
-    if link.is_ok_and(|l| aya::programs::Link::detach(l).is_ok()) {
+    let index = ifindex(ifname).ok();
+    let link = index.map(|i| {
+        SchedClassifierLink::attached(
+            i,
+            hook.attach_type().into(),
+            hook.priority(),
+            NL_HANDLE,
+            None,
+        )
+    });
+    if link.is_some_and(|l| l.is_ok_and(|l| aya::programs::Link::detach(l).is_ok())) {
         writes.add("link_detach", 1);
     }
     // A clsact qdisc we added goes with our filter, unless someone else filters through it.
     let owned = marker.join(QDISC_MARK);
     if owned.exists() {
-        if let Ok(index) = ifindex(ifname)
-            && qdisc::filters(index).map_err(link_err(ifname))? == 0
+        if let Some(index) = index
+            && rtnl::filters(index).map_err(link_err(ifname))? == 0
         {
-            qdisc::delete_clsact(index).map_err(link_err(ifname))?;
+            rtnl::delete_clsact(index).map_err(link_err(ifname))?;
             writes.add("qdisc_delete", 1);
         }
         fs::remove_dir(&owned).map_err(io(&owned))?;
@@ -1081,63 +1082,26 @@ fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, DatapathError> 
     Ok(writes)
 }
 
-fn ifname_cstr(ifname: &str) -> Result<CString, DatapathError> {
-    CString::new(ifname).map_err(|_| DatapathError::Interface {
+/// The index of `ifname` in the calling thread's network namespace.
+pub fn ifindex(ifname: &str) -> Result<u32, DatapathError> {
+    nix::net::if_::if_nametoindex(ifname).map_err(|e| DatapathError::Interface {
         name: ifname.to_owned(),
-        reason: "name contains a NUL byte".into(),
+        reason: format!("not found: {e}"),
     })
 }
 
-/// The index of `ifname` in the calling thread's network namespace.
-pub fn ifindex(ifname: &str) -> Result<u32, DatapathError> {
-    let c = ifname_cstr(ifname)?;
-    // SAFETY: a valid C string.
-    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if idx == 0 {
-        return Err(DatapathError::Interface {
-            name: ifname.to_owned(),
-            reason: format!("not found: {}", io::Error::last_os_error()),
-        });
-    }
-    Ok(idx)
-}
-
-/// Ethernet or raw IP, from the device's hardware type (SIOCGIFHWADDR, namespace-aware).
+/// Ethernet or raw IP, from the device's link-layer type (in the calling thread's namespace).
 pub fn framing(ifname: &str) -> Result<Framing, DatapathError> {
+    use netlink_packet_route::link::LinkLayerType as T;
     let err = |reason: String| DatapathError::Interface {
         name: ifname.to_owned(),
         reason,
     };
-    if ifname.len() >= libc::IFNAMSIZ {
-        return Err(err("name too long".into()));
-    }
-    // SAFETY: plain socket/ioctl on a zeroed ifreq whose name is NUL-terminated.
-    let family = unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(err(format!("socket: {}", io::Error::last_os_error())));
-        }
-        let mut ifr: libc::ifreq = std::mem::zeroed();
-        for (d, s) in ifr.ifr_name.iter_mut().zip(ifname.bytes()) {
-            *d = s as libc::c_char;
-        }
-        // The request number's C type differs between glibc and musl.
-        let rc = libc::ioctl(fd, libc::SIOCGIFHWADDR as _, &mut ifr);
-        let e = io::Error::last_os_error();
-        libc::close(fd);
-        if rc < 0 {
-            return Err(err(format!("SIOCGIFHWADDR: {e}")));
-        }
-        ifr.ifr_ifru.ifru_hwaddr.sa_family
-    };
-    match family {
-        libc::ARPHRD_ETHER | libc::ARPHRD_LOOPBACK => Ok(Framing::L2),
-        libc::ARPHRD_NONE
-        | libc::ARPHRD_TUNNEL
-        | libc::ARPHRD_TUNNEL6
-        | libc::ARPHRD_IPGRE
-        | libc::ARPHRD_SIT
-        | 519 /* ARPHRD_RAWIP */ => Ok(Framing::L3),
+    let link_type =
+        rtnl::link_type(ifindex(ifname)?).map_err(|e| err(format!("RTM_GETLINK: {e}")))?;
+    match link_type {
+        T::Ether | T::Loopback => Ok(Framing::L2),
+        T::None | T::Tunnel | T::Tunnel6 | T::Ipgre | T::Sit | T::Rawip => Ok(Framing::L3),
         other => Err(err(format!("unsupported link type {other}"))),
     }
 }
@@ -1147,24 +1111,14 @@ pub fn framing(ifname: &str) -> Result<Framing, DatapathError> {
 fn ensure_bpffs(dir: &Path) -> Result<(), DatapathError> {
     let root = Path::new("/sys/fs/bpf");
     if dir.starts_with(root) && !is_bpffs(root) {
-        let src = CString::new("bpf").expect("no NUL");
-        let target = CString::new("/sys/fs/bpf").expect("no NUL");
-        // SAFETY: valid C strings; no data argument.
-        let rc = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                target.as_ptr(),
-                src.as_ptr(),
-                0,
-                std::ptr::null(),
-            )
-        };
-        if rc != 0 {
-            return Err(DatapathError::Io {
-                path: root.to_owned(),
-                source: io::Error::last_os_error(),
-            });
-        }
+        nix::mount::mount(
+            Some("bpf"),
+            root,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .map_err(|e| io(root)(e.into()))?;
         tracing::info!("datapath: mounted bpffs on /sys/fs/bpf");
     }
     // The nearest existing ancestor must be on bpffs.
@@ -1183,13 +1137,6 @@ fn ensure_bpffs(dir: &Path) -> Result<(), DatapathError> {
 
 /// Whether `path` is on a bpf filesystem.
 pub fn is_bpffs(path: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt as _;
-    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: a zeroed statfs filled by the kernel.
-    unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC
-    }
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
 }

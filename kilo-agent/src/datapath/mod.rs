@@ -3,7 +3,7 @@
 //! tries and reads their counters.
 //!
 //! - [`Datapath`] (kernel.rs): the embedded `kilo-ebpf` object, attached to named interfaces
-//!   (TCX on kernels >= 6.6, clsact + netlink below, [`qdisc`]), maps and links pinned under a
+//!   (TCX on kernels >= 6.6, clsact + netlink below, rtnl.rs), maps and links pinned under a
 //!   bpffs directory and adopted on start, so forwarding goes on while the agent is down.
 //! - [`MapSync`] (sync.rs): the diff between the plan and the tries (see there), behind the
 //!   [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory); keys.rs: plan entries as
@@ -19,7 +19,7 @@ mod counters;
 mod kernel;
 mod keys;
 pub mod logs;
-mod qdisc;
+mod rtnl;
 mod sync;
 
 use std::{io, path::PathBuf};

@@ -1,5 +1,6 @@
-//! The `clsact` qdisc that netlink (pre-TCX) attachment needs: whether anything is still filtered
-//! through it, and removing it. Synchronous rtnetlink requests (no process, no runtime).
+//! Synchronous rtnetlink requests (no process, no runtime) for attachment: a device's link type,
+//! and the `clsact` qdisc that netlink (pre-TCX) attachment needs (whether anything is still
+//! filtered through it, and removing it).
 use std::io;
 
 use netlink_packet_core::{
@@ -7,6 +8,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     RouteNetlinkMessage,
+    link::{LinkLayerType, LinkMessage},
     tc::{TcHandle, TcMessage},
 };
 use netlink_sys::protocols::NETLINK_ROUTE;
@@ -47,6 +49,20 @@ fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetl
             }
             at += len;
         }
+    }
+}
+
+/// The link-layer type (ARPHRD) of the device with index `ifindex`.
+pub fn link_type(ifindex: u32) -> io::Result<LinkLayerType> {
+    let mut m = LinkMessage::default();
+    m.header.index = ifindex;
+    let reply = request(RouteNetlinkMessage::GetLink(m), NLM_F_REQUEST | NLM_F_ACK)?;
+    match reply.first() {
+        Some(RouteNetlinkMessage::NewLink(link)) => Ok(link.header.link_layer_type),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "no link in the reply",
+        )),
     }
 }
 
