@@ -228,11 +228,17 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-/// The lookup key of the address of `N` bytes at `hdr[at..]`.
+/// The lookup key of the address of `N` bytes at `hdr[at..]`. Built from 32-bit words: zeroing
+/// the padding of an IPv4 address byte by byte would be a call to `memset`.
 #[inline(always)]
 fn key<const N: usize>(hdr: &[u8], at: usize) -> Key<LpmData> {
-    let mut addr = [0u8; 16];
-    addr[..N].copy_from_slice(&hdr[at..at + N]);
+    let word = |i: usize| match hdr.get(at + 4 * i..at + 4 * i + 4) {
+        Some(w) if 4 * i < N => u32::from_ne_bytes([w[0], w[1], w[2], w[3]]),
+        _ => 0,
+    };
+    let words = [word(0), word(1), word(2), word(3)];
+    // SAFETY: four u32s are 16 bytes, and any bytes are an address.
+    let addr = unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) };
     let family = if N == 16 { FAMILY_V6 } else { FAMILY_V4 };
     Key::new(FAMILY_BITS + 8 * N as u32, LpmData { family, addr })
 }
