@@ -1,6 +1,7 @@
 //! The agent: one event loop that turns backend updates, kernel notifications about our objects
-//! and the `--resync-period` timer into reconciles (bursts coalesce into one, after
-//! [`DEBOUNCE`]), publishes the local node's annotations when they differ from what the backend
+//! and the `--resync-period` timer into reconciles (the first change after a quiet
+//! [`DEBOUNCE`] is reconciled at once, what follows it within the window coalesces into one
+//! more pass), publishes the local node's annotations when they differ from what the backend
 //! shows, refreshes Kilo's `last-seen` heartbeat, and cleans up on shutdown.
 //!
 //! Liveness ([`liveness`]) is judged here, before planning: heartbeats that change nothing else
@@ -39,7 +40,8 @@ use crate::{
     telemetry::{Metrics, Trigger},
 };
 
-/// How long the loop waits for more events before reconciling a burst.
+/// A change arriving this long after the previous one is reconciled at once; one arriving sooner
+/// waits this long for the rest of its burst.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// How long the clean-up waits for the backend to remove this node's annotations.
@@ -717,9 +719,11 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         if pending {
             self.metrics.trigger(Trigger::Start);
         }
-        // Backend and kernel changes come in bursts; a timer's pass (resync, retry, expiry,
-        // check-in) starts at once.
-        let mut coalesce = true;
+        // Backend and kernel changes come in bursts: the first of a quiet period is reconciled
+        // at once, the rest of the burst waits out the debounce window. A timer's pass (resync,
+        // retry, expiry, check-in) starts at once.
+        let mut coalesce = false;
+        let mut last_change: Option<tokio::time::Instant> = None;
         let mut stop = false;
         while !stop {
             if pending {
@@ -733,9 +737,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                             stop = true;
                         } else {
                             updates.borrow_and_update();
+                            last_change = Some(tokio::time::Instant::now());
                             self.metrics.trigger(Trigger::Backend);
                         },
-                        Some(()) = recv(&mut kernel_events) => self.metrics.trigger(Trigger::Kernel),
+                        Some(()) = recv(&mut kernel_events) => {
+                            last_change = Some(tokio::time::Instant::now());
+                            self.metrics.trigger(Trigger::Kernel);
+                        }
                         _ = &mut shutdown => stop = true,
                     }
                 }
@@ -798,7 +806,12 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             };
             if pending && let Some(cause) = cause {
                 self.metrics.trigger(cause);
-                coalesce = matches!(cause, Trigger::Backend | Trigger::Kernel);
+                let now = tokio::time::Instant::now();
+                let change = matches!(cause, Trigger::Backend | Trigger::Kernel);
+                coalesce = change && last_change.is_some_and(|t| now - t < self.settings.debounce);
+                if change {
+                    last_change = Some(now);
+                }
             }
         }
         if self.settings.clean_up {
@@ -994,6 +1007,51 @@ mod tests {
             .iter()
             .find(|(t, n)| *t >= from && n.iter().any(|n| n == node) == with)
             .map(|(t, _)| *t)
+    }
+
+    /// The first change after a quiet period is planned the instant it arrives; the rest of its
+    /// burst coalesces into one more plan after the debounce window, whatever the period between
+    /// bursts (shorter or longer than the window, or than the resync period).
+    #[tokio::test(start_paused = true)]
+    async fn first_change_at_once_rest_of_burst_coalesced() {
+        let begin = tokio::time::Instant::now();
+        let (backend, agent) = start(first_update(nodes(&["me"])), planned);
+        let debounce = DEBOUNCE.as_millis();
+        for (start, gap, count) in [(1_000u64, 5u64, 20u64), (3_000, 1, 60), (20_000, 30, 3)] {
+            at(begin, start).await;
+            let before = agent.plans.lock().unwrap().len();
+            let mut names = vec!["me".to_string()];
+            for i in 0..count {
+                at(begin, start + i * gap).await;
+                names.push(format!("n{start}-{i}"));
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                let now_s = i64::try_from(start / 1000).unwrap();
+                let alive: Vec<(&str, i64)> = refs.iter().map(|n| (*n, now_s)).collect();
+                backend.tx.send_modify(|u| {
+                    u.snapshot = nodes(&refs);
+                    u.last_seen = beats(&alive);
+                    u.generation += 1;
+                });
+            }
+            at(begin, start + count * gap + 2 * debounce as u64).await;
+            let plans = agent.plans.lock().unwrap();
+            let burst = &plans[before..];
+            assert_eq!(
+                burst.first().map(|(t, _)| *t),
+                Some(u128::from(start)),
+                "the burst at {start} ms was not planned at once: {burst:?}"
+            );
+            assert!(
+                burst.len() <= 2,
+                "a burst of {count} cost {} plans",
+                burst.len()
+            );
+            assert_eq!(
+                burst.last().map(|(_, n)| n.len()),
+                Some(names.len()),
+                "the burst at {start} ms ended unapplied"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]
