@@ -190,6 +190,34 @@ fn encapsulates_tcp_udp_and_icmp_to_the_next_hop() {
     }
 }
 
+/// Outer headers get IDs of their own (RFC 6864): without DF an underlay may fragment them, and
+/// fragments of two datagrams sharing an ID would be reassembled into garbage.
+#[test]
+fn consecutive_outer_headers_have_distinct_ids() {
+    if !support::require_root("consecutive_outer_headers_have_distinct_ids") {
+        return;
+    }
+    let dp = open();
+    let prog = dp.program_named(PROG_ENCAP);
+    let mut inner = l4_packets("10.42.1.5", "10.42.2.7").remove(1).1;
+    inner[6] = 0; // no DF: the underlay may fragment the outer datagram
+    inner[10..12].fill(0);
+    let c = checksum(&inner[..20]);
+    inner[10..12].copy_from_slice(&c.to_be_bytes());
+    let ids: Vec<u16> = (0..4)
+        .map(|_| {
+            let r = run(prog, &with_eth(inner.clone()), 0, 0, 1);
+            assert_eq!(r.verdict, OK);
+            let outer = &r.data[14..34];
+            assert_eq!(outer[6] & 0x40, 0, "DF stays clear");
+            assert_eq!(checksum(outer), 0, "header checksum");
+            u16::from_be_bytes([outer[4], outer[5]])
+        })
+        .collect();
+    let distinct: std::collections::BTreeSet<_> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "outer IDs {ids:?}");
+}
+
 #[test]
 fn encapsulation_leaves_everything_else_byte_for_byte() {
     if !support::require_root("encapsulation_leaves_everything_else_byte_for_byte") {

@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use kilo_common::{CONFIG_ROUTE_REALM, DEFAULT_MAX_ENTRIES, Decision, ENTRY_IPIP, KILO_REALM};
 
-use crate::{ETH_HLEN, ETH_P_IP, IP_HLEN, KILO_CONFIG, Run, Trie, ipv4, key, skb};
+use crate::{ETH_HLEN, ETH_P_IP, IP_HLEN, Run, Trie, config, ipv4, key, skb};
 
 #[map]
 static KILO_ENCAP: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
@@ -42,8 +42,17 @@ fn eth_ipv4(ctx: &TcContext) -> Option<[u8; IP_HLEN]> {
     ipv4(ctx, ETH_HLEN)
 }
 
+/// The outer header's identification (RFC 6864): this CPU's count of wrapped packets, offset
+/// per CPU so that CPUs wrapping for the same pair of nodes start far apart; consecutive
+/// packets from one CPU never share an ID, so an underlay that fragments can reassemble.
+#[inline(always)]
+fn outer_id(run: &Run) -> u16 {
+    (run.counted(Decision::Encapsulated as u32) as u16)
+        .wrapping_add((run.cpu as u16).wrapping_mul(0x9e37))
+}
+
 /// At egress of the private interface (Ethernet): see the module doc. The outer header copies
-/// the inner TOS, TTL and DF bit, as Linux's fallback `tunl0` does; a GSO packet's segments
+/// the inner TOS, TTL and DF bit, as Linux's fallback `tunl0` does, with an ID of its own; a GSO packet's segments
 /// each get their own outer header when segmented (`SKB_GSO_IPXIP4`). A packet that cannot be
 /// wrapped is dropped rather than sent bare.
 #[classifier]
@@ -52,7 +61,7 @@ pub fn kilo_encap(ctx: TcContext) -> i32 {
     if skb(&ctx).protocol != u32::from(ETH_P_IP.to_be()) {
         return ok;
     }
-    let Some(cfg) = KILO_CONFIG.get(0) else {
+    let Some(cfg) = config() else {
         return ok;
     };
     // The realm is the "to" realm of the packet's route, in the low 16 bits (the high ones
@@ -80,6 +89,7 @@ pub fn kilo_encap(ctx: TcContext) -> i32 {
     outer[1] = hdr[1];
     let len = u16::from_be_bytes([hdr[2], hdr[3]]).wrapping_add(IP_HLEN as u16);
     outer[2..4].copy_from_slice(&len.to_be_bytes());
+    outer[4..6].copy_from_slice(&outer_id(&run).to_be_bytes());
     outer[6] = hdr[6] & 0x40;
     outer[8] = hdr[8];
     outer[9] = IPPROTO_IPIP;

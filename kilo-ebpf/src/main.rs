@@ -107,10 +107,21 @@ fn skb(ctx: &TcContext) -> &__sk_buff {
     unsafe { &*(ctx.as_ptr() as *const __sk_buff) }
 }
 
-/// One run: the packet, the config, this CPU's region of KILO_COUNTERS, the packet's length.
+/// The config, read once: the agent may rewrite it in place, so a packet's decisions all
+/// use one copy rather than fields read at different moments.
+#[inline(always)]
+fn config() -> Option<Config> {
+    let cfg = KILO_CONFIG.get_ptr(0)?;
+    // SAFETY: a pointer to the array's value, valid for the program's run.
+    Some(unsafe { core::ptr::read_volatile(cfg) })
+}
+
+/// One run: the packet, the config, this CPU and its region of KILO_COUNTERS, the packet's
+/// length.
 struct Run<'a> {
     ctx: &'a TcContext,
-    cfg: &'static Config,
+    cfg: Config,
+    cpu: u32,
     base: u32,
     len: u64,
 }
@@ -118,20 +129,29 @@ struct Run<'a> {
 impl<'a> Run<'a> {
     #[inline(always)]
     fn new(ctx: &'a TcContext) -> Option<Self> {
-        Some(Self::with_config(ctx, KILO_CONFIG.get(0)?))
+        Some(Self::with_config(ctx, config()?))
     }
 
     /// A run with the config already read.
     #[inline(always)]
-    fn with_config(ctx: &'a TcContext, cfg: &'static Config) -> Self {
+    fn with_config(ctx: &'a TcContext, cfg: Config) -> Self {
         // SAFETY: a helper without arguments.
         let cpu = unsafe { bpf_get_smp_processor_id() };
         Run {
             ctx,
             cfg,
+            cpu,
             base: cpu * cfg.counter_stride,
             len: ctx.len() as u64,
         }
+    }
+
+    /// How many packets this CPU's counter `index` has counted.
+    #[inline(always)]
+    fn counted(&self, index: u32) -> u64 {
+        KILO_COUNTERS
+            .get(self.base + index)
+            .map_or(0, |c| c.packets)
     }
 
     /// Counts a packet in this CPU's counter `index` (a decision, or DECISION_SLOTS + an
