@@ -35,18 +35,18 @@ fn cached(name: &str) -> PathBuf {
 }
 
 /// True when the API server can be started. Without it (no `cargo xtask setup`), a test says
-/// why it skips; under `cargo xtask test` (which sets `KILO_REQUIRE_APISERVER`) that is a failure.
+/// why it skips; under `cargo xtask test` that is a failure ([`super::REQUIRE_ALL`]).
 pub fn available(test: &str) -> bool {
     let ok = binary().exists() && kubectl().exists() && Path::new("/usr/bin/etcd").exists();
-    if !ok {
-        assert!(
-            std::env::var_os("KILO_REQUIRE_APISERVER").is_none(),
-            "{test}: no kube-apiserver at {} or no /usr/bin/etcd: run `cargo xtask setup`",
-            binary().display()
-        );
-        eprintln!("SKIP {test}: no kube-apiserver (run `cargo xtask setup`)");
-    }
-    ok
+    super::skip_unless(
+        test,
+        (!ok).then(|| {
+            format!(
+                "no kube-apiserver at {} or no /usr/bin/etcd (run `cargo xtask setup`)",
+                binary().display()
+            )
+        }),
+    )
 }
 
 pub const TOKEN: &str = "kilo-rs-test-token";

@@ -38,15 +38,32 @@ pub fn noop_program(ebpf: &aya::Ebpf) -> &aya::programs::SchedClassifier {
         .expect("kilo_noop loaded")
 }
 
+/// Set by `cargo xtask test`: a test that would skip for want of root or of the API server
+/// fails instead, so that no tier passes without running.
+pub const REQUIRE_ALL: &str = "KILO_REQUIRE_ALL";
+
+/// Skips (says why, returns false) when `missing` is Some, or fails under [`REQUIRE_ALL`].
+pub fn skip_unless(test: &str, missing: Option<String>) -> bool {
+    let Some(why) = missing else {
+        return true;
+    };
+    assert!(
+        std::env::var_os(REQUIRE_ALL).is_none(),
+        "{test} cannot run: {why} ({REQUIRE_ALL} is set)"
+    );
+    eprintln!("SKIP {test}: {why}");
+    false
+}
+
 /// True when the test may create namespaces and load BPF programs. Elsewhere root-only tests
-/// print why they skip and pass.
+/// print why they skip and pass (fail under [`REQUIRE_ALL`]).
 pub fn require_root(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    if !root {
-        eprintln!("SKIP {test}: needs root (network namespaces, BPF)");
-    }
-    root
+    skip_unless(
+        test,
+        (!root).then(|| "needs root (network namespaces, BPF)".to_string()),
+    )
 }
 
 /// Waits (bounded at 60 s; for liveness only, never a speed check) until `f` holds.
