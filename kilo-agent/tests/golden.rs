@@ -739,62 +739,112 @@ fn connect_plan_is_kilo_peer_conf_and_peer_routes() {
     );
 }
 
-/// Kilo's flannel and cilium encapsulators (`--compatibility`): inside a location, a node is
-/// reached through the first address of its pod CIDR (flannel), or its `cni-compatibility-ip`
-/// when it has one (cilium), on the CNI's device; between locations nothing changes. Seen from
-/// c (not a leader: everything goes to its leader b) and from b (the leader, `--local`).
-#[test]
-fn compatibility_routes_like_kilo_encapsulators() {
-    use plan::Compatibility;
+/// The fixture with `cni-compatibility-ip` on b and c (a and d have none), the input of the
+/// `compat-*` goldens.
+fn compat_fixture() -> mesh::Snapshot {
     let mut snap = fixture();
-    set_annotation(
-        &mut snap,
-        "b",
-        mesh::annotations::CNI_COMPATIBILITY_IP,
-        Some("10.0.2.9/32"),
+    for (node, ip) in [("b", "10.0.2.9/32"), ("c", "10.0.3.9/32")] {
+        set_annotation(
+            &mut snap,
+            node,
+            mesh::annotations::CNI_COMPATIBILITY_IP,
+            Some(ip),
+        );
+    }
+    snap
+}
+
+/// Kilo's cilium and flannel encapsulators (`--compatibility`), from every host, `--local` on
+/// and off, every `--encapsulate`: the routes and rules of Kilo 0.7.0 (the `compat-*` goldens,
+/// normalized as for IPIP; Kilo's `flannel.1` is our `Device::Tunnel`, printed `tunl0`).
+#[test]
+fn compatibility_routes_and_rules_match_golden() {
+    use plan::Compatibility;
+    let snap = compat_fixture();
+    let mut failed = Vec::new();
+    for (compatibility, name) in [
+        (Compatibility::Cilium, "cilium"),
+        (Compatibility::Flannel, "flannel"),
+    ] {
+        for g in GRANULARITIES {
+            for h in HOSTS {
+                let text = data(&format!("compat-{name}-{g}-from-{h}.txt"));
+                for local in [false, true] {
+                    for (enc, enc_name) in ENCAPS {
+                        let s = Settings {
+                            local,
+                            encapsulate: enc,
+                            compatibility,
+                            ..settings(g, h)
+                        };
+                        let plan = plan_of(&snap, &s);
+                        let header = format!(
+                            "## routes: Topology.Routes(local={local}, encapsulate={enc_name}, {name})"
+                        );
+                        let sec = section(&text, &header).replace(" dev flannel.1 ", " dev tunl0 ");
+                        let (want_routes, want_rules) = kilo_routes_normalized(&sec);
+                        let routes: BTreeSet<String> =
+                            plan.routes.iter().map(ToString::to_string).collect();
+                        let rules: BTreeSet<String> =
+                            plan.rules.iter().map(ToString::to_string).collect();
+                        if (&routes, &rules) != (&want_routes, &want_rules) {
+                            let diff = |a: &BTreeSet<String>, b: &BTreeSet<String>| {
+                                a.difference(b).cloned().collect::<Vec<_>>()
+                            };
+                            failed.push(format!(
+                                "{g} from {h} {header}: kg only {:?}, Kilo only {:?}",
+                                diff(&routes, &want_routes)
+                                    .into_iter()
+                                    .chain(diff(&rules, &want_rules))
+                                    .collect::<Vec<_>>(),
+                                diff(&want_routes, &routes)
+                                    .into_iter()
+                                    .chain(diff(&want_rules, &rules))
+                                    .collect::<Vec<_>>(),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// Deliberate difference: with `--local` and encapsulation, Kilo's cilium encapsulator adds
+/// `KILO-IPIP` (accept IPIP from the location's private IPs, drop the rest) as its IPIP
+/// encapsulator does. With `--compatibility` the CNI's device (or the kernel's `tunl0`) carries
+/// IPIP: kg's datapath neither wraps nor filters it (its IPIP plan is empty), and nothing drops
+/// IPIP from elsewhere.
+#[test]
+fn cilium_ipip_is_not_filtered_by_the_datapath() {
+    use plan::{Compatibility, IpipPlan};
+    let text = data("compat-cilium-location-from-b.txt");
+    let sec = section(&text, "## iptables: cilium encapsulator Rules");
+    let accepts: Vec<&str> = sec
+        .lines()
+        .filter(|l| l.contains("-A KILO-IPIP") && l.ends_with("-j ACCEPT"))
+        .collect();
+    assert_eq!(accepts.len(), 2, "{sec}");
+    assert!(sec.contains("\"Kilo: reject other IPIP traffic\" -j DROP"));
+    let snap = compat_fixture();
+    let s = settings(Granularity::Location, "b");
+    let cilium = plan_of(
+        &snap,
+        &Settings {
+            compatibility: Compatibility::Cilium,
+            ..s.clone()
+        },
     );
-    let routes = |compatibility, host| {
-        let s = Settings {
-            compatibility,
-            ..settings(Granularity::Location, host)
-        };
-        let mut r: Vec<String> = plan_of(&snap, &s)
-            .routes
-            .iter()
+    assert!(cilium.routes.iter().any(|r| r.device == Device::Tunnel));
+    assert_eq!(cilium.ipip, IpipPlan::default());
+    let own = plan_of(&snap, &s).ipip;
+    assert_eq!(
+        own.sources
+            .keys()
             .map(ToString::to_string)
-            .collect();
-        r.sort();
-        r
-    };
-    // From c every route goes to its leader b: through b's private IP (IPIP), b's pod CIDR
-    // (flannel) or b's cni-compatibility-ip (cilium); `tunl0` names the tunnel device.
-    let ipip = routes(Compatibility::None, "c");
-    assert!(
-        ipip.iter()
-            .all(|r| r.contains(" via 192.168.0.1 dev tunl0 "))
+            .collect::<Vec<_>>(),
+        ["192.168.0.2/32"],
+        "kg's own IPIP accepts only the location's other node"
     );
-    let swap = |gw: &str| -> Vec<String> {
-        ipip.iter()
-            .map(|r| r.replace(" via 192.168.0.1 ", &format!(" via {gw} ")))
-            .collect()
-    };
-    assert_eq!(routes(Compatibility::Flannel, "c"), swap("10.2.2.0"));
-    assert_eq!(routes(Compatibility::Cilium, "c"), swap("10.0.2.9"));
-    // From the leader b: its location's other node c (no cni-compatibility-ip) through c's pod
-    // CIDR in both modes, including the table-1107 route to c's private IP; other locations
-    // through WireGuard as always.
-    let want = [
-        "route 10.2.1.0/24 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
-        "route 10.2.3.0/24 via 10.2.3.0 dev tunl0 src 192.168.0.1 onlink",
-        "route 10.2.4.0/24 via 10.4.0.3 dev kilo0 src 192.168.0.1 onlink",
-        "route 10.5.0.0/24 dev kilo0 src 192.168.0.1",
-        "route 192.168.0.1/32 via 10.4.0.1 dev kilo0 src 192.168.0.1 onlink",
-        "route 192.168.0.2/32 via 10.2.3.0 dev tunl0 src 192.168.0.1 table 1107 onlink",
-    ];
-    assert_eq!(routes(Compatibility::Flannel, "b"), want);
-    assert_eq!(routes(Compatibility::Cilium, "b"), want);
-    let ipip_b = routes(Compatibility::None, "b");
-    assert!(ipip_b.contains(
-        &"route 10.2.3.0/24 via 192.168.0.2 dev tunl0 src 192.168.0.1 onlink".to_string()
-    ));
 }

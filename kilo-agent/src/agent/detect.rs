@@ -15,7 +15,7 @@ use futures::TryStreamExt;
 use ipnet::IpNet;
 use netlink_packet_route::{
     AddressFamily,
-    address::AddressAttribute,
+    address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkMessage},
     route::{RouteAttribute, RouteMessage},
 };
@@ -111,13 +111,71 @@ pub fn choose(
     Detected { private, public }
 }
 
-/// Kilo's cilium encapsulator's `CNICompatibilityIP`: the first IPv4 address of `cilium_host`,
-/// if Cilium made that interface. Pure.
-pub fn cilium_host_ip(host: &HostView) -> Option<IpNet> {
-    host.addresses
+/// The interface whose IPv4 address Kilo's cilium encapsulator publishes as the node's
+/// `cni-compatibility-ip`.
+pub const CILIUM_HOST: &str = "cilium_host";
+
+/// Reads `cilium_host`'s address over one netlink connection, at every pass (Kilo's
+/// `CNICompatibilityIP`, read whenever it handles its own node): Cilium may readdress it.
+#[derive(Clone)]
+pub struct CiliumHost {
+    handle: rtnetlink::Handle,
+}
+
+impl CiliumHost {
+    /// Opens the netlink connection (its task runs on the current runtime).
+    pub fn connect() -> Result<Self, DetectError> {
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|x| DetectError(x.to_string()))?;
+        tokio::spawn(conn);
+        Ok(CiliumHost { handle })
+    }
+
+    /// The first IPv4 address of `cilium_host`; `None` when there is no such interface or no
+    /// IPv4 address on it (Cilium not running).
+    pub async fn address(&self) -> Result<Option<IpNet>, DetectError> {
+        let e = |e: rtnetlink::Error| DetectError(e.to_string());
+        let mut links = self.handle.link().get().match_name(CILIUM_HOST).execute();
+        let index = match links.try_next().await {
+            Ok(Some(l)) => l.header.index,
+            Ok(None) => return Ok(None),
+            Err(rtnetlink::Error::NetlinkError(m)) if m.raw_code() == -libc::ENODEV => {
+                return Ok(None);
+            }
+            Err(x) => return Err(e(x)),
+        };
+        let addrs: Vec<AddressMessage> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(e)?;
+        Ok(addrs
+            .iter()
+            .filter_map(address_of)
+            .find(|a| a.addr().is_ipv4()))
+    }
+}
+
+/// An address message's address (its local address, else its address) with its prefix.
+fn address_of(a: &AddressMessage) -> Option<IpNet> {
+    let ip = a
+        .attributes
         .iter()
-        .find(|a| a.interface == "cilium_host" && a.address.addr().is_ipv4())
-        .map(|a| a.address)
+        .find_map(|x| match x {
+            AddressAttribute::Local(ip) => Some(*ip),
+            _ => None,
+        })
+        .or_else(|| {
+            a.attributes.iter().find_map(|x| match x {
+                AddressAttribute::Address(ip) => Some(*ip),
+                _ => None,
+            })
+        })?;
+    IpNet::new(ip, a.header.prefix_len).ok()
 }
 
 /// `--mtu=auto`: the first default-route interface's MTU minus WireGuard's overhead.
@@ -185,22 +243,7 @@ pub async fn observe() -> Result<HostView, DetectError> {
         let Some(interface) = names.get(&a.header.index) else {
             continue;
         };
-        let ip = a
-            .attributes
-            .iter()
-            .find_map(|x| match x {
-                AddressAttribute::Local(ip) => Some(*ip),
-                _ => None,
-            })
-            .or_else(|| {
-                a.attributes.iter().find_map(|x| match x {
-                    AddressAttribute::Address(ip) => Some(*ip),
-                    _ => None,
-                })
-            });
-        if let Some(ip) = ip
-            && let Ok(address) = IpNet::new(ip, a.header.prefix_len)
-        {
+        if let Some(address) = address_of(&a) {
             addresses.push(IfAddr {
                 interface: interface.clone(),
                 address,
@@ -281,15 +324,6 @@ mod tests {
         assert_eq!(d.private, Some(a("eth0", "10.0.0.7/24")));
         assert_eq!(d.public, Some(a("eth0", "203.0.113.9/24")));
         assert_eq!(auto_mtu(&host()), 1420);
-    }
-
-    #[test]
-    fn cilium_host_ip_is_its_first_ipv4_address() {
-        assert_eq!(cilium_host_ip(&host()), None);
-        let mut h = host();
-        h.addresses.push(a("cilium_host", "fd00::12/128"));
-        h.addresses.push(a("cilium_host", "10.0.1.77/32"));
-        assert_eq!(cilium_host_ip(&h), Some("10.0.1.77/32".parse().unwrap()));
     }
 
     #[test]

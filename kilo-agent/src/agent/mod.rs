@@ -282,7 +282,14 @@ pub struct Agent<P, K, W, D> {
     /// The last snapshot planned and what the planner made of it: a pass on the same snapshot
     /// (a resync, a kernel notification) reuses it instead of planning again.
     last_plan: Option<(Arc<Snapshot>, Arc<PlanOutcome>)>,
+    /// Reads the local node's `cni-compatibility-ip` at every pass.
+    cni_probe: Option<CniProbe>,
 }
+
+/// Reads the local node's `cni-compatibility-ip` (`--compatibility=cilium`: `cilium_host`'s
+/// IPv4 address); an error keeps the last value.
+pub type CniProbe =
+    Box<dyn FnMut() -> futures::future::BoxFuture<'static, Result<Option<IpNet>, String>> + Send>;
 
 /// When a pass that failed to apply or publish is tried again: after 1 s, doubling up to 30 s,
 /// so a failure that cannot be fixed costs a pass every 30 s, never a loop.
@@ -353,6 +360,32 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             publish_failed: false,
             retry: Retry::default(),
             last_plan: None,
+            cni_probe: None,
+        }
+    }
+
+    /// Re-reads the local node's `cni-compatibility-ip` with `probe` at every pass, as Kilo
+    /// re-reads `cilium_host` whenever it handles its own node: a new address is published
+    /// and planned with at once.
+    pub fn with_cni_compatibility_probe(mut self, probe: CniProbe) -> Self {
+        self.cni_probe = Some(probe);
+        self
+    }
+
+    async fn refresh_cni_compatibility_ip(&mut self) {
+        let Some(probe) = self.cni_probe.as_mut() else {
+            return;
+        };
+        match probe().await {
+            Ok(ip) if ip != self.local.cni_compatibility_ip => {
+                tracing::info!(old = ?self.local.cni_compatibility_ip, new = ?ip, "cni-compatibility-ip changed");
+                self.local.cni_compatibility_ip = ip;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.metrics.error("local");
+                tracing::warn!(error = %e, "reading the cni-compatibility-ip failed; keeping the last one");
+            }
         }
     }
 
@@ -552,6 +585,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     }
 
     async fn pass(&mut self) -> Result<Report, AgentError> {
+        self.refresh_cni_compatibility_ip().await;
         let update = self.backend.updates().borrow().clone();
         if update.generation != self.seen_generation {
             self.seen_generation = update.generation;
@@ -1054,6 +1088,60 @@ mod tests {
         }
     }
 
+    /// `--compatibility=cilium`: the local `cni-compatibility-ip` is read at every pass; a new
+    /// address (or none) is planned with and published at once.
+    #[tokio::test]
+    async fn cni_compatibility_ip_is_read_at_every_pass() {
+        let (tx, _) = tokio::sync::watch::channel(first_update(nodes(&["me"])));
+        let backend = Arc::new(Driven {
+            tx,
+            published: Mutex::default(),
+            failing: Default::default(),
+        });
+        let planned_with: Arc<Mutex<Vec<String>>> = Arc::default();
+        let recorded = planned_with.clone();
+        let planner = move |s: &Snapshot| {
+            let a = s.nodes["me"].metadata.annotations.as_ref();
+            let ip = a.and_then(|a| a.get(ANNOTATION_CNI_COMPATIBILITY_IP));
+            recorded
+                .lock()
+                .unwrap()
+                .push(ip.cloned().unwrap_or_default());
+            planned()
+        };
+        let address: Arc<Mutex<Option<&str>>> = Arc::new(Mutex::new(Some("10.0.1.77/32")));
+        let read = address.clone();
+        let mut agent = Agent::new(
+            backend.clone(),
+            planner,
+            testing::reconciler(),
+            testing::local(),
+            LoopSettings::default(),
+            Metrics::new(),
+        )
+        .with_cni_compatibility_probe(Box::new(move || {
+            let ip = read.lock().unwrap().map(|a| a.parse().unwrap());
+            Box::pin(async move { Ok(ip) })
+        }));
+        for next in [Some("10.0.1.78/32"), None, None] {
+            agent.reconcile_once().await.unwrap();
+            *address.lock().unwrap() = next;
+        }
+        let want = ["10.0.1.77/32", "10.0.1.78/32", ""];
+        assert_eq!(*planned_with.lock().unwrap(), want);
+        let published: Vec<String> = backend
+            .published
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|a| a[ANNOTATION_CNI_COMPATIBILITY_IP].clone().unwrap())
+            .collect();
+        assert_eq!(
+            published, want,
+            "the backend never shows them: each pass publishes"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
         let begin = tokio::time::Instant::now();
@@ -1390,6 +1478,32 @@ pub(crate) mod testing {
         Clock::new(move || T0 * 1000 + begin.elapsed().as_millis() as i64)
     }
 
+    pub type FakeReconciler = Reconciler<
+        crate::reconcile::FakeKernel,
+        crate::reconcile::wireguard::FakeWireGuard,
+        crate::datapath::FakeDatapath,
+    >;
+
+    /// Reconcilers on fakes, with the WireGuard device kilo0 and no other.
+    pub fn reconciler() -> FakeReconciler {
+        Reconciler::new(
+            crate::reconcile::FakeKernel::default(),
+            crate::reconcile::wireguard::FakeWireGuard::default(),
+            crate::datapath::FakeDatapath::default(),
+            crate::reconcile::Settings {
+                devices: crate::reconcile::state::Devices {
+                    wireguard: "kilo0".into(),
+                    private: None,
+                    tunnel: None,
+                },
+                create_interface: true,
+                mtu: None,
+                private_key: Key([7; 32]),
+                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
+            },
+        )
+    }
+
     /// Spawns the loop of node `me` on `backend` with `settings` (and [`clock`]); the planner
     /// records each plan and answers `outcome()`.
     pub fn spawn(
@@ -1407,22 +1521,7 @@ pub(crate) mod testing {
             ));
             outcome()
         };
-        let reconciler = Reconciler::new(
-            crate::reconcile::FakeKernel::default(),
-            crate::reconcile::wireguard::FakeWireGuard::default(),
-            crate::datapath::FakeDatapath::default(),
-            crate::reconcile::Settings {
-                devices: crate::reconcile::state::Devices {
-                    wireguard: "kilo0".into(),
-                    private: None,
-                    tunnel: None,
-                },
-                create_interface: true,
-                mtu: None,
-                private_key: Key([7; 32]),
-                resolver: Box::new(crate::reconcile::wireguard::system_resolver),
-            },
-        );
+        let reconciler = reconciler();
         let local = local();
         let settings = LoopSettings {
             clock: clock(begin),

@@ -128,9 +128,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         endpoint: endpoint_ip.map(|a| SocketAddr::new(a.address.addr(), flags.port)),
         internal_ip: ips.private.as_ref().map(|a| a.address),
         granularity: flags.mesh_granularity.as_str().into(),
-        cni_compatibility_ip: (flags.compatibility == Compatibility::Cilium)
-            .then(|| detect::cilium_host_ip(&host))
-            .flatten(),
+        // Read at every pass (`with_cni_compatibility_probe` below).
+        cni_compatibility_ip: None,
     };
     tracing::info!(
         node = %hostname,
@@ -215,6 +214,13 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         },
         metrics.clone(),
     );
+    if flags.compatibility == Compatibility::Cilium {
+        let cilium = detect::CiliumHost::connect()?;
+        agent = agent.with_cni_compatibility_probe(Box::new(move || {
+            let cilium = cilium.clone();
+            Box::pin(async move { cilium.address().await.map_err(|e| e.to_string()) })
+        }));
+    }
 
     if flags.dry_run {
         let mut rx = backend.updates();

@@ -18,6 +18,8 @@
 //!   packet to such a destination: then the node's own traffic to a location node's private IP
 //!   is wrapped too, where Kilo wraps only what its pods and kilo0 send there, by ip rules into
 //!   table 1107). The fast path does not redirect to a destination so wrapped.
+//! - With `--compatibility`, IPIP is the CNI's device's: the datapath neither wraps nor filters
+//!   it, where Kilo's cilium encapsulator also adds its `KILO-IPIP` accept/drop rules.
 //! - Routes to a destination whose family differs from the WireGuard subnet's go to the
 //!   WireGuard interface without a gateway (WireGuard picks the peer by allowed IP).
 use std::{
@@ -410,12 +412,47 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
         }
     };
 
+    // Without `--local`, a leader behind a CNI overlay (flannel, cilium) still returns
+    // WireGuard traffic to its location's nodes through that overlay: what kilo0 delivers to a
+    // node's private IP goes, by table 1107, to the CNI's gateway for it (Kilo PR #409).
+    let overlay_return = |rt: &mut Routes| {
+        if my_primary.is_none() || enc == Encapsulation::Never {
+            return;
+        }
+        for n in local_group.iter().flat_map(|seg| &seg.nodes) {
+            let Some(p4) = n.private_ip(false) else {
+                continue;
+            };
+            if Some(p4) == my_primary || n.name == t.hostname {
+                continue;
+            }
+            let Some(gw) = s.compatibility.gateway(n, false).filter(|g| *g != p4) else {
+                continue;
+            };
+            let dst = host_net(p4);
+            rt.add(Route {
+                table: KILO_TABLE,
+                ..via(dst, Some(gw), Device::Tunnel, None)
+            });
+            rt.rule(Rule {
+                src: None,
+                dst: Some(dst),
+                iif: Some(Device::WireGuard),
+                table: KILO_TABLE,
+            });
+        }
+    };
+
     let mut local_done = false;
     if t.leader {
         for seg in &t.segments {
             if seg.group == t.group {
-                if s.local && !local_done {
-                    local_routes(&mut rt, true);
+                if !local_done {
+                    if s.local {
+                        local_routes(&mut rt, true);
+                    } else {
+                        overlay_return(&mut rt);
+                    }
                 }
                 local_done = true;
                 continue;
