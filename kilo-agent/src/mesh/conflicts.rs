@@ -1,19 +1,32 @@
 //! Duplicate identities and conflicting claims between ready objects (pure), resolved by a rule
 //! that depends only on names and the kind of object, never on arrival order, so every agent
-//! and kgctl reach the same answer from the same snapshot:
-//! - Two nodes with the same WireGuard key (a cloned disk), or with overlapping pod CIDRs: the
-//!   node whose name sorts first stays; the other is left out of the mesh (as if not ready).
-//! - Nodes beat Peers: a Peer's allowed IP equal to or inside a node's pod CIDR, a node's
-//!   internal IP, a service CIDR or a WireGuard IP the topology may hand out (the first address
-//!   of the WireGuard subnet for each ready node) is dropped from that Peer; the rest stays.
-//! - Between Peers, in name order: an allowed IP strictly inside one an earlier Peer claims is
-//!   dropped. The same network twice stays as Kilo leaves it (`deduplicatePeerIPs`, then the
-//!   plan gives the network to the first Peer).
+//! and kgctl reach the same answer from the same snapshot.
 //!
-//! Every route and lookup on the way (kernel routes, WireGuard's allowed IPs, the datapath's
-//! LPM tries) picks the longest prefix, so only a claim equal to or inside someone else's range
-//! can take its traffic. A claim containing another range (a Peer for `10.0.0.0/8` next to a
-//! node's `10.2.1.0/24`) takes only what nobody more specific claims, and is kept.
+//! Between Peers nothing is resolved here: as in Kilo, a Peer's allowed IP equal (as text, host
+//! bits included) to one an earlier Peer (name order) claims is dropped by the topology
+//! (`deduplicatePeerIPs`), and a narrower or broader one is kept, since WireGuard and the
+//! routes pick the longest prefix (`172.20.5.0/24` of one Peer next to `172.20.0.0/16` of
+//! another: the first gets the /24, the second the rest of the /16).
+//!
+//! What nodes own is protected; Kilo protects none of it. In Kilo's WireGuard configuration the
+//! Peers come after the segments, and WireGuard gives an allowed IP listed twice to the last
+//! peer listing it, so there a Peer takes any node range it claims exactly or more narrowly. Here
+//! the claim is dropped from the Peer (only the Peer's `AllowedIPs` differ from Kilo's):
+//! - two ready nodes with the same WireGuard key (a cloned disk), or with overlapping pod CIDRs:
+//!   the node whose name sorts first stays; the other is left out of the mesh (as if not ready);
+//! - a Peer's allowed IP equal to or inside a node's pod CIDR (Kilo: the Peer takes those pods);
+//! - equal to a node's internal IP as a host route (`/32`, `/128`; Kilo: the Peer takes it);
+//! - equal to one of the first N addresses of the WireGuard subnet after its network address,
+//!   N the number of ready nodes (Kilo gives segment i the address i + 1; there are at most as
+//!   many segments as nodes in every granularity, so an unused one of these, which Kilo would
+//!   leave to the Peer, is dropped too);
+//! - equal to or inside a `--service-cidr` (Kilo puts service CIDRs in no WireGuard
+//!   configuration and leaves such an address to the Peer; kgctl knows no service CIDRs and
+//!   keeps it).
+//!
+//! A dropped claim also no longer filters allowed-location IPs (`filterAllowedLocationIPs`).
+//! A claim containing a node's range (`10.0.0.0/8` next to a pod CIDR `10.2.1.0/24`) takes
+//! only what nobody more specific claims, and is kept.
 //!
 //! Each loser is an [`ObjectError`] naming both objects and the losing field, so it is
 //! logged and counted like any invalid value (`kilo_invalid_objects_total{kind,field}`).
@@ -34,7 +47,6 @@ enum Owner<'a> {
     InternalIp(IpNet, &'a str),
     ServiceCidr(IpNet),
     WireGuardIp(IpNet, IpNet),
-    Peer(IpNet, &'a str),
 }
 
 impl fmt::Display for Owner<'_> {
@@ -46,7 +58,6 @@ impl fmt::Display for Owner<'_> {
             Owner::WireGuardIp(ip, subnet) => {
                 write!(f, "WireGuard IP {ip} (one per ready node in {subnet})")
             }
-            Owner::Peer(ip, peer) => write!(f, "{ip} of peer {peer:?}"),
         }
     }
 }
@@ -76,12 +87,6 @@ impl<'a> Claims<'a> {
     fn containing(&self, net: &IpNet) -> Option<Owner<'a>> {
         let lens = &self.lens[usize::from(net.addr().is_ipv6())];
         self.longest(net, lens.range(..=net.prefix_len()).copied())
-    }
-
-    /// A claim strictly containing `net`.
-    fn containing_strictly(&self, net: &IpNet) -> Option<Owner<'a>> {
-        let lens = &self.lens[usize::from(net.addr().is_ipv6())];
-        self.longest(net, lens.range(..net.prefix_len()).copied())
     }
 
     /// A claim inside `net` (equal included): claims are truncated, so their network address
@@ -167,33 +172,21 @@ pub fn resolve_conflicts(
     for ip in wireguard_ips.map(IpNet::from) {
         reserved.add(ip, Owner::WireGuardIp(ip, subnet));
     }
-    let mut claimed = Claims::default();
-    let mut kept_ips = Vec::with_capacity(peers.len());
-    for p in peers.values() {
-        let mut kept = Vec::with_capacity(p.allowed_ips.len());
-        for (i, ip) in p.allowed_ips.iter().enumerate() {
-            let owner = reserved.containing(ip).or_else(|| {
-                // The same network as an earlier Peer is Kilo's deduplication, not a conflict.
-                let same = claimed.owners.contains_key(&ip.trunc());
-                (!same).then(|| claimed.containing_strictly(ip)).flatten()
-            });
-            match owner {
-                Some(owner) => errors.push(ObjectError::new(
+    for p in peers.values_mut() {
+        let mut i = 0;
+        p.allowed_ips.retain(|ip| {
+            let owner = reserved.containing(ip);
+            if let Some(owner) = owner {
+                errors.push(ObjectError::new(
                     ObjectKind::Peer,
                     &p.name,
                     format!("spec.allowedIPs[{i}]"),
                     format!("{ip} lies within {owner}; dropped from the peer"),
-                )),
-                None => kept.push(*ip),
+                ));
             }
-        }
-        for ip in &kept {
-            claimed.add(*ip, Owner::Peer(*ip, &p.name));
-        }
-        kept_ips.push(kept);
-    }
-    for (p, kept) in peers.values_mut().zip(kept_ips) {
-        p.allowed_ips = kept;
+            i += 1;
+            owner.is_none()
+        });
     }
     for name in left_out {
         nodes.remove(&name);

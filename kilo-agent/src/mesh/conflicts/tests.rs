@@ -192,44 +192,29 @@ fn the_wireguard_ips_nodes_may_get_beat_peers() {
     );
 }
 
+/// Between Peers nothing is a conflict: nested claims are kept (longest prefix wins), and
+/// the same text twice is left to the topology's deduplication (`deduplicatePeerIPs`).
 #[test]
-fn between_peers_the_first_name_keeps_its_addresses() {
+fn between_peers_nested_and_equal_claims_are_kept() {
     let peers = [
-        peer("p", "10.5.0.0/16", 1),
-        // Inside p's range: dropped. Outside: kept.
-        peer("q", "10.5.1.0/24,10.6.0.0/24", 2),
-        // The same network as p: Kilo's deduplication (the plan routes it to p), no conflict.
-        // Containing p's: kept, it takes nothing p claims.
-        peer("r", "10.5.0.1/16,10.0.0.0/8", 3),
-        // Inside r's 10.0.0.0/8 (kept) and nothing earlier claims it more precisely: dropped.
-        peer("s", "10.7.0.0/24", 4),
+        peer("gateway-office", "172.20.0.0/16", 1),
+        peer("vpn-backup", "172.20.0.0/16,172.20.5.0/24", 2),
+        peer("wide", "10.5.0.1/16,10.0.0.0/8", 3),
     ];
     let (_, p, errors) = resolve(&abc(), &peers, "");
-    assert_eq!(p["p"].allowed_ips, nets("10.5.0.0/16"));
-    assert_eq!(p["q"].allowed_ips, nets("10.6.0.0/24"));
-    assert_eq!(p["r"].allowed_ips, nets("10.5.0.1/16,10.0.0.0/8"));
-    assert!(
-        p["s"].allowed_ips.is_empty(),
-        "the peer stays, claiming nothing"
-    );
-    let got: Vec<_> = errors.iter().map(ToString::to_string).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(values(&p), peers);
+    let t = topo(&abc(), &values(&p), Granularity::Full, "a", "10.4.0.0/16");
+    let ips: Vec<_> = t.peers.iter().map(|p| p.allowed_ips.clone()).collect();
     assert_eq!(
-        got,
+        ips,
         [
-            "peer \"q\": spec.allowedIPs[0]: 10.5.1.0/24 lies within 10.5.0.0/16 of peer \"p\"; \
-             dropped from the peer",
-            "peer \"s\": spec.allowedIPs[0]: 10.7.0.0/24 lies within 10.0.0.0/8 of peer \"r\"; \
-             dropped from the peer",
-        ]
+            nets("172.20.0.0/16"),
+            nets("172.20.5.0/24"),
+            nets("10.5.0.1/16,10.0.0.0/8")
+        ],
+        "only the exact duplicate is dropped"
     );
-    // Name order, not size: a narrower claim sorting first keeps its range.
-    let (_, p, _) = resolve(
-        &abc(),
-        &[peer("a", "10.5.1.0/24", 1), peer("b", "10.5.0.0/16", 2)],
-        "",
-    );
-    assert_eq!(p["a"].allowed_ips, nets("10.5.1.0/24"));
-    assert_eq!(p["b"].allowed_ips, nets("10.5.0.0/16"));
 }
 
 #[test]
