@@ -49,33 +49,22 @@ impl From<SocketAddr> for Endpoint {
 impl FromStr for Endpoint {
     type Err = EndpointError;
 
+    /// Exactly Kilo's `wireguard.ParseEndpoint`: Go's `net.SplitHostPort` (an IPv6 address in
+    /// brackets), a decimal port in 1..=65535 (leading zeros allowed, no sign), then an IP
+    /// address (an IPv4-mapped one is IPv4) or else a DNS-1123 subdomain. Nothing is trimmed.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if let Ok(addr) = s.parse::<SocketAddr>() {
-            return Ok(addr.into());
+        let format = || EndpointError::Format(s.into());
+        let (host, port) = split_host_port(s).ok_or_else(format)?;
+        let port = Some(port)
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<u32>().ok())
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p > 0)
+            .ok_or_else(|| EndpointError::Port(s.into()))?;
+        if let Ok(ip) = host.parse::<IpAddr>() {
+            return Ok(SocketAddr::new(ip.to_canonical(), port).into());
         }
-        let (host, port) = s
-            .rsplit_once(':')
-            .ok_or_else(|| EndpointError::Format(s.into()))?;
-        let port: u16 = port.parse().map_err(|_| EndpointError::Port(s.into()))?;
-        if port == 0 {
-            return Err(EndpointError::Port(s.into()));
-        }
-        if host.parse::<IpAddr>().is_ok() || host.starts_with('[') {
-            // A bare IPv6 address needs brackets; anything else that looks like an IP is malformed.
-            return Err(EndpointError::Format(s.into()));
-        }
-        let dns1123 = !host.is_empty()
-            && host.len() <= 253
-            && host.split('.').all(|label| {
-                !label.is_empty()
-                    && label.len() <= 63
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                    && !label.starts_with('-')
-                    && !label.ends_with('-')
-            });
-        if !dns1123 {
+        if !is_dns1123_subdomain(host) {
             return Err(EndpointError::Host(host.into()));
         }
         Ok(Endpoint {
@@ -83,6 +72,31 @@ impl FromStr for Endpoint {
             port,
         })
     }
+}
+
+/// Go's `net.SplitHostPort`: `host:port` with no other colon, or `[host]:port`.
+fn split_host_port(s: &str) -> Option<(&str, &str)> {
+    let (host, port) = s.rsplit_once(':')?;
+    let host = match host.strip_prefix('[') {
+        Some(inner) => inner.strip_suffix(']')?,
+        None => host,
+    };
+    (!host.contains([':', '[', ']']) || (s.starts_with('[') && !host.contains(['[', ']'])))
+        .then_some((host, port))
+}
+
+/// Kubernetes' `IsDNS1123Subdomain`: at most 253 characters, dot-separated labels of lowercase
+/// letters, digits and inner hyphens (no limit per label).
+pub(crate) fn is_dns1123_subdomain(name: &str) -> bool {
+    name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 impl fmt::Display for Endpoint {
@@ -118,8 +132,32 @@ mod tests {
             ":51820",
             "a:0",
             "a:65536",
+            " 10.1.0.1:51820",
+            "10.1.0.1:51820 ",
+            "10.1.0.1:+51820",
+            "[fe80::1%1]:51820",
+            "[a]b:1",
+            "a]:1",
+            "[a:1",
         ] {
             assert!(s.parse::<Endpoint>().is_err(), "{s}");
+        }
+    }
+
+    /// What Go's `SplitHostPort`, `ParseIP` and `IsDNS1123Subdomain` accept beyond the usual forms.
+    #[test]
+    fn accepts_what_kilo_accepts() {
+        for (s, want) in [
+            ("[10.1.0.1]:51820", "10.1.0.1:51820"),
+            ("[::ffff:10.1.0.1]:051820", "10.1.0.1:51820"),
+            ("1.2.3:51820", "1.2.3:51820"),
+            ("[node-a]:1", "node-a:1"),
+            (
+                &format!("{}.b:1", "a".repeat(64)),
+                &format!("{}.b:1", "a".repeat(64)),
+            ),
+        ] {
+            assert_eq!(s.parse::<Endpoint>().unwrap().to_string(), want, "{s}");
         }
     }
 }

@@ -1,7 +1,17 @@
 //! WireGuard keys: 32 bytes, base64 on the wire and in annotations.
 use std::{fmt, str::FromStr};
 
-use base64::{Engine as _, engine::general_purpose::STANDARD};
+use base64::{
+    Engine as _, alphabet,
+    engine::{GeneralPurpose, GeneralPurposeConfig, general_purpose::STANDARD},
+};
+
+/// Go's `base64.StdEncoding` as `wgtypes.ParseKey` decodes: padding required, unused bits of
+/// the last character ignored.
+const GO_STD: GeneralPurpose = GeneralPurpose::new(
+    &alphabet::STANDARD,
+    GeneralPurposeConfig::new().with_decode_allow_trailing_bits(true),
+);
 
 /// A WireGuard public, private or preshared key.
 ///
@@ -21,10 +31,16 @@ pub enum KeyError {
 impl FromStr for Key {
     type Err = KeyError;
 
+    /// Exactly Kilo's `wgtypes.ParseKey`: base64 of 32 bytes, nothing trimmed, but line breaks
+    /// (`\r`, `\n`) anywhere are skipped, as Go's decoder skips them.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bytes = STANDARD
-            .decode(s.trim())
-            .map_err(|e| KeyError::Base64(e.to_string()))?;
+        let text: String = s.chars().filter(|c| !matches!(c, '\r' | '\n')).collect();
+        let bytes = GO_STD.decode(&text).map_err(|e| {
+            KeyError::Base64(match super::space(&text) {
+                Some(why) => why.to_string(),
+                None => e.to_string(),
+            })
+        })?;
         let len = bytes.len();
         Ok(Key(bytes.try_into().map_err(|_| KeyError::Length(len))?))
     }
@@ -59,6 +75,29 @@ mod tests {
             Err(KeyError::Length(4))
         ));
         assert!(matches!("!!".parse::<Key>(), Err(KeyError::Base64(_))));
+    }
+
+    /// As Go's decoder: no space trimmed, line breaks skipped, padding required, the unused
+    /// bits of the last character ignored.
+    #[test]
+    fn decodes_as_go() {
+        let s = "a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        let k = s.parse::<Key>().unwrap();
+        assert_eq!(format!("{s}\n").parse::<Key>(), Ok(k));
+        assert_eq!(
+            "a2V5MQAAAAAAAAAAAAAAAAAAAAAA\r\nAAAAAAAAAAAAAAA=".parse::<Key>(),
+            Ok(k)
+        );
+        assert_eq!(
+            format!(" {s}").parse::<Key>(),
+            Err(KeyError::Base64("leading space".into()))
+        );
+        assert!(s.trim_end_matches('=').parse::<Key>().is_err());
+        // `B` sets a bit the 32 bytes do not use: Go accepts it.
+        assert_eq!(
+            "a2V5MQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAB=".parse::<Key>(),
+            Ok(k)
+        );
     }
 
     #[test]

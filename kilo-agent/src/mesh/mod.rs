@@ -181,12 +181,32 @@ pub fn parse_snapshot(snapshot: &Snapshot, topology_label: &str) -> Parsed {
     }
 }
 
-/// Parses a CIDR the way Kilo's `normalizeIP` does: the address keeps its host bits
-/// (`10.5.0.1/24` stays `10.5.0.1/24`).
+/// Parses a CIDR exactly as Kilo's `normalizeIP` (Go's `net.ParseCIDR`) does: nothing is
+/// trimmed, the prefix length is decimal digits only (leading zeros allowed), and the address
+/// keeps its host bits (`10.5.0.1/24` stays `10.5.0.1/24`).
 pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, String> {
-    s.trim()
-        .parse::<ipnet::IpNet>()
-        .map_err(|_| format!("invalid CIDR {s:?}"))
+    let bad = || match space(s) {
+        Some(why) => format!("invalid CIDR {s:?} ({why})"),
+        None => format!("invalid CIDR {s:?}"),
+    };
+    let (addr, len) = s.split_once('/').ok_or_else(bad)?;
+    let addr = addr.parse::<std::net::IpAddr>().map_err(|_| bad())?;
+    if len.is_empty() || !len.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let len = len.parse::<u8>().map_err(|_| bad())?;
+    ipnet::IpNet::new(addr, len).map_err(|_| bad())
+}
+
+/// Why Kilo, which never trims a value, refuses one that only surrounding whitespace spoils.
+pub(crate) fn space(s: &str) -> Option<&'static str> {
+    if s.starts_with(char::is_whitespace) {
+        Some("leading space")
+    } else if s.ends_with(char::is_whitespace) {
+        Some("trailing space")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::{
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use super::{Endpoint, Granularity, Key, KubeNode, ObjectError, ObjectKind, parse_cidr};
+use super::{Endpoint, Granularity, Key, KubeNode, ObjectError, ObjectKind, parse_cidr, space};
 
 /// The annotation keys, exactly Kilo's.
 pub mod annotations {
@@ -87,11 +87,12 @@ impl Node {
         self.internal_ips.first().copied()
     }
 
-    /// Parses a Kubernetes Node the way Kilo's `translateNode` does: an invalid value is
-    /// ignored with Kilo's fallback (a bad `force-endpoint` falls back to `endpoint`, a bad
-    /// keepalive counts as none, a bad `allowed-location-ips` item is skipped, a bad key or
-    /// last-seen leaves the node not ready, ...) and returned as an error naming the field,
-    /// the value and the fallback. The node itself is always returned.
+    /// Parses a Kubernetes Node exactly as Kilo's `translateNode` does: nothing is trimmed,
+    /// an empty value is an absent one, and an invalid value is ignored with Kilo's fallback
+    /// (a bad `force-endpoint` falls back to `endpoint`, a bad keepalive counts as none, a bad
+    /// `allowed-location-ips` item is skipped, a bad key or last-seen leaves the node not
+    /// ready, ...) and returned as an error naming the field, the value and the fallback.
+    /// The node itself is always returned.
     pub fn from_kube(kn: &KubeNode, topology_label: &str) -> (Node, Vec<ObjectError>) {
         let name = kn.metadata.name.clone().unwrap_or_default();
         let empty = BTreeMap::new();
@@ -129,7 +130,7 @@ impl Node {
             ))
         };
         let a = |k: &str| format!("annotation {k}");
-        let get = |k: &str| ann(k).map(str::trim).filter(|s| !s.is_empty());
+        let get = |k: &str| ann(k).filter(|s| !s.is_empty());
 
         let mut endpoint = None;
         for (k, fallback) in [
@@ -148,12 +149,15 @@ impl Node {
                     endpoint = Some(e);
                     break;
                 }
-                Err(e) => err(a(k), format!("invalid endpoint {v:?} ({e}); {fallback}")),
+                Err(e) => err(
+                    a(k),
+                    format!("invalid endpoint {v:?} ({}); {fallback}", why(v, e)),
+                ),
             }
         }
 
         let mut internal_ips = Vec::new();
-        let force = ann(annotations::FORCE_INTERNAL_IP).map(str::trim);
+        let force = ann(annotations::FORCE_INTERNAL_IP);
         let no_internal_ip = matches!(force, Some("") | Some("-"));
         let candidates = [
             (
@@ -194,7 +198,10 @@ impl Node {
                 .map_err(|e| {
                     err(
                         a(annotations::KEY),
-                        format!("invalid WireGuard key {v:?} ({e}); the node is not ready"),
+                        format!(
+                            "invalid WireGuard key {v:?} ({}); the node is not ready",
+                            why(v, e)
+                        ),
                     )
                 })
                 .ok()
@@ -205,7 +212,10 @@ impl Node {
                 .map_err(|_| {
                     err(
                         a(annotations::LAST_SEEN),
-                        format!("invalid unix time {v:?}; the node is not ready"),
+                        format!(
+                            "invalid unix time {v:?} ({}); the node is not ready",
+                            why(v, "not a decimal integer")
+                        ),
                     )
                 })
                 .ok()
@@ -217,15 +227,32 @@ impl Node {
             .unwrap_or_default()
             .to_string();
 
+        // Go's `strconv.ParseInt` (an optional sign, decimal digits), as Kilo reads it; a value
+        // WireGuard cannot carry (outside 0..=65535) also counts as none.
         let persistent_keepalive = match get(annotations::PERSISTENT_KEEPALIVE) {
             None => 0,
-            Some(v) => v.parse::<u16>().unwrap_or_else(|_| {
-                err(
-                    a(annotations::PERSISTENT_KEEPALIVE),
-                    format!("invalid keepalive {v:?} (seconds in 0..=65535); counted as none"),
-                );
-                0
-            }),
+            Some(v) => match v.parse::<i64>() {
+                Ok(k) => u16::try_from(k).unwrap_or_else(|_| {
+                    err(
+                        a(annotations::PERSISTENT_KEEPALIVE),
+                        format!(
+                            "keepalive {v:?} is outside 0..=65535 seconds, which WireGuard \
+                             cannot carry; counted as none"
+                        ),
+                    );
+                    0
+                }),
+                Err(_) => {
+                    err(
+                        a(annotations::PERSISTENT_KEEPALIVE),
+                        format!(
+                            "invalid keepalive {v:?} ({}); counted as none",
+                            why(v, "not a decimal integer")
+                        ),
+                    );
+                    0
+                }
+            },
         };
 
         let mut pod_cidrs = Vec::new();
@@ -267,15 +294,24 @@ impl Node {
             }
         }
 
+        // Kilo splits on commas and keeps each item that is exactly a CIDR.
         let mut allowed_location_ips = Vec::new();
-        if let Some(v) = get(annotations::ALLOWED_LOCATION_IPS) {
-            for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                match parse_cidr(item) {
-                    Ok(n) => allowed_location_ips.push(n),
-                    Err(e) => err(
+        for item in get(annotations::ALLOWED_LOCATION_IPS)
+            .into_iter()
+            .flat_map(|v| v.split(','))
+        {
+            match parse_cidr(item) {
+                Ok(n) => allowed_location_ips.push(n),
+                Err(_) => {
+                    let why = match space(item) {
+                        _ if item.is_empty() => "empty",
+                        Some(why) => why,
+                        None => "not a CIDR",
+                    };
+                    err(
                         a(annotations::ALLOWED_LOCATION_IPS),
-                        format!("{e}; skipped"),
-                    ),
+                        format!("item {item:?}: {why}, Kilo ignores this item"),
+                    )
                 }
             }
         }
@@ -307,24 +343,23 @@ impl Node {
     }
 }
 
-/// `internal-ip`: one CIDR, or one per family comma-separated; IPv4 first.
+/// `internal-ip`: one CIDR as Kilo reads it, or (kg's dual-stack form, which Kilo ignores) one
+/// IPv4 and one IPv6 CIDR separated by a comma; IPv4 first.
 fn parse_internal_ips(v: &str) -> Result<Vec<IpNet>, String> {
-    let mut ips = parse_cidr_list(v)?;
-    let v4 = ips.iter().filter(|n| matches!(n, IpNet::V4(_))).count();
-    if v4 > 1 || ips.len() - v4 > 1 {
-        return Err(format!("at most one CIDR per family, got {v:?}"));
+    let Some((a, b)) = v.split_once(',') else {
+        return Ok(vec![parse_cidr(v)?]);
+    };
+    match (parse_cidr(a)?, parse_cidr(b)?) {
+        (v4 @ IpNet::V4(_), v6 @ IpNet::V6(_)) | (v6 @ IpNet::V6(_), v4 @ IpNet::V4(_)) => {
+            Ok(vec![v4, v6])
+        }
+        _ => Err(format!("at most one CIDR per family, got {v:?}")),
     }
-    ips.sort_by_key(|n| matches!(n, IpNet::V6(_)));
-    Ok(ips)
 }
 
-/// A comma-separated list of CIDRs; empty items are ignored.
-fn parse_cidr_list(v: &str) -> Result<Vec<IpNet>, String> {
-    v.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(parse_cidr)
-        .collect()
+/// Why a value Kilo refuses is refused: surrounding whitespace, else `e`.
+fn why(v: &str, e: impl std::fmt::Display) -> String {
+    space(v).map_or_else(|| e.to_string(), str::to_string)
 }
 
 /// Go's `net.UDPAddr` JSON: `{"IP":"1.2.3.4","Port":51820,"Zone":""}`.
@@ -460,7 +495,7 @@ mod tests {
                 ),
                 (
                     annotations::ALLOWED_LOCATION_IPS,
-                    "192.168.178.3/32, 10.9.0.0/16",
+                    "192.168.178.3/32,10.9.0.0/16",
                 ),
                 (annotations::GRANULARITY, "full"),
             ],
@@ -680,6 +715,135 @@ mod tests {
         );
         assert!(n.discovered_endpoints.is_empty());
         assert_eq!(errs.len(), 1);
+    }
+
+    /// Kilo splits on commas and keeps only the items that are exactly CIDRs; each skipped
+    /// item is reported by name, with the reason.
+    #[test]
+    fn list_items_are_read_as_kilo_reads_them() {
+        let (n, errs) = Node::from_kube(
+            &kube_node(
+                "n",
+                &[(
+                    annotations::ALLOWED_LOCATION_IPS,
+                    "10.9.0.0/24, 10.9.1.0/24,10.9.2.7/24,,10.9.3.0/24 ,x,",
+                )],
+                None,
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        );
+        assert_eq!(
+            n.allowed_location_ips,
+            vec![
+                "10.9.0.0/24".parse::<IpNet>().unwrap(),
+                "10.9.2.7/24".parse().unwrap()
+            ]
+        );
+        let msgs: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        let field = r#"node "n": annotation kilo.squat.ai/allowed-location-ips"#;
+        assert_eq!(
+            msgs,
+            [
+                format!(r#"{field}: item " 10.9.1.0/24": leading space, Kilo ignores this item"#),
+                format!(r#"{field}: item "": empty, Kilo ignores this item"#),
+                format!(r#"{field}: item "10.9.3.0/24 ": trailing space, Kilo ignores this item"#),
+                format!(r#"{field}: item "x": not a CIDR, Kilo ignores this item"#),
+                format!(r#"{field}: item "": empty, Kilo ignores this item"#),
+            ]
+        );
+    }
+
+    /// Nothing is trimmed: a value Kilo refuses because of a space is refused, with Kilo's
+    /// fallback, and Go's number syntax (a sign, leading zeros) is accepted.
+    #[test]
+    fn values_are_read_as_kilo_reads_them() {
+        let key = format!("{KEY1} ");
+        let (n, errs) = Node::from_kube(
+            &kube_node(
+                "n",
+                &[
+                    (annotations::FORCE_ENDPOINT, " 1.1.1.1:51820"),
+                    (annotations::ENDPOINT, "[2.2.2.2]:051820"),
+                    (annotations::FORCE_INTERNAL_IP, " -"),
+                    (annotations::INTERNAL_IP, "10.0.0.1/024"),
+                    (annotations::KEY, key.as_str()),
+                    (annotations::LAST_SEEN, "+1000"),
+                    (annotations::PERSISTENT_KEEPALIVE, "+25"),
+                    (annotations::GRANULARITY, "full "),
+                    (annotations::LOCATION, " eu"),
+                    (annotations::WIREGUARD_IP, "10.4.0.1/16\n"),
+                ],
+                Some(" 10.2.0.0/16"),
+            ),
+            DEFAULT_TOPOLOGY_LABEL,
+        );
+        assert_eq!(n.endpoint.unwrap().to_string(), "2.2.2.2:51820");
+        assert!(!n.no_internal_ip);
+        assert_eq!(
+            n.internal_ips,
+            vec!["10.0.0.1/24".parse::<IpNet>().unwrap()]
+        );
+        assert_eq!((n.key, n.last_seen), (None, Some(1000)));
+        assert_eq!(n.persistent_keepalive, 25);
+        assert_eq!(n.granularity, None);
+        assert_eq!(n.location, " eu");
+        assert_eq!(n.wireguard_ip, None);
+        assert!(n.pod_cidrs.is_empty());
+        let msgs: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        let want = [
+            (
+                "force-endpoint",
+                r#"invalid endpoint " 1.1.1.1:51820" (leading space)"#,
+            ),
+            ("force-internal-ip", r#"invalid CIDR " -" (leading space)"#),
+            ("key", "(trailing space); the node is not ready"),
+            ("wireguard-ip", "(trailing space); ignored"),
+            ("granularity", r#"unknown granularity "full ""#),
+        ];
+        for (field, problem) in want {
+            assert!(
+                msgs.iter().any(|m| m.contains(&format!("kilo.squat.ai/{field}: "))
+                    && m.contains(problem)),
+                "{field}: {problem} not in {msgs:#?}"
+            );
+        }
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains(r#"spec.podCIDR: invalid CIDR " 10.2.0.0/16" (leading space)"#)),
+            "{msgs:#?}"
+        );
+        assert_eq!(msgs.len(), want.len() + 1, "{msgs:#?}");
+    }
+
+    /// kg's dual-stack `internal-ip` is exactly one CIDR per family; anything else with a
+    /// comma is refused, as Kilo refuses it.
+    #[test]
+    fn dual_stack_internal_ip_is_exact() {
+        for v in [
+            "1.1.1.1/24,",
+            ",1.1.1.1/24",
+            "1.1.1.1/24, fd00::1/64",
+            "1.1.1.1/24,2.2.2.2/24",
+        ] {
+            let (n, errs) = Node::from_kube(
+                &kube_node("n", &[(annotations::INTERNAL_IP, v)], None),
+                DEFAULT_TOPOLOGY_LABEL,
+            );
+            assert!(n.internal_ips.is_empty(), "{v:?}");
+            assert_eq!(errs.len(), 1, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn keepalive_outside_what_wireguard_carries_counts_as_none() {
+        for v in ["-1", "65536"] {
+            let (n, errs) = Node::from_kube(
+                &kube_node("n", &[(annotations::PERSISTENT_KEEPALIVE, v)], None),
+                DEFAULT_TOPOLOGY_LABEL,
+            );
+            assert_eq!(n.persistent_keepalive, 0);
+            assert!(errs[0].problem.contains("outside 0..=65535"), "{errs:?}");
+        }
     }
 
     #[test]

@@ -1,10 +1,12 @@
-//! A Peer custom resource's mesh view, validated like Kilo's `Peer.Validate()`.
+//! A Peer custom resource's mesh view, validated exactly like Kilo's `Peer.Validate()` (nothing
+//! trimmed) and translated like its `translatePeer`.
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
 use super::{
-    Endpoint, Host, Key, ObjectError, ObjectKind, Peer, PeerEndpoint, PeerSpec, parse_cidr,
+    Endpoint, Host, Key, ObjectError, ObjectKind, Peer, PeerEndpoint, PeerSpec,
+    endpoint::is_dns1123_subdomain, parse_cidr,
 };
 
 /// An external WireGuard peer of the mesh.
@@ -77,29 +79,43 @@ impl MeshPeer {
                 None
             }
         });
+        if s.persistent_keepalive.is_some_and(|k| k < 0) {
+            err(
+                "spec.persistentKeepalive".into(),
+                "must be zero or more seconds".into(),
+            );
+        }
+        // Not part of Kilo's validation: the peer is kept, the value dropped.
+        let mut warnings = Vec::new();
+        let mut warn = |field: &str, problem: String| {
+            warnings.push(ObjectError::new(
+                ObjectKind::Peer,
+                name.clone(),
+                field,
+                problem,
+            ))
+        };
         let persistent_keepalive = match s.persistent_keepalive {
-            None => 0,
-            Some(k) => u16::try_from(k).unwrap_or_else(|_| {
-                err(
-                    "spec.persistentKeepalive".into(),
-                    format!("{k} is not in 0..=65535 seconds"),
+            Some(k) if k > 0 => u16::try_from(k).unwrap_or_else(|_| {
+                warn(
+                    "spec.persistentKeepalive",
+                    format!(
+                        "{k} is more than the 65535 seconds WireGuard can carry; counted as none"
+                    ),
                 );
                 0
             }),
+            _ => 0,
         };
-        // Not part of Kilo's validation: a bad preshared key is dropped, the peer kept.
-        let mut warnings = Vec::new();
-        let preshared_key = match s.preshared_key.as_deref().map(str::trim) {
+        let preshared_key = match s.preshared_key.as_deref() {
             None | Some("") => None,
             Some(v) => v
                 .parse::<Key>()
                 .map_err(|e| {
-                    warnings.push(ObjectError::new(
-                        ObjectKind::Peer,
-                        name.clone(),
+                    warn(
                         "spec.presharedKey",
                         format!("invalid WireGuard key ({e}); ignored"),
-                    ))
+                    )
                 })
                 .ok(),
         };
@@ -150,12 +166,14 @@ impl MeshPeer {
     }
 }
 
-/// A field's value, trimmed, if not empty.
+/// A field's value, if not empty.
 fn given(v: &Option<String>) -> Option<&str> {
-    v.as_deref().map(str::trim).filter(|s| !s.is_empty())
+    v.as_deref().filter(|s| !s.is_empty())
 }
 
-/// `spec.endpoint`: the IP wins over the DNS name when both are given (as the CRD documents).
+/// `spec.endpoint`, validated as Kilo does; the IP wins over the DNS name when both are given
+/// (as the CRD documents), and a DNS name alone is read as Kilo's `ParseEndpoint` reads it (an
+/// IPv4 address is a valid DNS-1123 name, and stays an address).
 fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
     let port = u16::try_from(e.port)
         .ok()
@@ -167,44 +185,36 @@ fn parse_endpoint(e: &PeerEndpoint) -> Result<Endpoint, (String, String)> {
             )
         })?;
     let (ip, dns) = (given(&e.dns_or_ip.ip), given(&e.dns_or_ip.dns));
-    if let Some(ip) = ip {
-        let ip: IpAddr = ip.parse().map_err(|_| {
-            (
-                "spec.endpoint.dnsOrIP.ip".to_string(),
-                format!("invalid IP address {ip:?}"),
-            )
-        })?;
-        if let Some(d) = dns {
-            // Still validate the name, so a typo is reported even when the IP wins.
-            format!("{d}:{port}").parse::<Endpoint>().map_err(|e| {
-                (
-                    "spec.endpoint.dnsOrIP.dns".to_string(),
-                    format!("invalid DNS name {d:?}: {e}"),
-                )
-            })?;
+    if let Some(d) = dns.filter(|d| !is_dns1123_subdomain(d)) {
+        let why = super::space(d).unwrap_or("not a DNS-1123 subdomain");
+        return Err((
+            "spec.endpoint.dnsOrIP.dns".to_string(),
+            format!("invalid DNS name {d:?} ({why})"),
+        ));
+    }
+    let host = match (ip, dns) {
+        (Some(ip), _) => match ip.parse::<IpAddr>() {
+            Ok(ip) => Host::Ip(ip.to_canonical()),
+            Err(_) => {
+                let why = super::space(ip).unwrap_or("not an IP address");
+                return Err((
+                    "spec.endpoint.dnsOrIP.ip".to_string(),
+                    format!("invalid IP address {ip:?} ({why})"),
+                ));
+            }
+        },
+        (None, Some(d)) => match d.parse::<IpAddr>() {
+            Ok(ip) => Host::Ip(ip),
+            Err(_) => Host::Dns(d.to_string()),
+        },
+        (None, None) => {
+            return Err((
+                "spec.endpoint.dnsOrIP".to_string(),
+                "either an IP address or a DNS name is required".to_string(),
+            ));
         }
-        return Ok(Endpoint {
-            host: Host::Ip(ip),
-            port,
-        });
-    }
-    if let Some(d) = dns {
-        return match format!("{d}:{port}").parse::<Endpoint>() {
-            Ok(
-                ep @ Endpoint {
-                    host: Host::Dns(_), ..
-                },
-            ) => Ok(ep),
-            _ => Err((
-                "spec.endpoint.dnsOrIP.dns".to_string(),
-                format!("invalid DNS name {d:?}"),
-            )),
-        };
-    }
-    Err((
-        "spec.endpoint.dnsOrIP".to_string(),
-        "either an IP address or a DNS name is required".to_string(),
-    ))
+    };
+    Ok(Endpoint { host, port })
 }
 
 #[cfg(test)]
@@ -318,6 +328,81 @@ mod tests {
                 errs[0]
             );
         }
+    }
+
+    /// As Kilo's `Validate`: nothing trimmed, a space spoils the whole Peer.
+    #[test]
+    fn a_space_makes_the_peer_invalid() {
+        type Edit = fn(&mut PeerSpec);
+        let cases: [(Edit, &str); 4] = [
+            (
+                |s| s.allowed_ips = vec![" 10.0.0.0/8".into()],
+                r#"spec.allowedIPs[0]: invalid CIDR " 10.0.0.0/8" (leading space)"#,
+            ),
+            (
+                |s| s.public_key = format!("{KEY} "),
+                "spec.publicKey: invalid WireGuard key: not valid base64: trailing space",
+            ),
+            (
+                |s| s.endpoint = ep(Some("1.2.3.4 "), None, 1),
+                r#"spec.endpoint.dnsOrIP.ip: invalid IP address "1.2.3.4 " (trailing space)"#,
+            ),
+            (
+                |s| s.endpoint = ep(None, Some(" peer.example.com"), 1),
+                r#"spec.endpoint.dnsOrIP.dns: invalid DNS name " peer.example.com" (leading space)"#,
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut s = spec();
+            edit(&mut s);
+            let errs = MeshPeer::from_crd(&crd(s)).unwrap_err();
+            assert_eq!(errs.len(), 1, "{errs:?}");
+            assert_eq!(errs[0].to_string(), format!("peer \"p\": {want}"));
+        }
+    }
+
+    /// What Kilo accepts, kg accepts: an IPv4 address is a valid DNS-1123 name (and Kilo's
+    /// `ParseEndpoint` then reads it as an address), a label may be longer than 63 characters,
+    /// and line breaks in a key are skipped.
+    #[test]
+    fn accepts_what_kilo_accepts() {
+        assert_eq!(
+            endpoint_of(ep(None, Some("1.2.3.4"), 51820)),
+            "1.2.3.4:51820"
+        );
+        let long = format!("{}.example.com", "a".repeat(64));
+        assert_eq!(endpoint_of(ep(None, Some(&long), 1)), format!("{long}:1"));
+        assert_eq!(
+            endpoint_of(ep(Some("::ffff:1.2.3.4"), None, 1)),
+            "1.2.3.4:1"
+        );
+        let s = PeerSpec {
+            public_key: format!("{KEY}\n"),
+            ..spec()
+        };
+        assert_eq!(
+            MeshPeer::from_crd(&crd(s)).unwrap().0,
+            MeshPeer::from_crd(&crd(spec())).unwrap().0
+        );
+    }
+
+    /// Kilo keeps a Peer whose keepalive WireGuard cannot carry; so does kg, without it.
+    #[test]
+    fn keepalive_above_what_wireguard_carries_counts_as_none() {
+        let s = PeerSpec {
+            persistent_keepalive: Some(70000),
+            ..spec()
+        };
+        let (p, warnings) = MeshPeer::from_crd(&crd(s)).unwrap();
+        assert_eq!(p.persistent_keepalive, 0);
+        assert_eq!(warnings.len(), 1);
+        assert!(
+            warnings[0]
+                .to_string()
+                .starts_with("peer \"p\": spec.persistentKeepalive: 70000"),
+            "{}",
+            warnings[0]
+        );
     }
 
     /// Kilo drops a preshared key that does not parse and keeps the peer.

@@ -9,7 +9,16 @@ use super::*;
 fn ip() -> impl Strategy<Value = IpAddr> {
     prop_oneof![
         any::<u32>().prop_map(|a| IpAddr::V4(Ipv4Addr::from(a))),
-        any::<u128>().prop_map(|a| IpAddr::V6(Ipv6Addr::from(a))),
+        // An IPv4-mapped address reads back as IPv4, as in Go.
+        any::<u128>().prop_map(|a| IpAddr::V6(Ipv6Addr::from(a)).to_canonical()),
+    ]
+}
+
+/// Leading or trailing whitespace, which Kilo never trims.
+fn space() -> impl Strategy<Value = (String, String)> {
+    prop_oneof![
+        "[ \t\u{a0}]{1,2}".prop_map(|s| (s, String::new())),
+        "[ \t\u{a0}]{1,2}".prop_map(|s| (String::new(), s)),
     ]
 }
 
@@ -49,6 +58,17 @@ proptest! {
         prop_assume!(name.parse::<IpAddr>().is_err());
         let e = Endpoint { host: Host::Dns(name), port };
         prop_assert_eq!(e.to_string().parse::<Endpoint>().unwrap(), e);
+    }
+
+    /// Whitespace around a valid value makes it invalid, as in Kilo: nothing is trimmed.
+    #[test]
+    fn whitespace_is_never_trimmed(n in cidr(), key in any::<[u8; 32]>(), ip in ip(),
+                                   port in 1..=u16::MAX, (pre, post) in space()) {
+        let wrap = |v: String| format!("{pre}{v}{post}");
+        prop_assert!(parse_cidr(&wrap(n.to_string())).is_err());
+        prop_assert!(wrap(Key(key).to_string()).parse::<Key>().is_err());
+        let e = Endpoint { host: Host::Ip(ip), port };
+        prop_assert!(wrap(e.to_string()).parse::<Endpoint>().is_err());
     }
 
     /// A peer built from random valid values survives CRD → mesh → CRD.
