@@ -4,8 +4,8 @@
 //! addresses of the default-route interfaces, then every interface's. Loopback and link-local
 //! addresses are skipped, as are the WireGuard interface, `tunl0` and `kube-bridge`. Within each
 //! group IPv4 comes first, then by string. The private IP is the first private (RFC 1918,
-//! `fd00::/8`) candidate inside `--internal-cidr` (when given); the public IP the first public
-//! candidate, falling back to the private one.
+//! `fc00::/7`: [`is_private`], the agent's one definition) candidate inside `--internal-cidr`
+//! (when given); the public IP the first public candidate, falling back to the private one.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
@@ -19,6 +19,8 @@ use netlink_packet_route::{
     link::{LinkAttribute, LinkMessage},
     route::{RouteAttribute, RouteMessage},
 };
+
+use crate::topology::is_private;
 
 /// An address on an interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,13 +43,6 @@ pub struct HostView {
 pub struct Detected {
     pub private: Option<IfAddr>,
     pub public: Option<IfAddr>,
-}
-
-fn is_private(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => v4.is_private(),
-        IpAddr::V6(v6) => (v6.segments()[0] & 0xff00) == 0xfd00,
-    }
 }
 
 fn usable(ip: IpAddr) -> bool {
@@ -324,6 +319,18 @@ mod tests {
         assert_eq!(d.private, Some(a("eth0", "10.0.0.7/24")));
         assert_eq!(d.public, Some(a("eth0", "203.0.113.9/24")));
         assert_eq!(auto_mtu(&host()), 1420);
+    }
+
+    /// The leader choice's private ranges: all of `fc00::/7` is private, `fe00::/8` is not.
+    #[test]
+    fn ipv6_private_is_the_whole_ula_range() {
+        let h = HostView {
+            addresses: vec![a("eth0", "fc00::7/64"), a("eth0", "fe00::9/64")],
+            ..HostView::default()
+        };
+        let d = choose(&h, &[], &[], &[]);
+        assert_eq!(d.private, Some(a("eth0", "fc00::7/64")));
+        assert_eq!(d.public, Some(a("eth0", "fe00::9/64")));
     }
 
     #[test]

@@ -162,16 +162,19 @@ pub struct Topology {
     pub discovered_endpoints: BTreeMap<Key, SocketAddr>,
 }
 
-/// Kilo's `isPublic`, with IPv6 ULA fixed to `fc00::/7`.
-pub fn is_public(ip: Option<IpAddr>) -> bool {
-    match ip {
-        None => false,
-        Some(IpAddr::V4(v4)) => {
-            let o = v4.octets();
-            !(o[0] == 10 || (o[0] == 172 && o[1] & 0xf0 == 0x10) || (o[0] == 192 && o[1] == 168))
-        }
-        Some(IpAddr::V6(v6)) => v6.segments()[0] & 0xfe00 != 0xfc00,
+/// The private ranges, the agent's one definition (leader choice and IP detection): RFC 1918
+/// and all of RFC 4193's `fc00::/7`, where Kilo's `isPublic` checks only `fd00::/16`. An
+/// IPv4-mapped address is IPv4, as in Go.
+pub fn is_private(ip: IpAddr) -> bool {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => v4.is_private(),
+        IpAddr::V6(v6) => v6.segments()[0] & 0xfe00 == 0xfc00,
     }
+}
+
+/// Kilo's `isPublic`, with [`is_private`]'s ranges; no address is not public.
+pub fn is_public(ip: Option<IpAddr>) -> bool {
+    ip.is_some_and(|ip| !is_private(ip))
 }
 
 /// Kilo's `findLeader` over nodes sorted by name.

@@ -20,6 +20,9 @@ fn is_public_like_kilo_with_ula_fixed() {
         // Deliberate difference: Kilo only checks fd00::/16, so these were "public".
         ("fd12::1", false),
         ("fc00::1", false),
+        ("fe00::1", true),
+        ("::ffff:10.1.2.3", false),
+        ("::ffff:8.8.8.8", true),
     ] {
         assert_eq!(is_public(ip(a)), public, "{a}");
     }
