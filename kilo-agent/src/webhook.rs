@@ -522,7 +522,7 @@ mod tests {
             ),
             (
                 serde_json::json!({"allowedIPs": ["10.5.0.1/32"], "publicKey": KEY,
-                    "persistentKeepalive": 70000}),
+                    "persistentKeepalive": -1}),
                 &["spec.persistentKeepalive"],
             ),
         ] {
