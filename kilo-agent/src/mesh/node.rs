@@ -6,7 +6,6 @@ use std::{
 };
 
 use ipnet::IpNet;
-use serde::Deserialize;
 
 use super::{Endpoint, Granularity, Key, KubeNode, ObjectError, ObjectKind, parse_cidr, space};
 
@@ -362,29 +361,42 @@ fn why(v: &str, e: impl std::fmt::Display) -> String {
     space(v).map_or_else(|| e.to_string(), str::to_string)
 }
 
-/// Go's `net.UDPAddr` JSON: `{"IP":"1.2.3.4","Port":51820,"Zone":""}`.
-#[derive(Deserialize)]
-struct UdpAddr {
-    #[serde(rename = "IP")]
-    ip: String,
-    #[serde(rename = "Port")]
-    port: u16,
-}
-
-/// Kilo's reading of `discovered-endpoints`: invalid JSON or an invalid IP drops the whole
-/// map; an entry whose key is not a WireGuard key never matches a peer, so it is dropped alone.
+/// Kilo's reading of `discovered-endpoints`, a JSON object of Go `net.UDPAddr`s
+/// (`{"IP":"1.2.3.4","Port":51820,"Zone":""}`, field names matched as Go does, ignoring case):
+/// anything Go's decoder refuses (invalid JSON, an invalid IP, a port that is not an integer)
+/// drops the whole map. An entry no WireGuard peer could use (a key that is not a WireGuard key,
+/// no IP, a port outside 0..=65535) is dropped alone.
 fn parse_discovered(v: &str) -> Result<BTreeMap<Key, SocketAddr>, String> {
-    let raw: BTreeMap<String, Option<UdpAddr>> =
+    let raw: BTreeMap<String, Option<serde_json::Map<String, serde_json::Value>>> =
         serde_json::from_str(v).map_err(|e| format!("invalid JSON ({e})"))?;
     let mut out = BTreeMap::new();
     for (k, addr) in raw {
         let Some(addr) = addr else { continue };
-        let ip = addr
-            .ip
-            .parse::<IpAddr>()
-            .map_err(|_| format!("invalid IP {:?} for key {k:?}", addr.ip))?;
-        if let Ok(key) = k.parse::<Key>() {
-            out.insert(key, SocketAddr::new(ip, addr.port));
+        // Go prefers the exact field name, else any that matches ignoring case.
+        let field = |name: &str| {
+            addr.get(name).or_else(|| {
+                addr.iter()
+                    .find(|(f, _)| f.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v)
+            })
+        };
+        let ip = match field("IP") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(ip)) if ip.is_empty() => None,
+            Some(serde_json::Value::String(ip)) => Some(
+                ip.parse::<IpAddr>()
+                    .map_err(|_| format!("invalid IP {ip:?} for key {k:?}"))?,
+            ),
+            Some(other) => return Err(format!("invalid IP {other} for key {k:?}")),
+        };
+        let port = match field("Port") {
+            None | Some(serde_json::Value::Null) => 0,
+            Some(p) => p
+                .as_i64()
+                .ok_or_else(|| format!("invalid port {p} for key {k:?}"))?,
+        };
+        if let (Ok(key), Some(ip), Ok(port)) = (k.parse::<Key>(), ip, u16::try_from(port)) {
+            out.insert(key, SocketAddr::new(ip, port));
         }
     }
     Ok(out)
@@ -715,6 +727,36 @@ mod tests {
         );
         assert!(n.discovered_endpoints.is_empty());
         assert_eq!(errs.len(), 1);
+    }
+
+    /// Go's JSON decoding: field names ignoring case, unknown fields ignored; an entry no
+    /// peer could use is dropped alone, a value Go refuses drops the map.
+    #[test]
+    fn discovered_endpoints_as_go_decodes_them() {
+        let parse = |v: &str| {
+            let kn = kube_node("n", &[(annotations::DISCOVERED_ENDPOINTS, v)], None);
+            let (n, errs) = Node::from_kube(&kn, DEFAULT_TOPOLOGY_LABEL);
+            let eps: Vec<String> = n
+                .discovered_endpoints
+                .values()
+                .map(ToString::to_string)
+                .collect();
+            (eps, errs.len())
+        };
+        let key2 = "a2V5MgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        let v = format!(
+            r#" {{"{KEY1}":{{"ip":"5.6.7.8","pOrT":7,"Zone":"","x":1}},"{key2}":{{"IP":"","Port":1}}}} "#
+        );
+        assert_eq!(parse(&v), (vec!["5.6.7.8:7".to_string()], 0));
+        let v = format!(r#"{{"{KEY1}":{{"IP":"5.6.7.8","Port":70000}}}}"#);
+        assert_eq!(parse(&v), (vec![], 0));
+        for bad in [
+            r#"{"k":{"IP":"5.6.7.8","Port":"1"}}"#,
+            r#"{"k":{"IP":5}}"#,
+            r#"{"k":1}"#,
+        ] {
+            assert_eq!(parse(bad), (vec![], 1), "{bad}");
+        }
     }
 
     /// Kilo splits on commas and keeps only the items that are exactly CIDRs; each skipped
