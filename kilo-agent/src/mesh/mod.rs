@@ -6,16 +6,29 @@
 //! conflicting claims ([`resolve_conflicts`]), and the on-disk object loader ([`objects`]).
 //! Parsing is pure; only [`objects::load_dir`] reads files.
 //!
-//! As in Kilo, an invalid annotation is ignored with Kilo's fallback (a bad key leaves the node
-//! not ready, a bad keepalive counts as none, a bad `force-endpoint` falls back to `endpoint`)
-//! and a Peer failing Kilo's `Validate` is skipped; unlike Kilo, each invalid value is also an
-//! [`ObjectError`] naming the object, the field and the value.
+//! Every value is read exactly as Kilo's `translateNode`, `Peer.Validate` and `translatePeer`
+//! read it (Go's `net.ParseCIDR`, `net.ParseIP`, `strconv.ParseInt`, `wgtypes.ParseKey`,
+//! `wireguard.ParseEndpoint`, `encoding/json`): nothing is trimmed, and what Kilo skips or
+//! ignores is skipped or ignored with Kilo's fallback (a bad key leaves the node not ready, a
+//! bad keepalive counts as none, a bad `force-endpoint` falls back to `endpoint`, an
+//! `allowed-location-ips` item with a space is skipped) and a Peer failing `Validate` is left
+//! out. Unlike Kilo, each skipped or ignored value is an [`ObjectError`] naming the object, the
+//! field and the item, with the reason (`item " 10.9.1.0/24": leading space, Kilo ignores this
+//! item`).
 //!
-//! Differences from Kilo (each covered by a test in `node.rs`/`peer.rs`):
+//! Differences from Kilo (each covered by a test here or in `tests/golden.rs`):
 //! - A Peer endpoint with both `ip` and `dns` uses the IP, as the CRD documents; Kilo's
 //!   translation code lets the DNS name win.
-//! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip`
-//!   may hold one CIDR per family, comma-separated (`192.168.0.1/24,fd00::1/64`).
+//! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip` and
+//!   `force-internal-ip` may hold exactly one IPv4 and one IPv6 CIDR separated by a comma
+//!   (`192.168.0.1/24,fd00::1/64`), which Kilo ignores (no internal IP).
+//! - `granularity: cross` is kg's own; Kilo ignores it.
+//! - A keepalive (node annotation or Peer) outside the 0..=65535 seconds WireGuard can carry
+//!   counts as none; Kilo keeps a negative or larger value. The Peer stays, as in Kilo.
+//! - An annotation over Kubernetes' 256 KiB limit (only possible from the file backend) is
+//!   refused by name, unparsed.
+//! - A `discovered-endpoints` entry no peer could use (no IP, a port outside 0..=65535) is
+//!   dropped; Kilo keeps it.
 mod conflicts;
 mod crd;
 mod endpoint;
