@@ -200,6 +200,9 @@ fn between_peers_nested_and_equal_claims_are_kept() {
         peer("gateway-office", "172.20.0.0/16", 1),
         peer("vpn-backup", "172.20.0.0/16,172.20.5.0/24", 2),
         peer("wide", "10.5.0.1/16,10.0.0.0/8", 3),
+        // The same network as gateway-office's, but not the same text (Kilo keeps host bits
+        // and compares `IPNet.String()`): kept.
+        peer("with-host-bits", "172.20.0.1/16", 4),
     ];
     let (_, p, errors) = resolve(&abc(), &peers, "");
     assert!(errors.is_empty(), "{errors:?}");
@@ -211,7 +214,8 @@ fn between_peers_nested_and_equal_claims_are_kept() {
         [
             nets("172.20.0.0/16"),
             nets("172.20.5.0/24"),
-            nets("10.5.0.1/16,10.0.0.0/8")
+            nets("10.5.0.1/16,10.0.0.0/8"),
+            nets("172.20.0.1/16"),
         ],
         "only the exact duplicate is dropped"
     );
