@@ -212,11 +212,10 @@ impl Graph {
         // still all at the origin, make no arc).
         let mut boxes = self.place_row(&below, 0.0);
         let arc_top = self
-            .edges
+            .paths(&boxes)
             .iter()
-            .zip(self.arcs(&boxes))
-            .filter(|(_, arc)| arc.is_some())
-            .map(|(&(a, b, _), arc)| self.path(a, b, arc).top())
+            .filter(|p| p.control.is_some())
+            .map(Path::top)
             .fold(0.0, f64::min);
         let (_, height) = self.row_metrics(&above);
         let top = if below.is_empty() {
@@ -225,44 +224,82 @@ impl Graph {
             arc_top - PEER_GAP - height
         };
         boxes.extend(self.place_row(&above, top));
-        let mut edges = Vec::new();
-        for (&(from, to, dashed), arc) in self.edges.iter().zip(self.arcs(&boxes)) {
-            let (a, b) = (&self.nodes[from], &self.nodes[to]);
-            let kind = if dashed {
-                Kind::Peer
-            } else if a.kind == Kind::Leader && b.kind == Kind::Leader {
-                Kind::Leader
-            } else {
-                Kind::Node
-            };
-            edges.push(Edge {
-                path: self.path(from, to, arc),
-                dashed,
-                kind,
-            });
-        }
+        let edges = self
+            .edges
+            .iter()
+            .zip(self.paths(&boxes))
+            .map(|(&(from, to, dashed), path)| {
+                let (a, b) = (&self.nodes[from], &self.nodes[to]);
+                let kind = if dashed {
+                    Kind::Peer
+                } else if a.kind == Kind::Leader && b.kind == Kind::Leader {
+                    Kind::Leader
+                } else {
+                    Kind::Node
+                };
+                Edge { path, dashed, kind }
+            })
+            .collect();
         Drawing { boxes, edges }
     }
 
-    /// Edge `a`–`b`: a straight line between the ellipses, or with `arc`, a quadratic curve
-    /// whose control point is twice as far above the line as the apex asked for.
-    fn path(&self, a: usize, b: usize, arc: Option<(f64, f64)>) -> Path {
-        let (a, b) = (&self.nodes[a], &self.nodes[b]);
-        match arc {
-            Some((mid, apex)) => {
-                let c = (mid, 2.0 * apex - a.y);
-                Path {
-                    from: a.boundary(c),
-                    control: Some(c),
-                    to: b.boundary(c),
+    /// Each edge's path: a straight line between the ellipses, or for an arc (see
+    /// [`Graph::arcs`]) a quadratic curve whose control point is twice as far above the line
+    /// as the apex. The arcs leaving one side of a node leave it at angles spread from 20° to
+    /// 75° above the horizontal, the shortest lowest, so that they do not meet at one point.
+    fn paths(&self, boxes: &[Frame]) -> Vec<Path> {
+        let arcs = self.arcs(boxes);
+        let mut paths: Vec<Path> = self
+            .edges
+            .iter()
+            .zip(&arcs)
+            .map(|(&(a, b, _), arc)| {
+                let (a, b) = (&self.nodes[a], &self.nodes[b]);
+                match *arc {
+                    Some((mid, apex)) => {
+                        let c = (mid, 2.0 * apex - a.y);
+                        Path {
+                            from: a.boundary(c),
+                            control: Some(c),
+                            to: b.boundary(c),
+                        }
+                    }
+                    None => Path {
+                        from: a.boundary((b.x, b.y)),
+                        control: None,
+                        to: b.boundary((a.x, a.y)),
+                    },
+                }
+            })
+            .collect();
+        // Each end of an arc: (node, on its right, span, edge, the edge's first end).
+        let mut ends: Vec<(usize, bool, f64, usize, bool)> = Vec::new();
+        for (e, (&(a, b, _), arc)) in self.edges.iter().zip(&arcs).enumerate() {
+            let Some((mid, _)) = *arc else { continue };
+            for (n, first) in [(a, true), (b, false)] {
+                let x = self.nodes[n].x;
+                ends.push((n, mid > x, (mid - x).abs(), e, first));
+            }
+        }
+        ends.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)).then(a.2.total_cmp(&b.2)));
+        for side in ends.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+            if side.len() < 2 {
+                continue;
+            }
+            let last = (side.len() - 1) as f64;
+            for (i, &(n, right, _, e, first)) in side.iter().enumerate() {
+                let node = &self.nodes[n];
+                let angle = (20.0 + 55.0 * i as f64 / last).to_radians();
+                let dx = if right { node.rx } else { -node.rx };
+                let at = (node.x + dx * angle.cos(), node.y - node.ry * angle.sin());
+                if first {
+                    paths[e].from = at;
+                } else {
+                    paths[e].to = at;
                 }
             }
-            None => Path {
-                from: a.boundary((b.x, b.y)),
-                control: None,
-                to: b.boundary((a.x, a.y)),
-            },
         }
+        paths
     }
 
     /// Of `groups` placed in one row: the half height of their first rows' line, and the
