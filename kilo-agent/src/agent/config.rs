@@ -1,9 +1,15 @@
 //! `kg`'s flags: Kilo's names and defaults (kilo.md 2.1) where they still mean something, plus
 //! ours (`--backend-dir`, `--dry-run`, `--private-key`, `--seccomp`, `--check-in-period`).
-//! Boolean flags accept Go's forms: `--clean-up`, `--clean-up=true`, `--clean-up=false`.
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+//! Flags are read as Go's flag package reads Kilo's: booleans ([`go_bool_flag`]), durations
+//! ([`parse_duration`]), listen addresses ([`parse_listen`]) and `--mtu` take Go's forms.
+use std::{
+    io::Write,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs},
+    path::PathBuf,
+    time::Duration,
+};
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{Arg, ArgAction, Parser, ValueEnum};
 use ipnet::IpNet;
 
 pub use crate::{
@@ -75,15 +81,77 @@ pub const WIREGUARD_OVERHEAD: u32 = 80;
 /// The MTU when `auto` finds no default route (Kilo's `DefaultMTU`).
 pub const DEFAULT_MTU: u32 = 1420;
 
+/// IPv6's minimum link MTU: below it `--mtu` is accepted with a warning.
+const IPV6_MIN_MTU: u32 = 1280;
+
+/// `--mtu` as Kilo reads it: `auto`, or any decimal number that fits 32 bits (Go's
+/// `strconv.ParseUint(s, 10, 32)`: digits only, no sign).
 fn parse_mtu(s: &str) -> Result<Mtu, String> {
     if s == "auto" {
         return Ok(Mtu::Auto);
     }
-    match s.parse::<u32>() {
-        Ok(m) if (576..=65535).contains(&m) => Ok(Mtu::Fixed(m)),
+    s.bytes()
+        .all(|b| b.is_ascii_digit())
+        .then(|| s.parse().ok())
+        .flatten()
+        .map(Mtu::Fixed)
+        .ok_or_else(|| format!("{s:?}: expected auto or a number from 0 to {}", u32::MAX))
+}
+
+/// Go's `strconv.ParseBool`: the values Kilo's boolean flags take.
+pub fn parse_go_bool(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
         _ => Err(format!(
-            "{s:?}: expected auto or an MTU between 576 and 65535"
+            "{s:?}: expected true or false (or 1, t, T, TRUE, True, 0, f, F, FALSE, False)"
         )),
+    }
+}
+
+/// Gives a boolean switch (a `bool` field, clap's `SetTrue`) the syntax of Go's flag package:
+/// `--flag` alone is true, `--flag=VALUE` takes [`parse_go_bool`]'s forms, and in
+/// `--flag VALUE` the VALUE is the next argument, not the flag's (pflag never gives a boolean
+/// the following word). Applied to every argument of a command with
+/// `#[command(mut_args = go_bool_flag)]`; other arguments are returned unchanged.
+pub fn go_bool_flag(arg: Arg) -> Arg {
+    if !matches!(arg.get_action(), ArgAction::SetTrue) {
+        return arg;
+    }
+    let arg = arg
+        .action(ArgAction::Set)
+        .num_args(0..=1)
+        .require_equals(true)
+        .default_missing_value("true")
+        .value_name("BOOL")
+        .value_parser(parse_go_bool);
+    if arg.get_default_values().is_empty() {
+        arg.default_value("false")
+    } else {
+        arg
+    }
+}
+
+/// The shells `completion` writes a script for (those of Kilo's cobra commands).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Shell {
+    Bash,
+    Zsh,
+    Fish,
+    Powershell,
+}
+
+impl Shell {
+    /// Writes the completion script of `cmd` (named as the binary) for this shell.
+    pub fn write(self, mut cmd: clap::Command, out: &mut dyn Write) {
+        let shell = match self {
+            Shell::Bash => clap_complete::Shell::Bash,
+            Shell::Zsh => clap_complete::Shell::Zsh,
+            Shell::Fish => clap_complete::Shell::Fish,
+            Shell::Powershell => clap_complete::Shell::PowerShell,
+        };
+        let name = cmd.get_name().to_string();
+        clap_complete::generate(shell, &mut cmd, name, out);
     }
 }
 
@@ -125,16 +193,45 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(total))
 }
 
-/// `--listen`: Go's `:1107` (all addresses, IPv6 and IPv4: `[::]:1107`, which
-/// `telemetry::serve` binds dual-stack) or `host:port`.
+/// `--listen`: Go's `host:port`. `:1107` is all addresses, IPv6 and IPv4 (`[::]:1107`, which
+/// `telemetry::serve` binds dual-stack); an IPv6 address is bracketed (`[::1]:1107`); a host
+/// name (`localhost:1107`) is resolved here, and, as Go listens, its first IPv4 address is
+/// taken (else its first address).
 pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
-    let s2 = if s.starts_with(':') {
-        format!("[::]{s}")
-    } else {
-        s.to_string()
-    };
-    s2.parse()
-        .map_err(|_| format!("{s:?}: expected :PORT or HOST:PORT"))
+    let bad = |why: String| format!("{s:?}: {why} (expected :PORT, HOST:PORT or [IPv6]:PORT)");
+    let (host, port) = s.rsplit_once(':').ok_or_else(|| bad("no port".into()))?;
+    let port: u16 = port
+        .bytes()
+        .all(|b| b.is_ascii_digit())
+        .then(|| port.parse().ok())
+        .flatten()
+        .ok_or_else(|| bad(format!("port {port:?} is not a number from 0 to 65535")))?;
+    if let Some(ip) = host.strip_prefix('[') {
+        return ip
+            .strip_suffix(']')
+            .and_then(|ip| ip.parse::<Ipv6Addr>().ok())
+            .map(|ip| (ip, port).into())
+            .ok_or_else(|| bad(format!("{host:?} is not an IPv6 address in brackets")));
+    }
+    if host.contains(':') {
+        return Err(bad("an IPv6 address needs brackets".into()));
+    }
+    if host.is_empty() {
+        return Ok((Ipv6Addr::UNSPECIFIED, port).into());
+    }
+    if let Ok(ip) = host.parse::<Ipv4Addr>() {
+        return Ok((ip, port).into());
+    }
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("{s:?}: cannot resolve {host:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{s:?}: {host:?} has no address"))
 }
 
 /// kg's subcommands (Kilo's).
@@ -144,10 +241,16 @@ pub enum KgCommand {
     Version,
     /// Serve the validating admission webhook for Peers (see `manifests/webhook`).
     Webhook(WebhookFlags),
+    /// Generate the autocompletion script for the specified shell.
+    Completion {
+        #[arg(value_enum)]
+        shell: Shell,
+    },
 }
 
 /// `kg webhook`'s flags (Kilo's names and defaults).
 #[derive(Debug, Clone, clap::Args)]
+#[command(mut_args = go_bool_flag)]
 pub struct WebhookFlags {
     /// The TLS certificate (PEM, with its chain) the webhook serves.
     #[arg(long)]
@@ -167,7 +270,8 @@ pub struct WebhookFlags {
 #[command(
     name = "kg",
     version,
-    about = "kilo-rs agent: keeps this node's WireGuard mesh, routes and eBPF datapath equal to the topology"
+    about = "kilo-rs agent: keeps this node's WireGuard mesh, routes and eBPF datapath equal to the topology",
+    mut_args = go_bool_flag
 )]
 pub struct Flags {
     #[command(subcommand)]
@@ -179,13 +283,13 @@ pub struct Flags {
     #[arg(long)]
     pub backend_dir: Option<PathBuf>,
     /// Undo routes, rules, addresses, datapath and annotations on shutdown.
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub clean_up: bool,
     /// Also delete the WireGuard interface on shutdown.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = false)]
     pub clean_up_interface: bool,
     /// Manage the local pod CIDR's NAT (Kilo as the CNI).
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub cni: bool,
     /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
     #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
@@ -195,7 +299,7 @@ pub struct Flags {
     #[arg(long, default_value = "", value_parser = str::parse::<Compatibility>)]
     pub compatibility: Compatibility,
     /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub create_interface: bool,
     /// Intra-location encapsulation.
     #[arg(long, default_value = "always", value_parser = str::parse::<Encapsulate>)]
@@ -216,9 +320,10 @@ pub struct Flags {
     #[arg(long, default_value = ":1107", value_parser = parse_listen)]
     pub listen: SocketAddr,
     /// Manage routes within the location.
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub local: bool,
-    /// MTU of the WireGuard interface: auto (default-route MTU − 80) or a number.
+    /// MTU of the WireGuard interface: auto (default-route MTU − 80) or a number (below
+    /// 1280, IPv6 cannot cross the mesh: accepted, with a warning).
     #[arg(long, default_value = "auto", value_parser = parse_mtu)]
     pub mtu: Mtu,
     /// Which nodes are in one location.
@@ -227,8 +332,8 @@ pub struct Flags {
     /// Node label giving its location.
     #[arg(long, default_value = "topology.kubernetes.io/region")]
     pub topology_label: String,
-    /// WireGuard listen port.
-    #[arg(long, default_value_t = 51820)]
+    /// WireGuard listen port (1 to 65535).
+    #[arg(long, default_value_t = 51820, value_parser = clap::value_parser!(u16).range(1..))]
     pub port: u16,
     /// A service CIDR (repeatable, or comma-separated): traffic to it is never masqueraded.
     #[arg(long, value_delimiter = ',')]
@@ -247,7 +352,7 @@ pub struct Flags {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub check_in_period: Duration,
     /// Use the private IP as the endpoint.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = false)]
     pub prioritise_private_addresses: bool,
     /// all, debug, info, warn, error or none.
     #[arg(long, value_enum, default_value = "info")]
@@ -256,16 +361,16 @@ pub struct Flags {
     #[arg(long, value_enum, default_value = "json")]
     pub log_format: LogFormat,
     /// Print the difference between the plan and the kernel, change nothing, exit.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = false)]
     pub dry_run: bool,
     /// The WireGuard private key (generated with mode 0600 when absent).
     #[arg(long, default_value = "/var/lib/kilo/key")]
     pub private_key: PathBuf,
     /// Forbid execve/execveat after start-up.
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub seccomp: bool,
     /// Kilo's iptables FORWARD rules: not needed (accepted, ignored; see the warning).
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = false)]
     pub iptables_forward_rules: bool,
     /// Pod-facing interfaces whose ingress runs the datapath (besides the WireGuard interface);
     /// those that do not exist (yet) are attached when they appear.
@@ -280,7 +385,7 @@ pub struct Flags {
     pub bpffs_dir: PathBuf,
     /// Redirect mesh traffic straight to its egress device, skipping routing, conntrack and
     /// netfilter. Off by default: it also bypasses NetworkPolicy enforced in netfilter's FORWARD.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = false)]
     pub fast_path: bool,
     /// What the eBPF program itself logs (malformed packets and the fast path declining at
     /// debug, IPv4 lookups sent to the hash tables at all), as this agent's log lines with target
@@ -297,7 +402,7 @@ pub struct Flags {
     #[arg(long, default_value_t = kilo_common::DEFAULT_COUNTER_SLOTS)]
     pub datapath_counter_slots: u32,
     /// Run without the eBPF datapath (no masquerading decisions: only WireGuard, routes and rules).
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     pub datapath: bool,
 }
 
@@ -305,6 +410,14 @@ impl Flags {
     /// Warnings about flags that are accepted for compatibility but mean something else here.
     pub fn warnings(&self) -> Vec<String> {
         let mut w = Vec::new();
+        if let Mtu::Fixed(m) = self.mtu
+            && m < IPV6_MIN_MTU
+        {
+            w.push(format!(
+                "--mtu={m} is below IPv6's minimum MTU ({IPV6_MIN_MTU}): IPv6 packets cannot \
+                 cross the mesh, and the kernel may refuse the MTU"
+            ));
+        }
         if self.iptables_forward_rules {
             w.push(
                 "--iptables-forward-rules is ignored: kilo-rs installs no iptables rules; forwarding \
@@ -340,6 +453,8 @@ impl Flags {
 
 #[cfg(test)]
 mod tests {
+    use rstest::rstest;
+
     use super::*;
 
     #[test]
@@ -422,8 +537,181 @@ mod tests {
         assert_eq!(f.resync(), None);
         let f = Flags::try_parse_from(["kg", "--backend=file"]).unwrap();
         assert!(f.validate().unwrap_err().contains("--backend-dir"));
-        assert!(Flags::try_parse_from(["kg", "--mtu=12"]).is_err());
         assert!(Flags::try_parse_from(["kg", "--mesh-granularity=ring"]).is_err());
+    }
+
+    fn parse(args: &[&str]) -> Result<Flags, String> {
+        Flags::try_parse_from(std::iter::once("kg").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Every boolean flag takes Go's `strconv.ParseBool` forms after `=`, and is true alone.
+    #[rstest]
+    #[case::one("1", true)]
+    #[case::t("t", true)]
+    #[case::upper_t("T", true)]
+    #[case::upper_true("TRUE", true)]
+    #[case::lower_true("true", true)]
+    #[case::title_true("True", true)]
+    #[case::zero("0", false)]
+    #[case::f("f", false)]
+    #[case::upper_f("F", false)]
+    #[case::upper_false("FALSE", false)]
+    #[case::lower_false("false", false)]
+    #[case::title_false("False", false)]
+    fn go_booleans(#[case] value: &str, #[case] want: bool) {
+        let bools = |f: &Flags| {
+            [
+                f.clean_up,
+                f.clean_up_interface,
+                f.cni,
+                f.create_interface,
+                f.local,
+                f.prioritise_private_addresses,
+                f.dry_run,
+                f.seccomp,
+                f.iptables_forward_rules,
+                f.fast_path,
+                f.datapath,
+            ]
+        };
+        let names = [
+            "clean-up",
+            "clean-up-interface",
+            "cni",
+            "create-interface",
+            "local",
+            "prioritise-private-addresses",
+            "dry-run",
+            "seccomp",
+            "iptables-forward-rules",
+            "fast-path",
+            "datapath",
+        ];
+        let args: Vec<String> = names.iter().map(|n| format!("--{n}={value}")).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert_eq!(bools(&parse(&args).unwrap()), [want; 11], "{value}");
+        let alone: Vec<String> = names.iter().map(|n| format!("--{n}")).collect();
+        let alone: Vec<&str> = alone.iter().map(String::as_str).collect();
+        assert_eq!(bools(&parse(&alone).unwrap()), [true; 11]);
+    }
+
+    #[rstest]
+    #[case::yes("yes")]
+    #[case::on("on")]
+    #[case::mixed_case("tRUE")]
+    #[case::empty("")]
+    #[case::two("2")]
+    fn go_booleans_refused(#[case] value: &str) {
+        let e = parse(&[&format!("--clean-up={value}")]).unwrap_err();
+        assert!(
+            e.contains("--clean-up") && e.contains("expected true or false"),
+            "{e}"
+        );
+    }
+
+    /// As in pflag, a boolean never takes the next word: it is the next argument.
+    #[test]
+    fn go_boolean_leaves_the_next_word() {
+        let f = parse(&["--clean-up-interface", "version"]).unwrap();
+        assert!(f.clean_up_interface);
+        assert!(matches!(f.command, Some(KgCommand::Version)));
+        assert!(parse(&["--clean-up", "false"]).is_err());
+    }
+
+    #[rstest]
+    #[case::all_addresses(":1107", "[::]:1107")]
+    #[case::ipv4("127.0.0.1:9", "127.0.0.1:9")]
+    #[case::ipv6("[::1]:1107", "[::1]:1107")]
+    #[case::host_name("localhost:1107", "127.0.0.1:1107")]
+    #[case::any_port(":0", "[::]:0")]
+    fn listen_addresses(#[case] flag: &str, #[case] want: &str) {
+        assert_eq!(parse_listen(flag).unwrap(), want.parse().unwrap());
+        let f = parse(&[&format!("--listen={flag}")]).unwrap();
+        assert_eq!(f.listen, want.parse().unwrap());
+    }
+
+    #[rstest]
+    #[case::no_port("1107", "no port")]
+    #[case::empty_port("localhost:", "not a number")]
+    #[case::port_too_big(":65536", "not a number from 0 to 65535")]
+    #[case::service_name(":http", "not a number")]
+    #[case::signed_port(":+80", "not a number")]
+    #[case::bare_ipv6("::1:1107", "needs brackets")]
+    #[case::unclosed_bracket("[::1:1107", "not an IPv6 address")]
+    #[case::ipv4_in_brackets("[127.0.0.1]:1107", "not an IPv6 address")]
+    fn listen_addresses_refused(#[case] flag: &str, #[case] why: &str) {
+        let e = parse_listen(flag).unwrap_err();
+        assert!(e.contains(why) && e.contains(flag), "{e}");
+        let metrics = format!("--listen-metrics={flag}");
+        let e = parse(&["webhook", "--cert-file=c", "--key-file=k", &metrics]).unwrap_err();
+        assert!(e.contains("--listen-metrics") && e.contains(why), "{e}");
+    }
+
+    /// Kilo refuses port 0 (and any port outside 1..=65535).
+    #[rstest]
+    #[case::zero("0", None)]
+    #[case::one("1", Some(1))]
+    #[case::max("65535", Some(65535))]
+    #[case::too_big("65536", None)]
+    fn ports(#[case] flag: &str, #[case] want: Option<u16>) {
+        match (parse(&[&format!("--port={flag}")]), want) {
+            (Ok(f), Some(p)) => assert_eq!(f.port, p),
+            (Err(e), None) => assert!(e.contains("--port") && e.contains(flag), "{e}"),
+            (got, want) => panic!("--port={flag}: {:?}, want {want:?}", got.map(|f| f.port)),
+        }
+    }
+
+    /// `--mtu` as Kilo's `strconv.ParseUint(s, 10, 32)`; below IPv6's 1280 with a warning.
+    #[rstest]
+    #[case::auto("auto", Some(Mtu::Auto), false)]
+    #[case::usual("1380", Some(Mtu::Fixed(1380)), false)]
+    #[case::ipv6_minimum("1280", Some(Mtu::Fixed(1280)), false)]
+    #[case::small("12", Some(Mtu::Fixed(12)), true)]
+    #[case::zero("0", Some(Mtu::Fixed(0)), true)]
+    #[case::leading_zero("01420", Some(Mtu::Fixed(1420)), false)]
+    #[case::jumbo("65536", Some(Mtu::Fixed(65536)), false)]
+    #[case::max("4294967295", Some(Mtu::Fixed(u32::MAX)), false)]
+    #[case::over_32_bits("4294967296", None, false)]
+    #[case::signed("+1380", None, false)]
+    #[case::negative("-1", None, false)]
+    #[case::word("big", None, false)]
+    fn mtus(#[case] flag: &str, #[case] want: Option<Mtu>, #[case] warned: bool) {
+        match (parse(&[&format!("--mtu={flag}")]), want) {
+            (Ok(f), Some(m)) => {
+                assert_eq!(f.mtu, m);
+                let w = f.warnings();
+                assert_eq!(w.len(), usize::from(warned), "{w:?}");
+                assert!(w.iter().all(|w| w.contains("1280")), "{w:?}");
+            }
+            (Err(e), None) => assert!(e.contains("--mtu") && e.contains(flag), "{e}"),
+            (got, want) => panic!("--mtu={flag}: {:?}, want {want:?}", got.map(|f| f.mtu)),
+        }
+    }
+
+    /// `kg completion SHELL` is parsed, and each shell's script names kg's subcommands and flags.
+    #[rstest]
+    #[case::bash("bash", Shell::Bash)]
+    #[case::zsh("zsh", Shell::Zsh)]
+    #[case::fish("fish", Shell::Fish)]
+    #[case::powershell("powershell", Shell::Powershell)]
+    fn completion_scripts(#[case] name: &str, #[case] shell: Shell) {
+        let f = parse(&["completion", name]).unwrap();
+        assert!(matches!(f.command, Some(KgCommand::Completion { shell: s }) if s == shell));
+        let mut out = Vec::new();
+        shell.write(<Flags as clap::CommandFactory>::command(), &mut out);
+        let script = String::from_utf8(out).unwrap();
+        for word in [
+            "kg",
+            "webhook",
+            "completion",
+            "clean-up",
+            "listen-metrics",
+            "mtu",
+        ] {
+            assert!(script.contains(word), "{name}: {word}");
+        }
+        assert!(parse(&["completion", "elvish"]).is_err());
     }
 
     #[test]

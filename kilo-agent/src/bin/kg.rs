@@ -6,7 +6,7 @@
 use std::{net::SocketAddr, process::ExitCode, sync::Arc};
 
 use anyhow::Context as _;
-use clap::Parser as _;
+use clap::{CommandFactory as _, Parser as _};
 use kilo_agent::{
     agent::{
         Agent, Local, LoopSettings, caps,
@@ -308,9 +308,16 @@ fn init_logging(flags: &Flags) {
 
 fn main() -> ExitCode {
     let flags = Flags::parse();
-    if let Some(KgCommand::Version) = flags.command {
-        println!("{}", env!("CARGO_PKG_VERSION"));
-        return ExitCode::SUCCESS;
+    match flags.command {
+        Some(KgCommand::Version) => {
+            println!("{}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
+        Some(KgCommand::Completion { shell }) => {
+            shell.write(Flags::command(), &mut std::io::stdout().lock());
+            return ExitCode::SUCCESS;
+        }
+        _ => {}
     }
     init_logging(&flags);
     if let Some(KgCommand::Webhook(w)) = &flags.command {

@@ -8,10 +8,10 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use clap::{ArgAction, Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
 use kilo_agent::{
-    agent::config::{LogLevel, parse_duration},
+    agent::config::{LogLevel, Shell, go_bool_flag, parse_duration},
     kgctl::{self, GranularityArg, OutputFormat, ShowOptions},
     mesh::{self, KubeNode, Peer, Snapshot},
 };
@@ -37,8 +37,8 @@ struct Cli {
     /// location, full, cross, or auto (read kilo.squat.ai/granularity of the first node).
     #[arg(long, default_value = "auto")]
     mesh_granularity: GranularityArg,
-    /// The WireGuard port.
-    #[arg(long, default_value_t = 51820)]
+    /// The WireGuard port (1 to 65535).
+    #[arg(long, default_value_t = 51820, value_parser = clap::value_parser!(u16).range(1..))]
     port: u16,
     /// The label naming a node's location when it has no kilo.squat.ai/location annotation.
     #[arg(long, default_value = mesh::DEFAULT_TOPOLOGY_LABEL)]
@@ -60,6 +60,11 @@ enum Command {
     Version,
     /// Show the WireGuard configuration of a node or peer.
     Showconf(Showconf),
+    /// Generate the autocompletion script for the specified shell.
+    Completion {
+        #[arg(value_enum)]
+        shell: Shell,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -71,6 +76,7 @@ struct Graph {
 
 /// Kilo's `kgctl connect` flags (plus `--create-interface`, as kg's).
 #[derive(clap::Args, Debug)]
+#[command(mut_args = go_bool_flag)]
 struct ConnectArgs {
     /// The Peer's name (default: the host name).
     name: Option<String>,
@@ -89,7 +95,7 @@ struct ConnectArgs {
     private_key: Option<PathBuf>,
     /// Remove the routes, the addresses, the interface (when created here) and the Peer (when
     /// created here) on exit.
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     clean_up: bool,
     /// The MTU of the WireGuard interface.
     #[arg(long, default_value_t = 1420)]
@@ -101,7 +107,7 @@ struct ConnectArgs {
     #[arg(short = 'i', long, default_value = "kilo0")]
     interface: String,
     /// Create the WireGuard interface (false: use an existing one, e.g. wireguard-go's).
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    #[arg(long, default_value_t = true)]
     create_interface: bool,
     /// Seconds between WireGuard keepalives (0 disables them).
     #[arg(long, default_value_t = 10)]
@@ -109,6 +115,7 @@ struct ConnectArgs {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(mut_args = go_bool_flag)]
 struct Showconf {
     /// Show the resource as a peer (to configure it as a peer of another WireGuard interface).
     #[arg(long, global = true)]
@@ -149,9 +156,16 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    if let Command::Version = cli.command {
-        println!("{}", env!("CARGO_PKG_VERSION"));
-        return Ok(());
+    match &cli.command {
+        Command::Version => {
+            println!("{}", env!("CARGO_PKG_VERSION"));
+            return Ok(());
+        }
+        Command::Completion { shell } => {
+            shell.write(Cli::command(), &mut std::io::stdout().lock());
+            return Ok(());
+        }
+        _ => {}
     }
     if let Command::Connect(args) = &cli.command {
         return tokio::runtime::Builder::new_current_thread()
@@ -211,7 +225,7 @@ fn run(cli: Cli) -> Result<()> {
             stdout.write_all(shown.stdout.as_bytes())?;
             stderr.write_all(shown.stderr.as_bytes())?;
         }
-        Command::Version | Command::Connect(_) => {
+        Command::Version | Command::Connect(_) | Command::Completion { .. } => {
             unreachable!("answered before reading the backend")
         }
     }
