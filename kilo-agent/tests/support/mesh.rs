@@ -153,18 +153,27 @@ pub struct Kg {
 impl Kg {
     /// Starts it with the mesh's usual flags and `extra` (later flags win).
     pub fn start(mesh: &DemoMesh, i: usize, bpffs: &BpfFs, extra: &[&str]) -> Kg {
-        let work = mesh.work.path();
-        let log = work.join(format!("kg-n{i}.log"));
+        let mut flags = Kg::flags(mesh, i, bpffs);
+        flags.extend(extra.iter().map(|f| f.to_string()));
+        Kg::spawn(
+            &mesh.ns(&format!("n{i}")),
+            &flags,
+            mesh.work.path().join(format!("kg-n{i}.log")),
+        )
+    }
+
+    /// Starts it in namespace `ns` with exactly `flags`, logging (appended) to `log`: for
+    /// meshes other than the demo's.
+    pub fn spawn(ns: &str, flags: &[String], log: PathBuf) -> Kg {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .unwrap();
         let child = Command::new("ip")
-            .args(["netns", "exec", &mesh.ns(&format!("n{i}"))])
+            .args(["netns", "exec", ns])
             .arg(Kg::binary())
-            .args(Kg::flags(mesh, i, bpffs))
-            .args(extra)
+            .args(flags)
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()

@@ -1,0 +1,469 @@
+//! The overlays in `manifests/overlays`, rendered, against what their distribution documents:
+//! each overlay's kg flags (the mode of the Kilo manifest it replaces, the distribution's service
+//! range) and the host paths it mounts (the kubelet's kubeconfig, the CNI configuration
+//! directory). Pure: no root, no API server. Rendered by `kubectl kustomize` where a kubectl is
+//! found, else by merging the overlays' patches here; when both run, they must agree. The init
+//! container that writes kg's kubeconfig is run on a kubelet kubeconfig.
+mod support;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use serde::Deserialize as _;
+use serde_yaml::Value;
+
+/// A distribution's facts, each with where it is documented.
+struct Distribution {
+    /// The kubelet's kubeconfig, whose `server:` kg uses. kubeadm: "Implementation details" of
+    /// kubeadm (kubernetes.io/docs/reference/setup-tools/kubeadm/implementation-details/), the
+    /// kubelet's kubeconfig file /etc/kubernetes/kubelet.conf. k3s: the agent's data directory
+    /// /var/lib/rancher/k3s/agent (docs.k3s.io/cli/agent, --data-dir), where k3s writes
+    /// kubelet.kubeconfig; Kilo's kilo-k3s*.yaml read the server from the same file.
+    kubelet_kubeconfig: &'static str,
+    /// Where the container runtime reads CNI configurations. kubeadm: the kubelet's and
+    /// containerd's default /etc/cni/net.d (kubernetes.io/docs/concepts/extend-kubernetes/
+    /// compute-storage-net/network-plugins/). k3s: the `conf_dir` of the containerd
+    /// configuration k3s generates (/var/lib/rancher/k3s/agent/etc/containerd/config.toml),
+    /// also given as cniConfDir in Istio's k3s platform prerequisites
+    /// (istio.io/latest/docs/ambient/install/platform-prerequisites/#k3s), whose cniBinDir,
+    /// /var/lib/rancher/k3s/data/current/bin, holds the bridge, host-local, loopback and
+    /// portmap plugins kg's configuration names.
+    cni_conf_dir: &'static str,
+    /// The default service range. kubeadm: `kubeadm init --service-cidr` defaults to
+    /// 10.96.0.0/12 (kubernetes.io/docs/reference/setup-tools/kubeadm/kubeadm-init/). k3s:
+    /// `k3s server --service-cidr` defaults to 10.43.0.0/16 (docs.k3s.io/cli/server).
+    service_cidr: &'static str,
+    /// Paths of the other distribution that must not appear.
+    foreign: &'static [&'static str],
+}
+
+const KUBEADM: Distribution = Distribution {
+    kubelet_kubeconfig: "/etc/kubernetes/kubelet.conf",
+    cni_conf_dir: "/etc/cni/net.d",
+    service_cidr: "10.96.0.0/12",
+    foreign: &["/var/lib/rancher"],
+};
+
+const K3S: Distribution = Distribution {
+    kubelet_kubeconfig: "/var/lib/rancher/k3s/agent/kubelet.kubeconfig",
+    cni_conf_dir: "/var/lib/rancher/k3s/agent/etc/cni/net.d",
+    service_cidr: "10.43.0.0/16",
+    foreign: &["/etc/kubernetes", "/etc/cni", "/opt/cni"],
+};
+
+/// kg's arguments for each mode, as Kilo's manifests of that mode pass them (Kilo's
+/// manifests/, tag 0.7.0; /work/shared/reference/kilo.md section 2.6).
+const CNI: &[&str] = &[];
+const FLANNEL: &[&str] = &[
+    "--cni=false",
+    "--compatibility=flannel",
+    "--local=false",
+    "--internal-cidr=$(NODE_IP)/32",
+];
+const CILIUM: &[&str] = &[
+    "--cni=false",
+    "--compatibility=cilium",
+    "--local=false",
+    "--encapsulate=crosssubnet",
+    "--clean-up-interface=true",
+    "--internal-cidr=$(NODE_IP)/32",
+];
+const USERSPACE: &[&str] = &["--create-interface=false", "--interface=kilo0"];
+
+struct Overlay {
+    name: &'static str,
+    distribution: Distribution,
+    mode: &'static [&'static str],
+    /// Arguments beyond the mode's (kilo-kubeadm-cilium.yaml's --subnet).
+    extra: &'static [&'static str],
+    /// Whether the overlay must pass the distribution's --service-cidr (every overlay that
+    /// passes one must pass the distribution's).
+    service_cidr: bool,
+}
+
+const OVERLAYS: &[Overlay] = &[
+    Overlay {
+        name: "kubeadm",
+        distribution: KUBEADM,
+        mode: CNI,
+        extra: &[],
+        service_cidr: false,
+    },
+    Overlay {
+        name: "flannel",
+        distribution: KUBEADM,
+        mode: FLANNEL,
+        extra: &[],
+        service_cidr: false,
+    },
+    Overlay {
+        name: "userspace",
+        distribution: KUBEADM,
+        mode: USERSPACE,
+        extra: &[],
+        service_cidr: false,
+    },
+    Overlay {
+        name: "kubeadm-cilium",
+        distribution: KUBEADM,
+        mode: CILIUM,
+        extra: &["--subnet=172.31.254.0/24"],
+        service_cidr: true,
+    },
+    Overlay {
+        name: "k3s",
+        distribution: K3S,
+        mode: CNI,
+        extra: &[],
+        service_cidr: true,
+    },
+    Overlay {
+        name: "k3s-flannel",
+        distribution: K3S,
+        mode: FLANNEL,
+        extra: &[],
+        service_cidr: true,
+    },
+    Overlay {
+        name: "k3s-userspace",
+        distribution: K3S,
+        mode: USERSPACE,
+        extra: &[],
+        service_cidr: true,
+    },
+    Overlay {
+        name: "k3s-cilium",
+        distribution: K3S,
+        mode: CILIUM,
+        extra: &[],
+        service_cidr: true,
+    },
+];
+
+fn manifests() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../manifests")
+}
+
+/// A kubectl: the test API server's (`cargo xtask setup`), else one on $PATH.
+fn kubectl() -> Option<PathBuf> {
+    let cached = support::apiserver::kubectl();
+    if cached.exists() {
+        return Some(cached);
+    }
+    let out = Command::new("kubectl")
+        .args(["version", "--client"])
+        .output();
+    out.is_ok_and(|o| o.status.success())
+        .then(|| PathBuf::from("kubectl"))
+}
+
+/// The overlay's DaemonSet as `kubectl kustomize` renders it.
+fn kustomize(kubectl: &Path, dir: &Path) -> Value {
+    let out = Command::new(kubectl)
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_yaml::Deserializer::from_slice(&out.stdout)
+        .map(|d| Value::deserialize(d).unwrap())
+        .find(|v| v["kind"] == "DaemonSet")
+        .unwrap_or_else(|| panic!("no DaemonSet rendered from {}", dir.display()))
+}
+
+/// What the checks read from a DaemonSet: kg's args, the env names, hostPath volumes by name
+/// and container names.
+#[derive(Debug, PartialEq)]
+struct Rendered {
+    args: Vec<String>,
+    env: Vec<String>,
+    host_paths: BTreeMap<String, String>,
+    containers: Vec<String>,
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_sequence()
+        .map(|s| {
+            s.iter()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn named(v: &Value) -> impl Iterator<Item = (&str, &Value)> {
+    v.as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| Some((x["name"].as_str()?, x)))
+}
+
+impl Rendered {
+    fn from_daemonset(ds: &Value) -> Self {
+        let spec = &ds["spec"]["template"]["spec"];
+        let kilo = named(&spec["containers"])
+            .find(|(n, _)| *n == "kilo")
+            .map(|(_, c)| c)
+            .expect("a kilo container");
+        let mut env: Vec<String> = named(&kilo["env"]).map(|(n, _)| n.to_string()).collect();
+        env.sort();
+        Rendered {
+            args: strings(&kilo["args"]),
+            env,
+            host_paths: named(&spec["volumes"])
+                .filter_map(|(n, v)| Some((n.to_string(), v["hostPath"]["path"].as_str()?.into())))
+                .collect(),
+            containers: named(&spec["containers"]).map(|(n, _)| n.into()).collect(),
+        }
+    }
+
+    /// The overlay without kubectl: its patches over its bases', down to `base`. A patch's
+    /// args replace the list (as a strategic merge does); env, volumes and containers merge by
+    /// name.
+    fn merged(dir: &Path) -> Self {
+        let kustomization: Value =
+            serde_yaml::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap())
+                .unwrap();
+        let files: Vec<PathBuf> = strings(&kustomization["resources"])
+            .iter()
+            .chain(&strings(&kustomization["patchesStrategicMerge"]))
+            .map(|f| dir.join(f))
+            .filter(|f| f.is_file())
+            .collect();
+        let mut rendered = match strings(&kustomization["bases"]).first() {
+            Some(base) => Rendered::merged(&dir.join(base)),
+            None => Rendered {
+                args: Vec::new(),
+                env: Vec::new(),
+                host_paths: BTreeMap::new(),
+                containers: Vec::new(),
+            },
+        };
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            for doc in serde_yaml::Deserializer::from_str(&text) {
+                let doc = Value::deserialize(doc).unwrap();
+                if doc["kind"] != "DaemonSet" {
+                    continue;
+                }
+                let spec = &doc["spec"]["template"]["spec"];
+                for (name, c) in named(&spec["containers"]) {
+                    if !rendered.containers.iter().any(|n| n == name) {
+                        rendered.containers.push(name.into());
+                    }
+                    if name == "kilo" {
+                        if !c["args"].is_null() {
+                            rendered.args = strings(&c["args"]);
+                        }
+                        for (e, _) in named(&c["env"]) {
+                            if !rendered.env.iter().any(|n| n == e) {
+                                rendered.env.push(e.into());
+                            }
+                        }
+                    }
+                }
+                for (name, v) in named(&spec["volumes"]) {
+                    rendered.host_paths.remove(name);
+                    if let Some(p) = v["hostPath"]["path"].as_str() {
+                        rendered.host_paths.insert(name.into(), p.into());
+                    }
+                }
+            }
+        }
+        rendered.env.sort();
+        rendered
+    }
+}
+
+#[test]
+fn every_overlay_has_its_distributions_paths_and_its_modes_flags() {
+    let overlays = manifests().join("overlays");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&overlays)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    on_disk.sort();
+    let mut tabled: Vec<String> = OVERLAYS.iter().map(|o| o.name.to_string()).collect();
+    tabled.sort();
+    assert_eq!(on_disk, tabled, "every overlay has a row in OVERLAYS");
+
+    let kubectl = kubectl();
+    if kubectl.is_none() {
+        eprintln!("no kubectl: checking the overlays as merged here");
+    }
+    for o in OVERLAYS {
+        let dir = overlays.join(o.name);
+        let merged = Rendered::merged(&dir);
+        let r = match &kubectl {
+            Some(k) => {
+                let r = Rendered::from_daemonset(&kustomize(k, &dir));
+                assert_eq!(
+                    r, merged,
+                    "{}: kubectl's rendering and the merge here",
+                    o.name
+                );
+                r
+            }
+            None => merged,
+        };
+        let d = &o.distribution;
+        let name = o.name;
+        assert!(
+            r.args.contains(&"--hostname=$(NODE_NAME)".into()),
+            "{name}: {r:?}"
+        );
+        for want in o.mode.iter().chain(o.extra) {
+            assert!(
+                r.args.iter().any(|a| a == want),
+                "{name}: {want} in {:?}",
+                r.args
+            );
+        }
+        // Nothing of another mode: Kilo as the CNI passes no --cni=false, an add-on no
+        // userspace flags.
+        for other in [FLANNEL, CILIUM, USERSPACE] {
+            for a in other.iter().filter(|a| !o.mode.contains(a)) {
+                assert!(
+                    !r.args.contains(&a.to_string()),
+                    "{name}: {a} in {:?}",
+                    r.args
+                );
+            }
+        }
+        let cidrs: Vec<&String> = r
+            .args
+            .iter()
+            .filter(|a| a.starts_with("--service-cidr="))
+            .collect();
+        for c in &cidrs {
+            assert_eq!(
+                c.as_str(),
+                format!("--service-cidr={}", d.service_cidr),
+                "{name}"
+            );
+        }
+        assert!(
+            !o.service_cidr || !cidrs.is_empty(),
+            "{name}: no --service-cidr"
+        );
+        if r.args.iter().any(|a| a.contains("$(NODE_IP)")) {
+            assert!(
+                r.env.contains(&"NODE_IP".into()),
+                "{name}: NODE_IP in {:?}",
+                r.env
+            );
+        }
+        assert!(r.env.contains(&"KUBECONFIG".into()), "{name}: {:?}", r.env);
+
+        assert_eq!(
+            r.host_paths.get("kubelet-kubeconfig").map(String::as_str),
+            Some(d.kubelet_kubeconfig),
+            "{name}"
+        );
+        // Kilo as the CNI mounts the runtime's CNI configuration directory; an add-on none.
+        let cni_dir = r.host_paths.get("cni-conf-dir").map(String::as_str);
+        let is_cni = !o.mode.contains(&"--cni=false") && o.mode != USERSPACE;
+        assert_eq!(cni_dir, is_cni.then_some(d.cni_conf_dir), "{name}");
+        for path in r.host_paths.values() {
+            for foreign in d.foreign {
+                assert!(!path.starts_with(foreign), "{name}: {path}");
+            }
+        }
+        let sidecar = r.containers.iter().any(|c| c == "wireguard");
+        assert_eq!(sidecar, o.mode == USERSPACE, "{name}: {:?}", r.containers);
+    }
+}
+
+/// The base's init container writes a kubeconfig with the kubelet's server and the pod's own
+/// service account, which kg then reads from $KUBECONFIG.
+#[test]
+fn the_init_container_writes_a_kubeconfig_for_the_kubelets_server() {
+    let ds: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(manifests().join("base/daemonset.yaml")).unwrap(),
+    )
+    .unwrap();
+    let spec = &ds["spec"]["template"]["spec"];
+    let init = named(&spec["initContainers"])
+        .find(|(n, _)| *n == "kubeconfig")
+        .map(|(_, c)| c)
+        .expect("the kubeconfig init container");
+    let script = strings(&init["command"]).pop().unwrap();
+    let mount = |volume: &str| {
+        named(&init["volumeMounts"])
+            .find(|(n, _)| *n == volume)
+            .and_then(|(_, m)| m["mountPath"].as_str())
+            .unwrap()
+            .to_string()
+    };
+    let kilo = named(&spec["containers"])
+        .find(|(n, _)| *n == "kilo")
+        .unwrap()
+        .1;
+    let kubeconfig_env = named(&kilo["env"])
+        .find(|(n, _)| *n == "KUBECONFIG")
+        .and_then(|(_, e)| e["value"].as_str())
+        .unwrap();
+    let kilo_mount = named(&kilo["volumeMounts"])
+        .find(|(n, _)| *n == "kubeconfig")
+        .and_then(|(_, m)| m["mountPath"].as_str())
+        .unwrap();
+    let file = Path::new(kubeconfig_env)
+        .strip_prefix(kilo_mount)
+        .expect("$KUBECONFIG in the kubeconfig volume");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let kubelet = tmp.path().join("kubelet.conf");
+    let out_dir = tmp.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    // A kubelet kubeconfig as kubeadm writes it on a worker.
+    std::fs::write(
+        &kubelet,
+        "apiVersion: v1\nclusters:\n- cluster:\n    certificate-authority-data: AAAA\n    \
+         server: https://203.0.113.10:6443\n  name: default-cluster\ncontexts: []\nusers:\n- \
+         name: default-auth\n  user:\n    client-certificate: /var/lib/kubelet/pki/kubelet-client-current.pem\n",
+    )
+    .unwrap();
+    let script = script
+        .replace(&mount("kubelet-kubeconfig"), kubelet.to_str().unwrap())
+        .replace(
+            &format!("{}/", mount("kubeconfig")),
+            &format!("{}/", out_dir.display()),
+        );
+    let status = Command::new("sh").args(["-c", &script]).status().unwrap();
+    assert!(status.success());
+
+    let kc = kube::config::Kubeconfig::read_from(out_dir.join(file)).unwrap();
+    let cluster = kc.clusters[0].cluster.as_ref().unwrap();
+    assert_eq!(cluster.server.as_deref(), Some("https://203.0.113.10:6443"));
+    let sa = "/var/run/secrets/kubernetes.io/serviceaccount";
+    assert_eq!(
+        cluster.certificate_authority.as_deref(),
+        Some(format!("{sa}/ca.crt").as_str())
+    );
+    let user = kc.auth_infos[0].auth_info.as_ref().unwrap();
+    assert_eq!(
+        user.token_file.as_deref(),
+        Some(format!("{sa}/token").as_str())
+    );
+    assert!(
+        user.client_certificate.is_none(),
+        "not the kubelet's credentials"
+    );
+    assert_eq!(kc.current_context.as_deref(), Some("kilo"));
+
+    // Without a server line the init container fails rather than write a kubeconfig kg would
+    // reject later.
+    std::fs::write(&kubelet, "apiVersion: v1\n").unwrap();
+    std::fs::remove_file(out_dir.join(file)).unwrap();
+    let status = Command::new("sh").args(["-c", &script]).status().unwrap();
+    assert!(!status.success());
+    assert!(!out_dir.join(file).exists());
+}
