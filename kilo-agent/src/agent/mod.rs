@@ -89,6 +89,8 @@ pub struct PlanOutcome {
     pub nat_keys: std::collections::BTreeSet<Key>,
     /// The names of the WireGuard peers (a segment's leader, a Peer), for the metrics.
     pub peer_names: BTreeMap<Key, String>,
+    /// The service CIDRs planned with: `--service-cidr`'s and the cluster's.
+    pub service_cidrs: Vec<IpNet>,
 }
 
 /// Turns a snapshot into a plan (the topology/plan builder, injected).
@@ -284,6 +286,8 @@ pub struct Agent<P, K, W, D> {
     last_plan: Option<(Arc<Snapshot>, Arc<PlanOutcome>)>,
     /// Reads the local node's `cni-compatibility-ip` at every pass.
     cni_probe: Option<CniProbe>,
+    /// The service CIDRs of the last plan (`None` before the first).
+    service_cidrs: Option<Vec<IpNet>>,
 }
 
 /// Reads the local node's `cni-compatibility-ip` (`--compatibility=cilium`: `cilium_host`'s
@@ -361,6 +365,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             retry: Retry::default(),
             last_plan: None,
             cni_probe: None,
+            service_cidrs: None,
         }
     }
 
@@ -389,7 +394,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
     }
 
-    /// Records the heartbeats and connection state of `update`, logging a change of the latter.
+    /// Records the heartbeats and connection state of `update`. A change of the latter is a
+    /// debug line: the backend names the outage and its end.
     fn observe(&mut self, update: &Update, now: i64) {
         match self
             .liveness
@@ -398,13 +404,13 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             Some(false) => {
                 self.metrics.error("backend");
                 self.metrics.set_backend_connected(false);
-                tracing::warn!(
+                tracing::debug!(
                     "backend disconnected: keeping the last applied state; no node expires until it delivers again"
                 );
             }
             Some(true) => {
                 self.metrics.set_backend_connected(true);
-                tracing::info!("backend connected: liveness judged again");
+                tracing::debug!("backend connected: liveness judged again");
             }
             None => {}
         }
@@ -468,6 +474,9 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
         let outcome = Arc::new(self.planner.plan(snapshot));
         self.last_plan = Some((snapshot.clone(), outcome.clone()));
+        if self.service_cidrs.as_ref() != Some(&outcome.service_cidrs) {
+            self.service_cidrs_changed(&outcome.service_cidrs);
+        }
         // Without a plan the roles stay as they were.
         if outcome.plan.is_some() {
             self.metrics.nodes.set(outcome.ready_nodes as i64);
@@ -488,6 +497,19 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         }
         self.invalid = now;
         outcome
+    }
+
+    /// Logs the service CIDRs planned with (a warning saying the consequence when there are
+    /// none) and shows them in `kilo_service_cidrs` and `/ready`.
+    fn service_cidrs_changed(&mut self, cidrs: &[IpNet]) {
+        self.metrics.set_service_cidrs(cidrs);
+        if cidrs.is_empty() {
+            tracing::warn!("{}", crate::telemetry::NO_SERVICE_CIDRS);
+        } else {
+            let cidrs: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+            tracing::info!(service_cidrs = %cidrs.join(","), "service CIDRs");
+        }
+        self.service_cidrs = Some(cidrs.to_vec());
     }
 
     /// Publishes the local annotations that differ from what the backend shows. Without a plan
@@ -536,8 +558,17 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             Err(e) => {
                 self.publish_failed = true;
                 self.metrics.error("local");
-                tracing::warn!(error = %e, "publishing local annotations failed");
+                self.log_publish_failure("local annotations", &e);
             }
+        }
+    }
+
+    /// A warning, or a debug line while the backend is disconnected (it reports the outage).
+    fn log_publish_failure(&self, what: &str, e: &crate::backend::BackendError) {
+        if self.backend.updates().borrow().connected {
+            tracing::warn!(error = %e, "publishing {what} failed");
+        } else {
+            tracing::debug!(error = %e, "publishing {what} failed");
         }
     }
 
@@ -564,7 +595,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             Ok(wrote) => self.stats.publishes += u64::from(wrote),
             Err(e) => {
                 self.metrics.error("checkin");
-                tracing::warn!(error = %e, "publishing the heartbeat failed");
+                self.log_publish_failure("the heartbeat", &e);
             }
         }
         false

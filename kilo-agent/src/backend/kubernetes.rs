@@ -1,5 +1,6 @@
 //! The Kubernetes backend (`--backend kubernetes`): a Node watcher filtered to the changes that
-//! matter, a Peer watcher, and a merge patch of the local node's own annotations.
+//! matter, a Peer watcher, a ServiceCIDR watcher where the API server serves them, and a merge
+//! patch of the local node's own annotations.
 //!
 //! Node filter: an update makes a new snapshot only when labels, annotations (other than
 //! `kilo.squat.ai/last-seen`), `spec.podCIDR(s)` or the `Ready` condition changed. Status
@@ -10,6 +11,15 @@
 //! again. Objects are trimmed on arrival (managed fields, images, most of status) to keep memory
 //! flat.
 //!
+//! Service CIDRs: where the API server serves `networking.k8s.io/v1` `servicecidrs` (Kubernetes
+//! 1.33 on; asked once at start), the snapshot carries the CIDRs of every ServiceCIDR that is
+//! Ready or being deleted (Services still hold ClusterIPs from it until then); the planner adds
+//! them to `--service-cidr`'s. Elsewhere, and when RBAC refuses the list, there are none.
+//!
+//! Outages ([`Link`]): losing the API server is one warning, its return one line saying for how
+//! long and after how many retries; the failures in between are debug lines, counted in
+//! `kilo_backend_retries_total`.
+//!
 //! Liveness: see [`crate::agent::config::Flags::check_in_period`]. Kilo agents drop a node whose
 //! `last-seen` is older than 60 s, so during a migration kg keeps refreshing it every 30 s
 //! (every agent still *receives* N updates per 30 s from the API server, each recorded without
@@ -19,16 +29,22 @@
 //! steady-state cost per agent is zero updates whatever N is.
 use std::{
     collections::BTreeMap,
+    ops::ControlFlow,
     sync::{Arc, Mutex},
 };
 
 use futures::{FutureExt, StreamExt, future::BoxFuture};
-use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+use ipnet::IpNet;
+use k8s_openapi::api::{
+    core::v1::{NodeCondition, NodeStatus},
+    networking::v1::ServiceCIDR,
+};
 use kube::{
     Api, Client, Resource,
     api::{Patch, PatchParams},
     runtime::watcher,
 };
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 
 use super::{Annotations, Backend, BackendError, Update, last_seen_of, refresh};
@@ -95,39 +111,234 @@ pub fn trim_node(mut n: KubeNode) -> KubeNode {
     n
 }
 
+/// Whether a ServiceCIDR's ranges hold ClusterIPs: it is Ready, or it is being deleted (the
+/// Services allocated from it keep their addresses until they are gone).
+fn holds_cluster_ips(s: &ServiceCIDR) -> bool {
+    s.metadata.deletion_timestamp.is_some()
+        || s.status
+            .as_ref()
+            .and_then(|st| st.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The service CIDRs of `objects` ([`holds_cluster_ips`]), each once, and one error per value
+/// that is not a CIDR (naming the object and the field).
+pub fn service_cidrs(objects: &BTreeMap<String, ServiceCIDR>) -> (Vec<IpNet>, Vec<String>) {
+    let (mut cidrs, mut errors) = (Vec::new(), Vec::new());
+    for (name, s) in objects.iter().filter(|(_, s)| holds_cluster_ips(s)) {
+        let values = s.spec.as_ref().and_then(|spec| spec.cidrs.as_deref());
+        for (i, value) in values.unwrap_or_default().iter().enumerate() {
+            match crate::mesh::parse_cidr(value) {
+                Ok(c) if !cidrs.contains(&c.trunc()) => cidrs.push(c.trunc()),
+                Ok(_) => {}
+                Err(e) => errors.push(format!("ServiceCIDR {name}: spec.cidrs[{i}]: {e}")),
+            }
+        }
+    }
+    (cidrs, errors)
+}
+
+/// Whether a ServiceCIDR changed in a way [`service_cidrs`] sees.
+fn service_cidr_changed(old: Option<&ServiceCIDR>, new: &ServiceCIDR) -> bool {
+    old.is_none_or(|o| o.spec != new.spec || holds_cluster_ips(o) != holds_cluster_ips(new))
+}
+
+/// Whether the API server can be reached, as an operator hears of it: one warning when it is
+/// lost, one line when it is back (for how long, after how many retries), debug lines between.
+/// Every failed attempt, a server's refusal included, counts in `retries`.
+#[derive(Default)]
+struct Link {
+    retries: Counter,
+    /// Since when the server cannot be reached, and the failures since.
+    lost: Option<(tokio::time::Instant, u64)>,
+}
+
+impl Link {
+    fn failed(&mut self, error: &str) {
+        self.retries.inc();
+        match &mut self.lost {
+            Some((_, failures)) => {
+                *failures += 1;
+                tracing::debug!(%error, "the Kubernetes API server is still unreachable");
+            }
+            None => {
+                tracing::warn!(
+                    %error,
+                    "Kubernetes API server unreachable: keeping the last applied state, no node \
+                     expires meanwhile; retrying with backoff"
+                );
+                self.lost = Some((tokio::time::Instant::now(), 1));
+            }
+        }
+    }
+
+    /// Something arrived from the server.
+    fn delivered(&mut self) {
+        if let Some((since, retries)) = self.lost.take() {
+            tracing::info!(
+                down_seconds = since.elapsed().as_secs(),
+                retries,
+                "Kubernetes API server reachable again"
+            );
+        }
+    }
+}
+
+/// The objects of one watched resource as of its last event, a (re)list in progress, and
+/// whether a list has completed (or, for ServiceCIDRs, none can: not served, not permitted).
+struct Watched<K> {
+    objects: BTreeMap<String, K>,
+    listing: Option<BTreeMap<String, K>>,
+    synced: bool,
+}
+
+impl<K> Default for Watched<K> {
+    fn default() -> Self {
+        Watched {
+            objects: BTreeMap::new(),
+            listing: None,
+            synced: false,
+        }
+    }
+}
+
+/// How one resource is watched.
+struct Watch<K> {
+    /// Its name in logs (`nodes`, `peers.kilo.squat.ai`).
+    resource: &'static str,
+    watched: fn(&mut State) -> &mut Watched<K>,
+    trim: fn(K) -> K,
+    /// Whether an update matters (see [`apply`]).
+    changed: fn(Option<&K>, &K) -> bool,
+    /// What to tell an operator when the server refuses the watch.
+    hint: fn(&watcher::Error) -> &'static str,
+}
+
+const NODES: Watch<KubeNode> = Watch {
+    resource: "nodes",
+    watched: |s| &mut s.nodes,
+    trim: trim_node,
+    changed: node_changed,
+    hint: |_| "the Kubernetes API server refused the node watch; retrying with backoff",
+};
+
+const PEERS: Watch<Peer> = Watch {
+    resource: "peers.kilo.squat.ai",
+    watched: |s| &mut s.peers,
+    trim: |mut p| {
+        p.metadata.managed_fields = None;
+        p
+    },
+    changed: |old, new| old.map(|o| &o.spec) != Some(&new.spec),
+    hint: peer_watch_hint,
+};
+
+const SERVICE_CIDRS: Watch<ServiceCIDR> = Watch {
+    resource: "servicecidrs.networking.k8s.io",
+    watched: |s| &mut s.service_cidrs,
+    trim: |mut c| {
+        c.metadata.managed_fields = None;
+        c
+    },
+    changed: service_cidr_changed,
+    hint: |_| "the Kubernetes API server refused the ServiceCIDR watch; retrying with backoff",
+};
+
 #[derive(Default)]
 struct State {
-    nodes: BTreeMap<String, KubeNode>,
-    peers: BTreeMap<String, Peer>,
-    nodes_synced: bool,
-    peers_synced: bool,
+    nodes: Watched<KubeNode>,
+    peers: Watched<Peer>,
+    service_cidrs: Watched<ServiceCIDR>,
     /// The Node watch works (cleared by its errors, set by its next event).
     connected: bool,
-    /// The last failure of each watch, logged once while it repeats.
-    node_failure: Option<String>,
-    peer_failure: Option<String>,
+    /// The last failure of each watch (by resource) that was an answer of the server, logged
+    /// once while it repeats.
+    failures: BTreeMap<&'static str, String>,
+    link: Link,
     generation: u64,
-    init_nodes: Option<BTreeMap<String, KubeNode>>,
-    init_peers: Option<BTreeMap<String, Peer>>,
 }
 
 impl State {
-    /// Sends a new snapshot (a new generation), once both lists have completed.
+    /// Sends a new snapshot (a new generation), once every list has completed.
     fn publish(&mut self, tx: &watch::Sender<Update>) {
-        if !(self.nodes_synced && self.peers_synced) {
+        if !(self.nodes.synced && self.peers.synced && self.service_cidrs.synced) {
             return;
         }
         self.generation += 1;
+        let (service_cidrs, errors) = service_cidrs(&self.service_cidrs.objects);
         let _ = tx.send(Update {
             snapshot: Arc::new(Snapshot {
-                nodes: self.nodes.clone(),
-                peers: self.peers.clone(),
+                nodes: self.nodes.objects.clone(),
+                peers: self.peers.objects.clone(),
+                service_cidrs,
             }),
-            errors: Vec::new(),
+            errors,
             generation: self.generation,
-            last_seen: Arc::new(last_seen_of(&self.nodes)),
+            last_seen: Arc::new(last_seen_of(&self.nodes.objects)),
             connected: self.connected,
         });
+    }
+
+    /// Applies one event of `w`'s watch, publishing what changed. Returns whether the server
+    /// delivered something (`Some(false)`: the watcher only starts a list; `None`: a failure).
+    fn on_event<K: Resource>(
+        &mut self,
+        w: &Watch<K>,
+        event: Result<watcher::Event<K>, watcher::Error>,
+        tx: &watch::Sender<Update>,
+    ) -> Option<bool> {
+        let event = match event {
+            Ok(event) => event,
+            Err(e) => {
+                self.failed(w.resource, &e, (w.hint)(&e));
+                return None;
+            }
+        };
+        let delivering = self.delivered(w.resource, &event);
+        let watched = (w.watched)(self);
+        match apply(
+            &mut watched.objects,
+            &mut watched.listing,
+            event,
+            w.trim,
+            w.changed,
+        ) {
+            Applied::Listed => {
+                watched.synced = true;
+                self.publish(tx);
+            }
+            Applied::Changed => self.publish(tx),
+            Applied::Unchanged => {}
+        }
+        Some(delivering)
+    }
+
+    /// Whether `event` carries what the server sent (a list or a change; `Init` only starts a
+    /// list): the server is reachable, and the last failure of `resource` is over.
+    fn delivered<K>(&mut self, resource: &'static str, event: &watcher::Event<K>) -> bool {
+        let delivering = !matches!(event, watcher::Event::Init);
+        if delivering {
+            self.link.delivered();
+            self.failures.remove(resource);
+        }
+        delivering
+    }
+
+    /// Counts and logs a failure of the watch of `resource`: the link's, while the server cannot
+    /// be reached; an answer of a reachable server once per cause, with `hint`.
+    fn failed(&mut self, resource: &'static str, e: &watcher::Error, hint: &str) {
+        let error = describe_watch(resource, e);
+        if unreachable(e) || self.link.lost.is_some() {
+            self.link.failed(&error);
+            return;
+        }
+        self.link.retries.inc();
+        if self.failures.get(resource) == Some(&error) {
+            tracing::debug!(%error, "{hint}");
+        } else {
+            tracing::warn!(%error, "{hint}");
+            self.failures.insert(resource, error);
+        }
     }
 
     /// Sends the latest heartbeats and connection state if they changed, keeping the snapshot.
@@ -135,7 +346,7 @@ impl State {
         if self.generation == 0 {
             return;
         }
-        let last_seen = last_seen_of(&self.nodes);
+        let last_seen = last_seen_of(&self.nodes.objects);
         tx.send_if_modified(|u| refresh(u, last_seen, self.connected));
     }
 }
@@ -325,14 +536,14 @@ fn apply<K: Resource>(
     Applied::Unchanged
 }
 
-/// Logs a watch failure: at `warn` when it is new (the first, or another cause than the last),
-/// at `debug` while the same one repeats on every retry.
-fn log_failure(last: &mut Option<String>, error: String, hint: &str) {
-    if last.as_deref() == Some(error.as_str()) {
-        tracing::debug!(%error, "{hint}");
-    } else {
-        tracing::warn!(%error, "{hint}");
-        *last = Some(error);
+/// Whether a watch failed without an answer from the API server (refused, reset, timed out),
+/// rather than with one (a 403, a missing resource).
+fn unreachable(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => !matches!(e, kube::Error::Api(_)),
+        _ => false,
     }
 }
 
@@ -345,17 +556,17 @@ fn peer_watch_hint(e: &watcher::Error) -> &'static str {
         {
             "the Peer CRD is not installed (manifests/base/crds.yaml); retrying with backoff"
         }
-        _ => "waiting for the Kubernetes API server; retrying with backoff",
+        _ => "the Kubernetes API server refused the Peer watch; retrying with backoff",
     }
 }
 
-/// Watches `api` for ever, handing every event to `on_event` (failures as `Err`). After a
+/// Watches `api` until `on_event` breaks, handing it every event (failures as `Err`). After a
 /// failure it waits ([`watch_backoff`]), then lists afresh (a quorum read) instead of resuming
 /// the watch: a restarted API server's watch cache can take seconds to fill, and a watch
 /// resumed from an old resource version then only ends in `410 Gone` after that wait.
 async fn watch_forever<K>(
     api: Api<K>,
-    mut on_event: impl FnMut(Result<watcher::Event<K>, watcher::Error>),
+    mut on_event: impl FnMut(Result<watcher::Event<K>, watcher::Error>) -> ControlFlow<()>,
 ) where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
@@ -367,10 +578,14 @@ async fn watch_forever<K>(
             match event {
                 Ok(event) => {
                     backoff.reset();
-                    on_event(Ok(event));
+                    if on_event(Ok(event)).is_break() {
+                        return;
+                    }
                 }
                 Err(e) => {
-                    on_event(Err(e));
+                    if on_event(Err(e)).is_break() {
+                        return;
+                    }
                     break;
                 }
             }
@@ -380,12 +595,70 @@ async fn watch_forever<K>(
     }
 }
 
+/// Whether the API server serves `networking.k8s.io/v1` `servicecidrs`, from its discovery
+/// document: one request, asked again with backoff while the server cannot answer.
+async fn serves_service_cidrs(client: &Client, state: &Mutex<State>) -> bool {
+    const GROUP: &str = "networking.k8s.io/v1";
+    let mut backoff = watch_backoff();
+    loop {
+        let answer = client.list_api_group_resources(GROUP).await;
+        let served = {
+            let mut s = state.lock().expect("state lock");
+            let served = match answer {
+                Ok(list) => Some(list.resources.iter().any(|r| r.name == "servicecidrs")),
+                Err(kube::Error::Api(e)) if e.code == 404 => Some(false),
+                Err(kube::Error::Api(e)) if matches!(e.code, 401 | 403) => {
+                    let error = describe(&format!("discovering {GROUP}"), &kube::Error::Api(e));
+                    tracing::warn!(%error, "cannot ask which resources the API server serves");
+                    Some(false)
+                }
+                Err(e) => {
+                    s.link
+                        .failed(&describe(&format!("discovering {GROUP}"), &e));
+                    None
+                }
+            };
+            if served.is_some() {
+                s.link.delivered();
+            }
+            served
+        };
+        match served {
+            Some(false) => {
+                tracing::info!(
+                    "the Kubernetes API server does not serve {GROUP} ServiceCIDRs (Kubernetes \
+                     1.33 on): service CIDRs come from --service-cidr only"
+                );
+                return false;
+            }
+            Some(true) => return true,
+            None => {
+                let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(5));
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Why the server refuses to list ServiceCIDRs for good (no permission), if it does.
+fn service_cidrs_refused(e: &watcher::Error) -> Option<String> {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+            if matches!(s.code, 401 | 403 | 404) =>
+        {
+            Some(describe_watch(SERVICE_CIDRS.resource, e))
+        }
+        _ => None,
+    }
+}
+
 impl KubeBackend {
-    /// Starts the Node and Peer watchers. The first update (generation 1) comes once both have
-    /// listed everything; until then the agent does not reconcile (an empty view must never
-    /// remove the mesh).
-    pub fn start(client: Client) -> Self {
+    /// Starts the Node, Peer and ServiceCIDR watchers, counting failed attempts in `retries`.
+    /// The first update (generation 1) comes once all have listed everything; until then the
+    /// agent does not reconcile (an empty view must never remove the mesh).
+    pub fn start(client: Client, retries: Counter) -> Self {
         let mut backend = Self::unwatched(client);
+        backend.state.lock().expect("state lock").link.retries = retries;
         let (state, tx, client) = (
             backend.state.clone(),
             backend.tx.clone(),
@@ -393,86 +666,53 @@ impl KubeBackend {
         );
         let nodes = {
             let (state, tx) = (state.clone(), tx.clone());
-            let api: Api<KubeNode> = Api::all(client.clone());
-            tokio::spawn(watch_forever(api, move |ev| {
-                let mut guard = state.lock().expect("state lock");
-                let s = &mut *guard;
-                match ev {
-                    Ok(event) => {
-                        let delivering = matches!(
-                            event,
-                            watcher::Event::InitDone
-                                | watcher::Event::Apply(_)
-                                | watcher::Event::Delete(_)
-                        );
-                        if delivering && !s.connected {
-                            tracing::info!("node watch delivering");
-                            s.connected = true;
-                            s.node_failure = None;
-                        }
-                        match apply(
-                            &mut s.nodes,
-                            &mut s.init_nodes,
-                            event,
-                            trim_node,
-                            node_changed,
-                        ) {
-                            Applied::Listed => {
-                                s.nodes_synced = true;
-                                s.publish(&tx);
-                            }
-                            Applied::Changed => s.publish(&tx),
-                            Applied::Unchanged => {}
-                        }
-                    }
-                    Err(e) => {
-                        log_failure(
-                            &mut s.node_failure,
-                            describe_watch("nodes", &e),
-                            "waiting for the Kubernetes API server; retrying with backoff",
-                        );
-                        s.connected = false;
-                    }
+            tokio::spawn(watch_forever(Api::all(client.clone()), move |ev| {
+                let mut s = state.lock().expect("state lock");
+                match s.on_event(&NODES, ev, &tx) {
+                    Some(true) => s.connected = true,
+                    Some(false) => {}
+                    None => s.connected = false,
                 }
                 // Heartbeats and the connection state reach the agent without a snapshot.
                 s.refresh(&tx);
+                ControlFlow::Continue(())
             }))
         };
         let peers = {
             let (state, tx) = (state.clone(), tx.clone());
-            let api: Api<Peer> = Api::all(client.clone());
-            tokio::spawn(watch_forever(api, move |ev| {
-                let mut guard = state.lock().expect("state lock");
-                let s = &mut *guard;
-                let trim = |mut p: Peer| {
-                    p.metadata.managed_fields = None;
-                    p
-                };
-                let changed =
-                    |old: Option<&Peer>, new: &Peer| old.map(|o| &o.spec) != Some(&new.spec);
-                match ev {
-                    Ok(event) => {
-                        if s.peer_failure.take().is_some() {
-                            tracing::info!("peer watch delivering");
-                        }
-                        match apply(&mut s.peers, &mut s.init_peers, event, trim, changed) {
-                            Applied::Listed => {
-                                s.peers_synced = true;
-                                s.publish(&tx);
-                            }
-                            Applied::Changed => s.publish(&tx),
-                            Applied::Unchanged => {}
-                        }
-                    }
-                    Err(e) => log_failure(
-                        &mut s.peer_failure,
-                        describe_watch("peers.kilo.squat.ai", &e),
-                        peer_watch_hint(&e),
-                    ),
-                }
+            tokio::spawn(watch_forever(Api::all(client.clone()), move |ev| {
+                state.lock().expect("state lock").on_event(&PEERS, ev, &tx);
+                ControlFlow::Continue(())
             }))
         };
-        backend.tasks = vec![nodes, peers];
+        let services = tokio::spawn(async move {
+            if serves_service_cidrs(&client, &state).await {
+                watch_forever(Api::all(client), move |ev| {
+                    let mut s = state.lock().expect("state lock");
+                    if let Err(e) = &ev
+                        && let Some(reason) = service_cidrs_refused(e)
+                    {
+                        tracing::warn!(
+                            error = %reason,
+                            "cannot list ServiceCIDRs: service CIDRs come from --service-cidr \
+                             only (grant list and watch on servicecidrs.networking.k8s.io, as \
+                             manifests/base/rbac.yaml does, and restart kg)"
+                        );
+                        s.service_cidrs.synced = true;
+                        s.publish(&tx);
+                        return ControlFlow::Break(());
+                    }
+                    s.on_event(&SERVICE_CIDRS, ev, &tx);
+                    ControlFlow::Continue(())
+                })
+                .await;
+            } else {
+                let mut s = state.lock().expect("state lock");
+                s.service_cidrs.synced = true;
+                s.publish(&tx);
+            }
+        });
+        backend.tasks = vec![nodes, peers, services];
         backend
     }
 
@@ -528,12 +768,14 @@ impl Backend for KubeBackend {
             )
             .await
             .map_err(|e| {
+                let error = describe(&format!("patching node {node}"), &e);
                 if !matches!(e, kube::Error::Api(_)) {
                     let mut s = self.state.lock().expect("state lock");
+                    s.link.failed(&error);
                     s.connected = false;
                     s.refresh(&self.tx);
                 }
-                BackendError::Kube(describe(&format!("patching node {node}"), &e))
+                BackendError::Kube(error)
             })?;
             Ok(true)
         }
@@ -693,6 +935,16 @@ mod tests {
         server.await.unwrap();
     }
 
+    const NETWORKING: &str = "/apis/networking.k8s.io/v1";
+
+    /// The API server's answer for a group version it does not serve.
+    fn not_found() -> Response<Body> {
+        Response::builder()
+            .status(404)
+            .body(Body::from(b"404 page not found\n".to_vec()))
+            .unwrap()
+    }
+
     fn list(kind: &str, items: serde_json::Value) -> Response<Body> {
         Response::builder()
             .body(Body::from(
@@ -708,12 +960,12 @@ mod tests {
     #[tokio::test]
     async fn watchers_list_then_watch_and_filter_heartbeats() {
         let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let backend = KubeBackend::start(Client::new(service, "default"));
+        let backend = KubeBackend::start(Client::new(service, "default"), Counter::default());
         let mut rx = backend.updates();
-        assert_eq!(rx.borrow().generation, 0, "nothing before both lists");
+        assert_eq!(rx.borrow().generation, 0, "nothing before every list");
         let mut node_watch = None;
         let mut lists = 0;
-        while lists < 2 || node_watch.is_none() {
+        while lists < 3 || node_watch.is_none() {
             let (req, send) = handle.next_request().await.expect("a request");
             assert_eq!(req.method(), Method::GET);
             let path = req.uri().path().to_string();
@@ -736,6 +988,10 @@ mod tests {
                 ("/api/v1/nodes", true) => node_watch = Some(send),
                 ("/apis/kilo.squat.ai/v1alpha1/peers", true) => {
                     std::mem::forget(send); // never answers: the watch stays open
+                }
+                (NETWORKING, false) => {
+                    lists += 1;
+                    send.send_response(not_found());
                 }
                 other => panic!("unexpected request {other:?} ?{query}"),
             }
@@ -786,6 +1042,219 @@ mod tests {
 
     type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
+    fn service_cidr(
+        name: &str,
+        cidrs: &[&str],
+        ready: Option<&str>,
+        deleting: bool,
+    ) -> serde_json::Value {
+        let mut o = serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+            "metadata": {"name": name, "resourceVersion": "5"},
+            "spec": {"cidrs": cidrs},
+        });
+        if let Some(status) = ready {
+            o["status"] = serde_json::json!({"conditions": [{
+                "type": "Ready", "status": status, "reason": "", "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }]});
+        }
+        if deleting {
+            o["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z".into();
+        }
+        o
+    }
+
+    /// Serves one node, no Peers, the discovery document of `networking.k8s.io/v1` with
+    /// ServiceCIDRs in it, and `servicecidrs`: the list `answer`, then one watch answered with
+    /// `events` once `release` is notified. Records every request as `METHOD path[?watch]`.
+    async fn serve_service_cidrs(
+        mut handle: Handle,
+        answer: Response<Body>,
+        mut events: Vec<serde_json::Value>,
+        release: Arc<tokio::sync::Notify>,
+        requests: Arc<Mutex<Vec<String>>>,
+    ) {
+        let mut answer = Some(answer);
+        while let Some((req, send)) = handle.next_request().await {
+            let path = req.uri().path().to_string();
+            let watching = req.uri().query().unwrap_or_default().contains("watch=true");
+            requests.lock().unwrap().push(format!(
+                "{} {path}{}",
+                req.method(),
+                if watching { "?watch" } else { "" }
+            ));
+            match (path.as_str(), watching) {
+                ("/api/v1/nodes", false) => send.send_response(list(
+                    "NodeList",
+                    serde_json::json!([node(&[], "True", "2026-01-01T00:00:05Z")]),
+                )),
+                ("/apis/kilo.squat.ai/v1alpha1/peers", false) => {
+                    send.send_response(list("PeerList", serde_json::json!([])))
+                }
+                (NETWORKING, false) => send.send_response(json_response(&serde_json::json!({
+                    "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "networking.k8s.io/v1",
+                    "resources": [
+                        {"name": "networkpolicies", "singularName": "networkpolicy", "namespaced": true,
+                         "kind": "NetworkPolicy", "verbs": ["list", "watch"]},
+                        {"name": "servicecidrs", "singularName": "servicecidr", "namespaced": false,
+                         "kind": "ServiceCIDR", "verbs": ["list", "watch"]},
+                    ],
+                }))),
+                ("/apis/networking.k8s.io/v1/servicecidrs", false) => {
+                    send.send_response(answer.take().expect("one list"))
+                }
+                ("/apis/networking.k8s.io/v1/servicecidrs", true) if !events.is_empty() => {
+                    let mut body = Vec::new();
+                    for e in events.drain(..) {
+                        body.extend(serde_json::to_vec(&e).unwrap());
+                        body.push(b'\n');
+                    }
+                    let release = release.clone();
+                    tokio::spawn(async move {
+                        release.notified().await;
+                        send.send_response(Response::builder().body(Body::from(body)).unwrap());
+                    });
+                }
+                // Open watches that never deliver.
+                (_, true) => std::mem::forget(send),
+                other => panic!("unexpected request {other:?}"),
+            }
+        }
+    }
+
+    /// Where the API server serves ServiceCIDRs, the snapshot carries the ranges of those that
+    /// are Ready or being deleted, follows their changes, and names a value that is no CIDR.
+    #[tokio::test]
+    async fn service_cidrs_are_learned_from_the_api() {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let items = serde_json::json!([
+            service_cidr(
+                "kubernetes",
+                &["10.96.0.0/12", "fd00:10:96::/112"],
+                Some("True"),
+                false
+            ),
+            // Not Ready yet: no ClusterIP comes from it.
+            service_cidr("extra", &["10.100.0.0/16"], None, false),
+            // Being deleted while Services still hold addresses from it.
+            service_cidr("old", &["10.200.0.0/16"], Some("False"), true),
+            service_cidr("typo", &["10.300.0.0/16"], Some("True"), false),
+        ]);
+        let mut ready = service_cidr("extra", &["10.100.0.0/16"], Some("True"), false);
+        ready["metadata"]["resourceVersion"] = "11".into();
+        let mut gone = service_cidr("old", &["10.200.0.0/16"], Some("False"), true);
+        gone["metadata"]["resourceVersion"] = "12".into();
+        let events = vec![
+            serde_json::json!({"type": "MODIFIED", "object": ready}),
+            serde_json::json!({"type": "DELETED", "object": gone}),
+        ];
+        let release = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(serve_service_cidrs(
+            handle,
+            list("ServiceCIDRList", items),
+            events,
+            release.clone(),
+            requests.clone(),
+        ));
+        let retries = Counter::default();
+        let backend = KubeBackend::start(Client::new(service, "default"), retries.clone());
+        let mut rx = backend.updates();
+        let first = rx.wait_for(|u| u.generation > 0).await.unwrap().clone();
+        let nets = |v: &[&str]| v.iter().map(|c| c.parse().unwrap()).collect::<Vec<IpNet>>();
+        assert_eq!(
+            first.snapshot.service_cidrs,
+            nets(&["10.96.0.0/12", "fd00:10:96::/112", "10.200.0.0/16"]),
+            "Ready or being deleted, in the order of their names"
+        );
+        assert_eq!(
+            first.errors,
+            ["ServiceCIDR typo: spec.cidrs[0]: invalid CIDR \"10.300.0.0/16\""]
+        );
+        release.notify_one();
+        let last = rx
+            .wait_for(|u| {
+                u.snapshot
+                    .service_cidrs
+                    .contains(&"10.100.0.0/16".parse().unwrap())
+                    && !u
+                        .snapshot
+                        .service_cidrs
+                        .contains(&"10.200.0.0/16".parse().unwrap())
+            })
+            .await
+            .unwrap()
+            .clone();
+        assert_eq!(
+            last.snapshot.service_cidrs,
+            nets(&["10.100.0.0/16", "10.96.0.0/12", "fd00:10:96::/112"])
+        );
+        assert_eq!(last.snapshot.nodes.len(), 1);
+        let mut seen = requests.lock().unwrap().clone();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(
+            seen,
+            [
+                "GET /api/v1/nodes",
+                "GET /api/v1/nodes?watch",
+                "GET /apis/kilo.squat.ai/v1alpha1/peers",
+                "GET /apis/kilo.squat.ai/v1alpha1/peers?watch",
+                "GET /apis/networking.k8s.io/v1",
+                "GET /apis/networking.k8s.io/v1/servicecidrs",
+                "GET /apis/networking.k8s.io/v1/servicecidrs?watch",
+            ]
+        );
+        let discoveries = requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.ends_with(NETWORKING))
+            .count();
+        assert_eq!(discoveries, 1, "asked once");
+        assert_eq!(retries.get(), 0);
+    }
+
+    /// An old ClusterRole without `servicecidrs`: the mesh goes on with none learned, and the
+    /// refused list is not asked again.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_service_cidr_list_leaves_none_and_stops() {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let forbidden = Response::builder()
+            .status(403)
+            .body(Body::from(
+                serde_json::to_vec(&serde_json::json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": "servicecidrs.networking.k8s.io is forbidden", "reason": "Forbidden", "code": 403,
+                }))
+                .unwrap(),
+            ))
+            .unwrap();
+        tokio::spawn(serve_service_cidrs(
+            handle,
+            forbidden,
+            Vec::new(),
+            Arc::default(),
+            requests.clone(),
+        ));
+        let backend = KubeBackend::start(Client::new(service, "default"), Counter::default());
+        let mut rx = backend.updates();
+        let first = rx.wait_for(|u| u.generation > 0).await.unwrap().clone();
+        assert!(first.snapshot.service_cidrs.is_empty());
+        assert_eq!(first.snapshot.nodes.len(), 1);
+        // Longer than the longest backoff: no second list.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let lists = requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.ends_with("/servicecidrs") || r.ends_with("/servicecidrs?watch"))
+            .count();
+        assert_eq!(lists, 1, "{:?}", requests.lock().unwrap());
+    }
+
     fn json_response(v: &serde_json::Value) -> Response<Body> {
         Response::builder()
             .body(Body::from(serde_json::to_vec(v).unwrap()))
@@ -794,9 +1263,9 @@ mod tests {
 
     /// How the stand-in API server is broken.
     const WORKING: u8 = 0;
-    /// Refuses connections: the open watch breaks, new ones and patches fail.
+    /// Refuses connections: the open watch breaks, every new request fails.
     const REFUSING: u8 = 1;
-    /// Unreachable without a word: the open watch hangs, new ones and patches fail.
+    /// Unreachable without a word: the open watch hangs, every new request fails.
     const HANGING: u8 = 2;
 
     /// A stand-in API server: lists `nodes` and no Peers, answers node watches with the events
@@ -831,26 +1300,21 @@ mod tests {
                     let path = req.uri().path().to_string();
                     let watching = req.uri().query().unwrap_or_default().contains("watch=true");
                     match (req.method().clone(), path.as_str(), watching) {
+                        (_, _, _) if broken.load(Relaxed) != WORKING => {
+                            send.send_error("connection refused");
+                        }
                         (Method::GET, "/api/v1/nodes", false) => send.send_response(json_response(&serde_json::json!({
                             "apiVersion": "v1", "kind": "NodeList",
                             "metadata": {"resourceVersion": version.to_string()},
                             "items": nodes.values().collect::<Vec<_>>(),
                         }))),
-                        (Method::GET, "/api/v1/nodes", true) => {
-                            if broken.load(Relaxed) != WORKING {
-                                send.send_error("connection refused");
-                            } else {
-                                watch = Some(send);
-                            }
-                        }
+                        (Method::GET, "/api/v1/nodes", true) => watch = Some(send),
                         (Method::GET, "/apis/kilo.squat.ai/v1alpha1/peers", false) => send.send_response(json_response(&serde_json::json!({
                             "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "PeerList",
                             "metadata": {"resourceVersion": "1"}, "items": [],
                         }))),
                         (Method::GET, "/apis/kilo.squat.ai/v1alpha1/peers", true) => std::mem::forget(send),
-                        (Method::PATCH, _, false) if broken.load(Relaxed) != WORKING => {
-                            send.send_error("connection refused");
-                        }
+                        (Method::GET, NETWORKING, false) => send.send_response(not_found()),
                         (Method::PATCH, p, false) => {
                             let name = p.strip_prefix("/api/v1/nodes/").unwrap().to_string();
                             let body = req.into_body().collect_bytes().await.unwrap();
@@ -946,7 +1410,10 @@ mod tests {
             patches.clone(),
             broken,
         ));
-        let backend = Arc::new(KubeBackend::start(Client::new(service, "default")));
+        let backend = Arc::new(KubeBackend::start(
+            Client::new(service, "default"),
+            Counter::default(),
+        ));
         let running = testing::spawn(
             backend.clone(),
             crate::agent::LoopSettings {
@@ -1006,7 +1473,30 @@ mod tests {
         }
     }
 
+    /// Formatted log lines, shared with the subscriber that writes them.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
     async fn unreachable_for_five_windows(how: u8) {
+        let logs = Captured::default();
+        let sink = logs.clone();
+        let _logging = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(move || sink.clone())
+                .with_ansi(false)
+                .finish(),
+        );
         let period = Duration::from_secs(1);
         let broken = Arc::new(AtomicU8::new(WORKING));
         let (_patches, backend, running) = idle_mesh(period, broken.clone());
@@ -1015,10 +1505,37 @@ mod tests {
         // Five windows without a heartbeat.
         tokio::time::sleep(period * 10).await;
         assert!(!backend.updates().borrow().connected, "broken {how}");
+        let retries = || backend.state.lock().unwrap().link.retries.get();
+        let during = retries();
         broken.store(WORKING, Relaxed);
-        // The watcher retries with its backoff (up to 30 s apart).
+        // The watcher retries with its backoff (up to 5 s apart).
         tokio::time::sleep(period * 40).await;
         assert!(backend.updates().borrow().connected);
+        // One line when the server is lost, one when it is back, whatever the retries between.
+        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let lines = |needle: &str| text.lines().filter(|l| l.contains(needle)).count();
+        assert_eq!(
+            lines("Kubernetes API server unreachable"),
+            1,
+            "broken {how}: {text}"
+        );
+        assert_eq!(
+            lines("Kubernetes API server reachable again"),
+            1,
+            "broken {how}: {text}"
+        );
+        let outage = text
+            .split_once("Kubernetes API server unreachable")
+            .unwrap()
+            .1;
+        assert!(
+            !outage.contains(" WARN ") && !outage.contains(" ERROR "),
+            "broken {how}: {text}"
+        );
+        // Every failed attempt counted (the watch's every 0.5 to 5 s, the heartbeat's), none
+        // once the server answers again.
+        assert!(during >= 5, "broken {how}: {during}");
+        assert_eq!(retries(), during, "broken {how}");
         running.stop.send(()).unwrap();
         running.run.await.unwrap();
         let plans = running.plans.lock().unwrap().clone();

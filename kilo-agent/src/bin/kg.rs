@@ -143,6 +143,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         Mtu::Fixed(m) => m,
     };
 
+    let metrics = Metrics::new();
     let backend: Arc<dyn Backend> = match flags.backend {
         BackendKind::File => Arc::new(FileBackend::start(
             flags.backend_dir.clone().expect("validated"),
@@ -151,7 +152,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             let config =
                 kubernetes::config(flags.kubeconfig.as_deref(), flags.master.as_deref()).await?;
             tracing::info!(server = %config.cluster_url, "Kubernetes API server");
-            Arc::new(kubernetes::KubeBackend::start(kubernetes::client(config)?))
+            Arc::new(kubernetes::KubeBackend::start(
+                kubernetes::client(config)?,
+                metrics.backend_retries.clone(),
+            ))
         }
     };
     let wireguard = if flags.create_interface {
@@ -198,7 +202,6 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     } else {
         reconciler
     };
-    let metrics = Metrics::new();
     let planner = planner(plan_settings(&flags, &hostname));
     let mut agent = Agent::new(
         backend.clone(),
@@ -282,11 +285,14 @@ async fn serve_webhook(settings: webhook::WebhookSettings, seccomp: bool) -> any
 }
 
 /// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`. The object loader's
-/// own debug chatter (hundreds of relocation lines per load) stays out below `all`.
+/// own debug chatter (hundreds of relocation lines per load) stays out below `all`; the
+/// Kubernetes client's line per failed request (an ERROR for every retry while the API server
+/// is down: the backend reports outages itself) below `debug`.
 fn init_logging(flags: &Flags) {
     let directive = match flags.log_level {
-        LogLevel::Debug => "debug,aya_obj=info,aya=info",
-        level => level.directive(),
+        LogLevel::Debug => "debug,aya_obj=info,aya=info".to_string(),
+        level @ LogLevel::All => level.directive().to_string(),
+        level => format!("{},kube_client::client::builder=off", level.directive()),
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(directive));

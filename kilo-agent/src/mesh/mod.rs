@@ -54,6 +54,9 @@ pub use peer::MeshPeer;
 pub struct Snapshot {
     pub nodes: BTreeMap<String, KubeNode>,
     pub peers: BTreeMap<String, Peer>,
+    /// The cluster's service CIDRs as its `ServiceCIDR` objects give them (none where the API
+    /// server does not serve them, and from the file backend).
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// How finely the mesh is cut into WireGuard segments.

@@ -9,6 +9,9 @@
 //!   `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
 //!   `process_start_time_seconds`) and `kilo_child_processes` (processes kg started that still
 //!   run, counted in `/proc`: 0).
+//! - The cluster: `kilo_service_cidrs` (gauge: the service CIDRs planned with, `--service-cidr`'s
+//!   and the cluster's ServiceCIDRs; 0 is [`NO_SERVICE_CIDRS`]), `kilo_backend_retries_total`
+//!   (attempts to reach the Kubernetes API server that failed and are made again).
 //! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and apply, of each
 //!   pass `kilo_reconciles_total` counts),
 //!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,
@@ -31,7 +34,8 @@
 //!   and `entry_counters`: the per-entry counter slots).
 //!
 //! Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
-//! reconcile succeeded, 503 before and while the backend is disconnected), `/graph` (Kilo's).
+//! reconcile succeeded, 503 before and while the backend is disconnected; its body's second
+//! line gives the service CIDRs once planned), `/graph` (Kilo's).
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -55,6 +59,8 @@ use prometheus_client::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use ipnet::IpNet;
+
 use crate::{
     mesh::Key,
     reconcile::{DatapathStats, DatapathStatsSource, Writes, wireguard::PeerStatsSource},
@@ -63,6 +69,13 @@ use crate::{
 mod process;
 mod wireguard;
 pub use process::ProcessStats;
+
+/// What it means that no service CIDR is known, for the log and `/ready`.
+pub const NO_SERVICE_CIDRS: &str = "no service CIDR known: traffic from pods to ClusterIPs whose \
+    endpoints are in other locations is masqueraded (NetworkPolicies matching the source pods \
+    then refuse it); set --service-cidr to the cluster's service CIDRs (kube-apiserver's \
+    --service-cluster-ip-range), or run Kubernetes 1.33 or later, whose ServiceCIDR objects kg \
+    reads";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventLabel {
@@ -253,6 +266,11 @@ pub struct Metrics {
     pub errors: Family<EventLabel, Counter>,
     pub writes: Family<KindLabel, Counter>,
     pub invalid_objects: Family<FieldLabel, Counter>,
+    /// Failed attempts to reach the Kubernetes API server (the backend counts them).
+    pub backend_retries: Counter,
+    service_cidrs: Gauge,
+    /// The service CIDRs of the last plan, for `/ready` (`None` before the first).
+    service_cidr_list: Arc<Mutex<Option<Vec<IpNet>>>>,
     ready: Arc<AtomicBool>,
     /// Cleared while the backend cannot deliver (see [`Metrics::set_backend_connected`]).
     backend_connected: Arc<AtomicBool>,
@@ -303,6 +321,9 @@ impl Metrics {
             errors: Family::default(),
             writes: Family::default(),
             invalid_objects: Family::default(),
+            backend_retries: Counter::default(),
+            service_cidrs: Gauge::default(),
+            service_cidr_list: Arc::default(),
             ready: Arc::new(AtomicBool::new(false)),
             backend_connected: Arc::new(AtomicBool::new(true)),
             datapath: SourceSlot::default(),
@@ -353,6 +374,17 @@ impl Metrics {
             "kilo_invalid_objects",
             "Invalid fields of nodes and peers, by kind and field",
             m.invalid_objects.clone(),
+        );
+        r.register(
+            "kilo_service_cidrs",
+            "Number of service CIDRs (--service-cidr and the cluster's ServiceCIDRs); 0: traffic \
+             to ClusterIPs whose endpoints are in other locations is masqueraded",
+            m.service_cidrs.clone(),
+        );
+        r.register(
+            "kilo_backend_retries",
+            "Failed attempts to reach the Kubernetes API server, each made again after a backoff",
+            m.backend_retries.clone(),
         );
         r.register_collector(Box::new(DatapathCollector(m.datapath.clone())));
         r.register_collector(Box::new(wireguard::Collector(m.wireguard.clone())));
@@ -416,6 +448,32 @@ impl Metrics {
         }
     }
 
+    /// The service CIDRs planned with.
+    pub fn set_service_cidrs(&self, cidrs: &[IpNet]) {
+        self.service_cidrs.set(cidrs.len() as i64);
+        *self
+            .service_cidr_list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(cidrs.to_vec());
+    }
+
+    /// `/ready`'s body: `status`, then the service CIDRs once planned.
+    fn ready_body(&self, status: &str) -> String {
+        let cidrs = self
+            .service_cidr_list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match cidrs {
+            None => format!("{status}\n"),
+            Some(c) if c.is_empty() => format!("{status}\nwarning: {NO_SERVICE_CIDRS}\n"),
+            Some(c) => {
+                let c: Vec<String> = c.iter().map(ToString::to_string).collect();
+                format!("{status}\nservice CIDRs: {}\n", c.join(", "))
+            }
+        }
+    }
+
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
@@ -466,14 +524,14 @@ impl Metrics {
             "/ready" | "/readyz" if !self.is_ready() => (
                 503,
                 "text/plain",
-                "not ready: no successful reconcile yet\n".into(),
+                self.ready_body("not ready: no successful reconcile yet"),
             ),
             "/ready" | "/readyz" if !self.backend_connected.load(Ordering::Relaxed) => (
                 503,
                 "text/plain",
-                "not ready: backend disconnected; keeping the last applied state\n".into(),
+                self.ready_body("not ready: backend disconnected; keeping the last applied state"),
             ),
-            "/ready" | "/readyz" => (200, "text/plain", "ready\n".into()),
+            "/ready" | "/readyz" => (200, "text/plain", self.ready_body("ready")),
             _ => (404, "text/plain", "not found\n".into()),
         }
     }
@@ -667,6 +725,8 @@ mod tests {
             "kilo_reconcile_duration_seconds_bucket{le=\"0.0025\"} 0",
             "kilo_reconcile_duration_seconds_bucket{le=\"0.005\"} 1",
             "kilo_reconcile_duration_seconds_count 1",
+            "\nkilo_service_cidrs 0\n",
+            "\nkilo_backend_retries_total 0\n",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
@@ -678,7 +738,28 @@ mod tests {
         assert_eq!(status, 503);
         assert!(body.contains("backend disconnected"), "{body}");
         m.set_backend_connected(true);
-        assert_eq!(m.respond("/ready", "").0, 200);
+        assert_eq!(
+            m.respond("/ready", ""),
+            (200, "text/plain", "ready\n".into())
+        );
+        // The service CIDRs planned with, or what their absence means; the status unchanged.
+        m.set_service_cidrs(&[]);
+        let (status, _, body) = m.respond("/ready", "");
+        assert_eq!(status, 200);
+        assert!(
+            body.starts_with("ready\nwarning: no service CIDR known: traffic"),
+            "{body}"
+        );
+        let cidrs = [
+            "10.96.0.0/12".parse().unwrap(),
+            "fd00:10:96::/112".parse().unwrap(),
+        ];
+        m.set_service_cidrs(&cidrs);
+        assert_eq!(
+            m.respond("/ready", "").2,
+            "ready\nservice CIDRs: 10.96.0.0/12, fd00:10:96::/112\n"
+        );
+        assert!(m.encode().contains("\nkilo_service_cidrs 2\n"));
         assert_eq!(m.respond("/health", "").0, 200);
         assert_eq!(m.respond("/nope", "").0, 404);
     }
