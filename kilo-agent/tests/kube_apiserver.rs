@@ -177,6 +177,25 @@ fn every_overlay_applies_to_the_api_server() {
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{}: {text}", overlay.display());
+        let rendered = Command::new(support::apiserver::kubectl())
+            .arg("kustomize")
+            .arg(&overlay)
+            .output()
+            .unwrap();
+        let rendered = String::from_utf8_lossy(&rendered.stdout).into_owned();
+        assert!(
+            rendered.contains("resources:\n  - servicecidrs\n  verbs:\n  - list\n  - watch\n"),
+            "{}: {rendered}",
+            overlay.display()
+        );
+        // kubeadm's default service CIDR; the other overlays know no distribution.
+        let kubeadm = overlay.ends_with("kubeadm");
+        assert_eq!(
+            rendered.contains("- --service-cidr=10.96.0.0/12\n"),
+            kubeadm,
+            "{}: {rendered}",
+            overlay.display()
+        );
         for object in [
             "customresourcedefinition.apiextensions.k8s.io/peers.kilo.squat.ai",
             "serviceaccount/kilo",
@@ -423,6 +442,16 @@ impl Lab {
         });
     }
 
+    /// GET `path` on kg's listener: the body of a 200, `None` otherwise.
+    fn get(&self, path: &str) -> Option<String> {
+        let out = self
+            .ns
+            .try_sh(&format!("busybox wget -q -O - http://127.0.0.1:1107{path}"));
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     fn wg_peers(&self) -> String {
         self.ns.sh(&format!("wg show {} peers", self.wg.name))
     }
@@ -519,7 +548,19 @@ fn kg_against_the_api_server_publishes_and_cleans_up() {
     lab.wait_for_peer(phone, true);
     assert!(lab.wg_peers().contains(laptop));
 
-    let (_log, lab) = lab.stop();
+    // No --service-cidr, and this API server (1.20) serves no ServiceCIDRs: none known, said
+    // once with the consequence, and shown in the metrics and /ready.
+    let metrics = lab.get("/metrics").unwrap();
+    assert!(metrics.contains("\nkilo_service_cidrs 0\n"), "{metrics}");
+    let ready = lab.get("/ready").unwrap();
+    assert!(
+        ready.starts_with("ready\nwarning: no service CIDR known"),
+        "{ready}"
+    );
+
+    let (log, lab) = lab.stop();
+    assert_eq!(log.matches("no service CIDR known").count(), 1, "{log}");
+    assert!(log.contains("is masqueraded"), "{log}");
     // Clean-up removed exactly kg's own annotations.
     let left = lab.annotations();
     assert!(
@@ -528,6 +569,83 @@ fn kg_against_the_api_server_publishes_and_cleans_up() {
         "{left:?}"
     );
     assert_eq!(left["other/annotation"], "x");
+}
+
+/// The outages of [`kg_uses_the_flag_and_reports_each_outage_once`]: each spans several of the
+/// watches' retry periods (0.5 s doubling to 2.5 s, plus up to as much again of jitter).
+const OUTAGES: [Duration; 2] = [Duration::from_secs(4), Duration::from_secs(12)];
+
+/// This API server (1.20) serves no ServiceCIDRs: kg says so and plans with `--service-cidr`.
+/// Each outage of the server is one warning and one line at its return (saying for how long and
+/// after how many retries), without the client library's error for every failed request; the
+/// retries are counted.
+#[test]
+fn kg_uses_the_flag_and_reports_each_outage_once() {
+    let test = "kg_uses_the_flag_and_reports_each_outage_once";
+    if !support::require_root(test) || !support::apiserver::available(test) {
+        return;
+    }
+    let mut lab = Lab::start(
+        vec![node(serde_json::json!({
+            "metadata": {"name": "kgtest"}, "spec": {"podCIDR": "10.2.9.0/24"}
+        }))],
+        &["--service-cidr=10.96.0.0/12"],
+    );
+    eventually("kg is ready", || lab.get("/ready").is_some());
+    assert_eq!(
+        lab.get("/ready").unwrap(),
+        "ready\nservice CIDRs: 10.96.0.0/12\n"
+    );
+    let retries = |lab: &Lab| -> u64 {
+        let metrics = lab.get("/metrics").unwrap();
+        assert!(metrics.contains("\nkilo_service_cidrs 1\n"), "{metrics}");
+        let line = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("kilo_backend_retries_total "))
+            .unwrap_or_else(|| panic!("no kilo_backend_retries_total in {metrics}"));
+        line.parse().unwrap()
+    };
+    assert_eq!(retries(&lab), 0);
+    for outage in OUTAGES {
+        lab.server.stop();
+        let down = Instant::now();
+        eventually("kg notices the outage", || lab.get("/ready").is_none());
+        std::thread::sleep(outage.saturating_sub(down.elapsed()));
+        lab.ns.run(|| lab.server.restart());
+        eventually("kg is back", || lab.get("/ready").is_some());
+    }
+    let retried = retries(&lab);
+    assert!(retried >= OUTAGES.len() as u64, "{retried} retries");
+    let (log, _lab) = lab.stop();
+    let lines = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        lines("Kubernetes API server unreachable"),
+        OUTAGES.len(),
+        "{log}"
+    );
+    let back: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("Kubernetes API server reachable again"))
+        .collect();
+    assert_eq!(back.len(), OUTAGES.len(), "{log}");
+    for (line, outage) in back.iter().zip(OUTAGES) {
+        let field = |name: &str| -> u64 {
+            let value = line.split(&format!(" {name}=")).nth(1).unwrap_or_default();
+            value.split(' ').next().unwrap().parse().unwrap()
+        };
+        assert!(field("retries") >= 2, "{line}");
+        assert!(field("down_seconds") + 1 >= outage.as_secs(), "{line}");
+    }
+    // Nor the client library's lines: an ERROR for every failed request, a WARN for every
+    // watch the server cut.
+    assert_eq!(lines("ERROR"), 0, "{log}");
+    assert_eq!(lines("kube_client"), 0, "{log}");
+    assert!(
+        log.contains("does not serve networking.k8s.io/v1 ServiceCIDRs"),
+        "{log}"
+    );
+    assert!(log.contains("service_cidrs=10.96.0.0/12"), "{log}");
+    assert!(!log.contains("no service CIDR known"), "{log}");
 }
 
 /// With `--check-in-period=0` a node's liveness is its Ready condition: set False through the
@@ -902,10 +1020,12 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     assert_eq!((peers(1), peers(3)), before, "changed during the outage");
     for k in &kg {
         let log = k.log();
-        assert!(
-            log.contains("onnection refused"),
-            "the outage is named: {log}"
-        );
+        let lost: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("Kubernetes API server unreachable"))
+            .collect();
+        assert_eq!(lost.len(), 1, "the outage is one line: {log}");
+        assert!(lost[0].contains("error="), "the outage is named: {log}");
         assert!(
             !log.contains("CRD"),
             "a refused connection is not a missing CRD: {log}"

@@ -286,13 +286,17 @@ async fn serve_webhook(settings: webhook::WebhookSettings, seccomp: bool) -> any
 
 /// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`. The object loader's
 /// own debug chatter (hundreds of relocation lines per load) stays out below `all`; the
-/// Kubernetes client's line per failed request (an ERROR for every retry while the API server
-/// is down: the backend reports outages itself) below `debug`.
+/// Kubernetes client's lines about requests and watches (an ERROR for every retry while the
+/// API server is down, a WARN for every watch it cuts: the backend reports outages itself)
+/// below `debug`, its TLS lines kept.
 fn init_logging(flags: &Flags) {
     let directive = match flags.log_level {
         LogLevel::Debug => "debug,aya_obj=info,aya=info".to_string(),
-        level @ LogLevel::All => level.directive().to_string(),
-        level => format!("{},kube_client::client::builder=off", level.directive()),
+        level @ (LogLevel::All | LogLevel::None) => level.directive().to_string(),
+        level => {
+            let l = level.directive();
+            format!("{l},kube_client::client=off,kube_client::client::tls={l}")
+        }
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(directive));
