@@ -599,39 +599,40 @@ async fn watch_forever<K>(
 /// document: one request, asked again with backoff while the server cannot answer.
 async fn serves_service_cidrs(client: &Client, state: &Mutex<State>) -> bool {
     const GROUP: &str = "networking.k8s.io/v1";
+    const FLAG_ONLY: &str = "service CIDRs come from --service-cidr only";
     let mut backoff = watch_backoff();
     loop {
         let answer = client.list_api_group_resources(GROUP).await;
+        let action = format!("discovering {GROUP}");
+        // `None` while the server cannot answer (the guard is not held across the wait).
         let served = {
             let mut s = state.lock().expect("state lock");
-            let served = match answer {
+            match answer {
                 Ok(list) => Some(list.resources.iter().any(|r| r.name == "servicecidrs")),
                 Err(kube::Error::Api(e)) if e.code == 404 => Some(false),
                 Err(kube::Error::Api(e)) if matches!(e.code, 401 | 403) => {
-                    let error = describe(&format!("discovering {GROUP}"), &kube::Error::Api(e));
-                    tracing::warn!(%error, "cannot ask which resources the API server serves");
-                    Some(false)
+                    let error = describe(&action, &kube::Error::Api(e));
+                    tracing::warn!(%error, "cannot ask whether ServiceCIDRs are served: {FLAG_ONLY}");
+                    s.link.delivered();
+                    return false;
                 }
                 Err(e) => {
-                    s.link
-                        .failed(&describe(&format!("discovering {GROUP}"), &e));
+                    s.link.failed(&describe(&action, &e));
                     None
                 }
-            };
-            if served.is_some() {
-                s.link.delivered();
             }
-            served
         };
         match served {
-            Some(false) => {
-                tracing::info!(
-                    "the Kubernetes API server does not serve {GROUP} ServiceCIDRs (Kubernetes \
-                     1.33 on): service CIDRs come from --service-cidr only"
-                );
-                return false;
+            Some(served) => {
+                state.lock().expect("state lock").link.delivered();
+                if !served {
+                    tracing::info!(
+                        "the Kubernetes API server does not serve {GROUP} ServiceCIDRs \
+                         (Kubernetes 1.33 on): {FLAG_ONLY}"
+                    );
+                }
+                return served;
             }
-            Some(true) => return true,
             None => {
                 let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(5));
                 tokio::time::sleep(delay).await;
