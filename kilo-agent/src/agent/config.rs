@@ -335,7 +335,8 @@ pub struct Flags {
     /// WireGuard listen port (1 to 65535).
     #[arg(long, default_value_t = 51820, value_parser = clap::value_parser!(u16).range(1..))]
     pub port: u16,
-    /// A service CIDR (repeatable, or comma-separated): traffic to it is never masqueraded.
+    /// A service CIDR (repeatable, or comma-separated): traffic to it is never masqueraded. Added to
+    /// those of the cluster's ServiceCIDR objects, where the API serves them (Kubernetes 1.33+).
     #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<IpNet>,
     /// Restrict private-IP auto-detection to these CIDRs (repeatable, or comma-separated).
