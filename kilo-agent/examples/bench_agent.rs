@@ -682,7 +682,9 @@ fn emit(labels: &[&str], figs: &[Figures], idle: Duration, windows: u32) {
         id,
         &format!(
             "{sampled} A reconcile applies its WireGuard diff in one UAPI transaction; the burst's \
-             WireGuard figures are kg's own `kilo_writes_total{{kind=\"wireguard_peer_*\"}}`."
+             WireGuard figures are kg's own `kilo_writes_total{{kind=\"wireguard_peer_*\"}}`; the \
+             updates are existing peers whose WireGuard IP moved, as Kilo numbers the locations' \
+             WireGuard IPs in location order and each new node here is a location of its own."
         ),
     );
 
