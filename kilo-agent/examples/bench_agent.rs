@@ -738,8 +738,8 @@ fn emit(labels: &[&str], figs: &[Figures], idle: Duration, windows: u32) {
     let id = "kilo";
     report::table(
         id,
-        "kg against Kilo's agent (Kilo's reference figures from a live run of Kilo 0.7.0, not \
-         this run)",
+        "kg against Kilo's agent (Kilo's reference figures from a live run of Kilo's agents, \
+         not this run)",
         "see rows",
     );
     let (three, mid) = (&figs[0], &figs[1]);
