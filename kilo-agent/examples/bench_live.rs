@@ -1151,6 +1151,11 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
     let diffs = own_cost(p1, modes);
     let mut parts = Vec::new();
     let mut states = Vec::new();
+    // The target names both CPU modes: one alone (a single CPU) leaves it not measured.
+    for (mode, _, _) in &MODES[modes.len()..] {
+        parts.push(format!("{mode}: not measured (one CPU)"));
+        states.push(report::State::NotMeasured);
+    }
     for (label, mode, d) in &diffs {
         report::cell(id, label, mode, d);
         report::text(
