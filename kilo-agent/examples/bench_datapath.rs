@@ -297,13 +297,13 @@ fn main() {
             writes["1 entry changed"],
             writes["1 entry replaced (one out, one in)"]
         ),
-        one,
+        report::State::of(one),
     );
     let fill = median(&rows["from empty"]);
     report::target(
         "datapath: sync of 10,000 entries from empty under 50 ms",
         &format!("{fill:.1} ms{q}"),
-        fill < 50.0,
+        report::State::at_full_size(fill < 50.0),
     );
     let read = median(&idle_read);
     report::target(
@@ -315,7 +315,7 @@ fn main() {
              after a failed write, and every {READ_BACK_EVERY}th){q}",
             median(&idle_record)
         ),
-        amortized < 1.0,
+        report::State::at_full_size(amortized < 1.0),
     );
     for (row, v) in &rows {
         println!(

@@ -38,7 +38,7 @@ use kilo_common::{KILO_REALM, PROG_DECAP, PROG_ENCAP};
 use support::{
     netns::{NetNs, veth},
     packets::{ETH_P_IP, eth, ip, time, v4},
-    report,
+    report::{self, median},
 };
 
 struct Lab {
@@ -177,11 +177,6 @@ fn measure(encap: bool, seconds: u32) -> Figures {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     if !support::require_root("bench_encap") {
         return;
@@ -195,7 +190,7 @@ fn main() {
     let runs: Vec<(Figures, Figures)> = (0..rounds)
         .map(|_| (measure(false, seconds), measure(true, seconds)))
         .collect();
-    let med = |f: fn(&(Figures, Figures)) -> f64| median(runs.iter().map(f).collect());
+    let med = |f: fn(&(Figures, Figures)) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
     let never = Figures {
         gbits: med(|r| r.0.gbits),
         ns_per_packet: med(|r| r.0.ns_per_packet),
@@ -289,10 +284,10 @@ fn main() {
             t.push(ns);
             d.push(ns - base);
         }
-        (median(b), median(t), median(d))
+        (median(&b), median(&t), median(&d))
     };
     let single = |prog: &SchedClassifier, pkt: &[u8]| {
-        median((0..2000).map(|_| time(prog, pkt, 1)).collect())
+        median(&(0..2000).map(|_| time(prog, pkt, 1)).collect::<Vec<_>>())
     };
     report::table(
         "encap_programs",
@@ -340,13 +335,13 @@ fn main() {
             report::target(
                 "IPIP: the decapsulation program's cost on other traffic, a few ns over the hook",
                 &format!("+{over:.1} ns"),
-                over < 10.0,
+                report::State::of(over < 10.0),
             );
         } else if realms {
             report::target(
                 "IPIP: the encapsulation program's cost on other traffic, a few ns over the hook",
                 &format!("+{over:.1} ns (route realm checked, no lookup)"),
-                over < 10.0,
+                report::State::of(over < 10.0),
             );
         }
     }

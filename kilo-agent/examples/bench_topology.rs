@@ -10,10 +10,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::{
-    collections::BTreeMap,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, time::Instant};
 
 use k8s_openapi::api::core::v1::NodeSpec;
 use kilo_agent::{
@@ -103,34 +100,30 @@ fn snapshot(nodes: usize, locations: usize, peers: usize) -> Snapshot {
     s
 }
 
-fn vm_hwm_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+/// The process's peak resident memory in MiB; `None` when /proc cannot tell.
+fn vm_hwm_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// (median, every run's ms, the last result).
-fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (Duration, Vec<f64>, T) {
-    let mut times = Vec::with_capacity(runs);
+/// (median ms, every run's ms, the last result).
+fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (f64, Vec<f64>, T) {
+    let mut ms = Vec::with_capacity(runs);
     let mut last = None;
     for _ in 0..runs {
         let t = Instant::now();
         let out = f();
-        times.push(t.elapsed());
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
         last = Some(out);
     }
-    let ms = times.iter().map(|d| d.as_secs_f64() * 1e3).collect();
-    (median(times), ms, last.expect("runs > 0"))
+    (report::median(&ms), ms, last.expect("runs > 0"))
 }
 
 fn main() {
@@ -164,7 +157,7 @@ fn main() {
         "VmHWM MiB"
     );
     let mut last = None;
-    let mut largest = (0, 0.0, 0.0);
+    let mut largest = (0, 0.0, None);
     for &n in sizes {
         let locations = (n / 100).max(1);
         let snap = snapshot(n, locations, n);
@@ -200,34 +193,42 @@ fn main() {
             &full_ms,
         );
         report::cell(id, "topology + plan from typed nodes", &col, &tp_ms);
-        report::cell(
-            id,
-            "peak RSS of the process, snapshot included (MiB)",
-            &col,
-            &[vm_hwm_kib() as f64 / 1024.0],
-        );
+        let hwm = vm_hwm_mib();
+        let hwm_row = "peak RSS of the process, snapshot included (MiB)";
+        match hwm {
+            Some(mib) => report::cell(id, hwm_row, &col, &[mib]),
+            None => report::text(id, hwm_row, &col, "not measured"),
+        }
         println!(
             "{:>6} {:>5} {:>6} {:>12.2} {:>12.2} {:>7} {:>7} {:>8} {:>9.1}",
             n,
             locations,
             n,
-            full_t.as_secs_f64() * 1e3,
-            tp_t.as_secs_f64() * 1e3,
+            full_t,
+            tp_t,
             p.wireguard.peers.len(),
             p.routes.len(),
             p.datapath.mesh_destinations.len(),
-            vm_hwm_kib() as f64 / 1024.0
+            hwm.unwrap_or(f64::NAN)
         );
         last = Some((snap, settings));
-        largest = (n, full_t.as_secs_f64() * 1e3, vm_hwm_kib() as f64 / 1024.0);
+        largest = (n, full_t, hwm);
     }
     report::plot(id, "nodes (and as many Peers)", "time", true, true);
     let (n, ms, mib) = largest;
-    report::target(
-        "planning at 5,000 nodes + 5,000 Peers under 100 ms and 100 MB",
-        &format!("{ms:.1} ms, {mib:.0} MiB peak at {n} + {n}"),
-        ms < 100.0 && mib < 100.0,
-    );
+    let target = "planning at 5,000 nodes + 5,000 Peers under 100 ms and 100 MB";
+    match mib {
+        Some(mib) => report::target(
+            target,
+            &format!("{ms:.1} ms, {mib:.0} MiB peak at {n} + {n}"),
+            report::State::at_full_size(ms < 100.0 && mib < 100.0),
+        ),
+        None => report::target(
+            target,
+            &format!("{ms:.1} ms at {n} + {n}; peak RSS not read"),
+            report::State::NotMeasured,
+        ),
+    }
     let (snap, settings) = last.expect("sizes");
     for g in [Granularity::Full, Granularity::Cross] {
         let s = Settings {
@@ -244,12 +245,11 @@ fn main() {
             &ms,
         );
         println!(
-            "{g:>8} at {}: plan_for {:.2} ms, {} WireGuard peers, {} routes, VmHWM {:.1} MiB",
+            "{g:>8} at {}: plan_for {t:.2} ms, {} WireGuard peers, {} routes, VmHWM {:.1} MiB",
             sizes.last().unwrap(),
-            t.as_secs_f64() * 1e3,
             p.wireguard.peers.len(),
             p.routes.len(),
-            vm_hwm_kib() as f64 / 1024.0
+            vm_hwm_mib().unwrap_or(f64::NAN)
         );
     }
 }

@@ -1,6 +1,8 @@
 //! `cargo xtask bench --quick` runs every benchmark (debug builds, which `cargo test` has just
 //! made) into a temporary directory and writes a report whose sections, tables, numbers and
-//! plots are all there. No figure is judged: this checks the machinery, not the speed.
+//! plots are all there, and whose targets fail closed: a quick run judges no target named for
+//! a size it did not reach, a missing figure never reads as a pass, and the README's summary
+//! shows the same states. No figure is judged: this checks the machinery, not the speed.
 use std::{path::Path, process::Command};
 
 /// Whether a table cell reads as a number, a number with its range, or words.
@@ -28,6 +30,12 @@ fn quick_bench_writes_the_report() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let out = std::env::temp_dir().join(format!("kilo-bench-report-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
+    // A README with the summary's markers: the run fills them.
+    std::fs::write(
+        out.join("README.md"),
+        "# kilo-rs\n\n<!-- bench-summary -->\nold\n<!-- /bench-summary -->\n\nafter\n",
+    )
+    .unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .current_dir(root)
         .args(["bench", "--quick", "--debug", "--out"])
@@ -76,9 +84,9 @@ fn quick_bench_writes_the_report() {
         std::fs::remove_dir_all(&out).unwrap();
         return;
     }
-    // Every table's cells read as numbers, ranges or words; the targets say yes or no.
+    // Every table's cells read as numbers, ranges or words; each target reads as one state.
     let mut tables = 0;
-    let mut targets = 0;
+    let mut targets = Vec::new();
     let (mut in_targets, mut in_table) = (false, false);
     for line in report.lines() {
         if line.starts_with("## ") {
@@ -96,9 +104,20 @@ fn quick_bench_writes_the_report() {
         let cells: Vec<&str> = line.trim_matches('|').split(" | ").collect();
         if in_targets {
             if cells[0] != " target" {
-                targets += 1;
-                let met = cells.last().unwrap().trim();
-                assert!(met == "yes" || met == "**no**", "{line}");
+                let (name, figure, state) = (cells[0].trim(), cells[1], cells[2].trim());
+                assert!(
+                    ["yes", "**no**", "not measured", "not judged (quick)"].contains(&state),
+                    "{line}"
+                );
+                // A figure that was not read is never a pass.
+                if figure.contains("not measured") || figure.contains("not read") {
+                    assert_ne!(state, "yes", "{line}");
+                }
+                // Sizes a quick run does not reach are not judged.
+                if ["10,000", "5,000"].iter().any(|n| name.contains(n)) {
+                    assert_eq!(state, "not judged (quick)", "{line}");
+                }
+                targets.push((name.to_owned(), state.to_owned()));
             }
             continue;
         }
@@ -107,7 +126,23 @@ fn quick_bench_writes_the_report() {
         }
     }
     assert!(tables >= 10, "{tables} tables in\n{report}");
-    assert!(targets >= 10, "{targets} targets in\n{report}");
+    assert!(targets.len() >= 10, "{targets:?} in\n{report}");
+    assert!(
+        targets.iter().any(|(_, s)| s == "not judged (quick)"),
+        "a quick run judges no size it did not reach: {targets:?}"
+    );
+    // The README's summary: the same targets in the same states, the text around it kept.
+    let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(
+        readme.starts_with("# kilo-rs\n\n<!-- bench-summary -->\n")
+            && readme.ends_with("<!-- /bench-summary -->\n\nafter\n")
+            && !readme.contains("\nold\n"),
+        "{readme}"
+    );
+    for (name, state) in &targets {
+        let row = format!("| {name} | {state} |");
+        assert!(readme.contains(&row), "{row} in\n{readme}");
+    }
     // The plots it links exist and are SVG.
     let mut plots = 0;
     for (i, _) in report.match_indices("](docs/bench/") {

@@ -49,9 +49,73 @@ pub fn plot(table: &str, x: &str, y: &str, log_x: bool, log_y: bool) {
     emit(json!({"type": "plot", "table": table, "x": x, "y": y, "log_x": log_x, "log_y": log_y}));
 }
 
-/// A target of the issues and the figure measured against it.
-pub fn target(what: &str, figure: &str, met: bool) {
-    emit(json!({"type": "target", "target": what, "figure": figure, "met": met}));
+/// Where a target stands after a run. Only [`State::Met`] is a pass: a figure that was not
+/// measured, or not at the size the target names, never reads as one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    Met,
+    NotMet,
+    /// A figure the target needs could not be read (a failed /proc read, a missing metric).
+    NotMeasured,
+    /// Measured, but not at the size the target names (a `--quick` run), or with an interval
+    /// too wide to decide.
+    NotJudged,
+}
+
+impl State {
+    /// Met or not met, from a comparison of figures that were all measured.
+    pub fn of(met: bool) -> State {
+        if met { State::Met } else { State::NotMet }
+    }
+
+    /// [`State::of`] for a target named for a size a `--quick` run does not reach.
+    pub fn at_full_size(met: bool) -> State {
+        if quick() {
+            State::NotJudged
+        } else {
+            State::of(met)
+        }
+    }
+
+    /// A target judged on a confidence interval `(lo, hi)` of a figure and a threshold `ok`
+    /// (`|v| v <= 45.0`): met when both ends pass, not met when neither does, not judged when
+    /// the interval straddles the threshold or could not be formed (NaN: too few rounds).
+    pub fn interval(lo: f64, hi: f64, ok: impl Fn(f64) -> bool) -> State {
+        match (lo.is_finite() && hi.is_finite(), ok(lo), ok(hi)) {
+            (false, _, _) => State::NotJudged,
+            (true, true, true) => State::Met,
+            (true, false, false) => State::NotMet,
+            _ => State::NotJudged,
+        }
+    }
+
+    /// The state of several parts of one target: not met if any part is, else not measured
+    /// or not judged if any part is (in that order), else met; no part at all is not measured.
+    pub fn all(parts: impl IntoIterator<Item = State>) -> State {
+        let parts: Vec<State> = parts.into_iter().collect();
+        if parts.is_empty() {
+            return State::NotMeasured;
+        }
+        [State::NotMet, State::NotMeasured, State::NotJudged]
+            .into_iter()
+            .find(|s| parts.contains(s))
+            .unwrap_or(State::Met)
+    }
+
+    /// The name the records carry (`cargo xtask bench` renders each distinctly).
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Met => "met",
+            State::NotMet => "not met",
+            State::NotMeasured => "not measured",
+            State::NotJudged => "not judged",
+        }
+    }
+}
+
+/// A target of the issues, the figure measured against it and where it stands.
+pub fn target(what: &str, figure: &str, state: State) {
+    emit(json!({"type": "target", "target": what, "figure": figure, "state": state.name()}));
 }
 
 /// A fact about the run (a tool's version, a parameter).
@@ -60,7 +124,7 @@ pub fn meta(key: &str, value: &str) {
 }
 
 /// The median of `v` (the mean of the middle two of an even count; NaN when empty), as the
-/// report computes it.
+/// report computes it; every benchmark uses this one.
 pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
@@ -69,4 +133,31 @@ pub fn median(v: &[f64]) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
+}
+
+/// The median of `v` and a distribution-free confidence interval of at least 95% around it:
+/// the order statistics the binomial distribution puts on either side (NaN when `v` has
+/// fewer than 6 samples, too few for such an interval).
+pub fn median_ci(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let m = median(v);
+    // The largest k with P(Binomial(n, 1/2) < k) <= 2.5%: then [s[k-1], s[n-k]] covers the
+    // median with probability >= 95%.
+    let mut below = 0.0; // P(X < k), built up term by term
+    let mut term = 0.5_f64.powi(n as i32); // P(X = 0)
+    let mut k = 0;
+    while k < n / 2 {
+        if below + term > 0.025 {
+            break;
+        }
+        below += term;
+        term *= (n - k) as f64 / (k + 1) as f64;
+        k += 1;
+    }
+    if k == 0 {
+        return (m, f64::NAN, f64::NAN);
+    }
+    (m, s[k - 1], s[n - k])
 }
