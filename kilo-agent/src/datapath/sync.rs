@@ -778,15 +778,31 @@ mod tests {
         maps.tries[&trie][&net.parse::<IpNet>().unwrap()].counter
     }
 
+    /// Nested CIDRs, so that masquerade destinations fall inside mesh destinations (and the
+    /// other way round).
+    const NESTED: [&str; 10] = [
+        "10.0.0.0/8",
+        "10.1.0.0/16",
+        "10.1.2.0/24",
+        "10.2.0.0/16",
+        "10.2.0.0/24",
+        "192.168.0.0/16",
+        "192.168.1.0/24",
+        "172.16.0.0/12",
+        "172.16.5.0/24",
+        "0.0.0.0/0",
+    ];
+
     proptest::proptest! {
         /// Syncs from one record (no read-back in between) keep the tries equal to the plan,
-        /// give no two entries one slot and a newly given slot a zeroed counter; an entry is
-        /// left without a slot only while all are held (slots freed by a sync's deletes are
-        /// handed out from the next sync on).
+        /// give no two entries one slot of their own and a newly given slot a zeroed counter,
+        /// and a covered entry the slot of the mesh destination covering it; an entry is left
+        /// without a slot only while all are held (slots freed by a sync's deletes are handed
+        /// out from the next sync on).
         #[test]
         fn syncs_from_the_record_keep_slots_distinct_and_zeroed(
             plans in proptest::collection::vec(
-                [(); 3].map(|()| proptest::collection::btree_set(0u8..10, 0..6)),
+                [(); 3].map(|()| proptest::collection::btree_set(0usize..10, 0..6)),
                 1..10,
             ),
         ) {
@@ -794,33 +810,40 @@ mod tests {
             let mut sync = MapSync::default();
             let mut before = BTreeSet::new();
             for sets in plans {
-                let cidrs = sets.map(|s| s.iter().map(|i| format!("10.{i}.0.0/16")).collect::<Vec<_>>());
-                let [mesh, nat, masq] = cidrs.each_ref().map(|v| v.iter().map(String::as_str).collect::<Vec<_>>());
+                let [mesh, nat, masq] = sets.map(|s| s.iter().map(|i| NESTED[*i]).collect::<Vec<_>>());
                 let p = plan(&mesh, &nat, &masq);
-                let want: BTreeSet<(Trie, IpNet)> = Trie::ALL
+                let wants: Vec<(Trie, IpNet, bool)> = Trie::ALL
                     .iter()
-                    .flat_map(|t| Plans::from(&p).wants(*t).map(move |(n, _)| (*t, n)))
+                    .flat_map(|t| Plans::from(&p).wants(*t).map(move |(n, w)| (*t, n, w.covered.is_some())))
                     .collect();
+                let want: BTreeSet<(Trie, IpNet)> = wants.iter().map(|(t, n, _)| (*t, *n)).collect();
+                let own = wants.iter().filter(|w| !w.2).count();
                 for _ in 0..2 {
                     sync.sync(&mut maps, &p, &NoResolver).unwrap();
-                    let held: BTreeSet<(Trie, IpNet, u32)> = Trie::ALL
+                    let held: BTreeSet<(Trie, IpNet, u32, bool)> = Trie::ALL
                         .iter()
-                        .flat_map(|r| maps.tries[r].iter().map(move |(n, v)| (*r, *n, v.counter)))
+                        .flat_map(|t| maps.tries[t].iter().map(move |(n, v)| {
+                            (*t, *n, v.counter, v.flags & ENTRY_COVERED != 0)
+                        }))
                         .collect();
-                    let have: BTreeSet<(Trie, IpNet)> = held.iter().map(|(r, n, _)| (*r, *n)).collect();
+                    let have: BTreeSet<(Trie, IpNet)> = held.iter().map(|h| (h.0, h.1)).collect();
                     proptest::prop_assert_eq!(&have, &want);
-                    let slots: Vec<u32> = held.iter().map(|h| h.2).filter(|c| *c != NO_COUNTER).collect();
+                    let slots: Vec<u32> = held.iter().filter(|h| !h.3).map(|h| h.2).filter(|c| *c != NO_COUNTER).collect();
                     let distinct: BTreeSet<u32> = slots.iter().copied().collect();
                     proptest::prop_assert_eq!(distinct.len(), slots.len(), "{:?}", held);
-                    for (_, _, c) in held.difference(&before).filter(|h| h.2 != NO_COUNTER) {
-                        proptest::prop_assert_eq!(maps.counters[*c as usize], Counter::default());
+                    for (_, net, c, _) in held.iter().filter(|h| h.3) {
+                        let (outer, _) = p.covering_mesh(net).unwrap();
+                        proptest::prop_assert_eq!(*c, slot(&maps, Trie::Destination, &outer.to_string()));
+                    }
+                    for h in held.difference(&before).filter(|h| h.2 != NO_COUNTER && !h.3) {
+                        proptest::prop_assert_eq!(maps.counters[h.2 as usize], Counter::default());
                     }
                     // Traffic on every slot before the next sync.
                     maps.counters.fill(Counter { packets: 1, bytes: 1 });
                     before = held;
                 }
-                let counted = before.iter().filter(|h| h.2 != NO_COUNTER).count();
-                proptest::prop_assert_eq!(counted, want.len().min(8), "{:?}", before);
+                let counted = before.iter().filter(|h| h.2 != NO_COUNTER && !h.3).count();
+                proptest::prop_assert_eq!(counted, own.min(8), "{:?}", before);
             }
         }
     }
