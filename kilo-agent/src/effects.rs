@@ -188,7 +188,8 @@ pub struct DatapathStats {
     pub decisions: Vec<(&'static str, Counter)>,
     /// Per map entry.
     pub entries: Vec<EntryStats>,
-    /// Entries and capacity of each trie (by `datapath::Role::label`), and of the per-entry
+    /// Entries and capacity per role (by `datapath::Role::label`; mesh and masquerade
+    /// destinations share one trie and its capacity), and of the per-entry
     /// counter slots (`entry_counters`).
     pub maps: Vec<MapUsage>,
 }

@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, path::PathBuf};
 
 use ipnet::IpNet;
 use kilo_agent::{
-    datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathMaps as _, READ_BACK_EVERY, Role},
+    datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathMaps as _, READ_BACK_EVERY, Trie},
     mesh::Key,
     plan::{DatapathEntry, DatapathPlan, EntryKind, IpipPlan, NextHop, Plan},
     reconcile::{
@@ -103,7 +103,7 @@ fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
                 let mut other = Datapath::open(config).expect("adopt the pins");
                 other
                     .maps()
-                    .remove(Role::Mesh, net("10.2.2.0/24"))
+                    .remove(Trie::Destination, net("10.2.2.0/24"))
                     .expect("delete an entry");
             }
             // Idle reconciles trust the record until the next read-back, which repairs it.

@@ -10,7 +10,7 @@ use std::{sync::Arc, time::Duration};
 use kilo_agent::{
     agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
     backend::file::FileBackend,
-    datapath::{Counter, FakeDatapath, Role},
+    datapath::{Counter, FakeDatapath, Trie},
     mesh::{Key, Snapshot},
     reconcile::{FakeKernel, Reconciler, wireguard::FakeWireGuard},
     telemetry::Metrics,
@@ -140,7 +140,7 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
     }
     let mut maps = a.reconciler.datapath.maps();
     let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
-    let slot = maps.tries[&Role::Mesh][&p1].counter as usize;
+    let slot = maps.tries[&Trie::Destination][&p1].counter as usize;
     maps.counters[slot] = Counter {
         packets: 5,
         bytes: 420,

@@ -2,8 +2,10 @@
 //! roles) synced into the LPM tries, random packets through BPF_PROG_TEST_RUN, and the decision,
 //! mark and counted entries compared with a brute-force evaluation (masquerade iff the source is
 //! a NAT source or the destination a masquerade destination, and the destination is not a mesh
-//! destination; each role counts its longest match). And the same program run while another
-//! thread syncs between two topologies: no packet whose decision both share is decided otherwise.
+//! destination; only the rule that decides counts the packet, its longest match: a mesh
+//! destination, else a masquerade destination, else a NAT source). And the same program run
+//! while another thread syncs between two topologies: no packet whose decision both share is
+//! decided otherwise.
 mod support;
 
 use std::{
@@ -108,22 +110,18 @@ fn longest(map: &BTreeMap<IpNet, DatapathEntry>, a: IpAddr) -> Option<IpNet> {
         .copied()
 }
 
-/// Kilo's rule by brute force: the decision and the entries that count the packet.
+/// Kilo's rule by brute force: the decision and the entry that counts the packet (the rule
+/// that decides: Kilo's `RETURN` for a mesh destination, else a jump to `MASQUERADE`).
 fn kilo(plan: &DatapathPlan, src: IpAddr, dst: IpAddr) -> (Decision, Vec<(Role, IpNet)>) {
     if let Some(m) = longest(&plan.mesh_destinations, dst) {
         return (Decision::Mesh, vec![(Role::Mesh, m)]);
     }
-    let mut hits = Vec::new();
-    if let Some(n) = longest(&plan.nat_sources, src) {
-        hits.push((Role::NatSource, n));
-    }
     if let Some(m) = longest(&plan.masquerade_destinations, dst) {
-        hits.push((Role::MasqueradeDestination, m));
+        return (Decision::Masquerade, vec![(Role::MasqueradeDestination, m)]);
     }
-    if hits.is_empty() {
-        (Decision::Pass, hits)
-    } else {
-        (Decision::Masquerade, hits)
+    match longest(&plan.nat_sources, src) {
+        Some(n) => (Decision::Masquerade, vec![(Role::NatSource, n)]),
+        None => (Decision::Pass, Vec::new()),
     }
 }
 

@@ -9,11 +9,13 @@ use ipnet::IpNet;
 use kilo_agent::{
     datapath::{
         Counter, Counters, Datapath, DatapathConfig, DatapathMaps, Decision, Framing, NoResolver,
-        Role,
+        Role, Trie,
     },
     plan::{DatapathEntry, DatapathPlan, EntryKind},
 };
-use kilo_common::{ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_V4};
+use kilo_common::{
+    ENTRY_MASQUERADE, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_V4,
+};
 use support::{
     bpffs::BpfFs,
     netns::NetNs,
@@ -240,8 +242,9 @@ fn ipv4_ethernet_decisions() {
             ("172.16.0.1", "8.8.8.8", untouched(Pass)),
             // Allowed-location IPs are masqueraded from anywhere...
             ("172.16.0.1", "192.168.50.9", masq(&[ALLOWED4])),
-            // ...and both entries count a NAT source sending there.
-            ("10.244.1.5", "192.168.50.9", masq(&[NAT4, ALLOWED4])),
+            // ...and only the entry that decides counts a NAT source sending there (as only
+            // the first matching POSTROUTING rule counts it in Kilo's chains).
+            ("10.244.1.5", "192.168.50.9", masq(&[ALLOWED4])),
             // ...unless they are also a mesh destination.
             ("172.16.0.1", "10.1.2.3", mesh("10.1.0.0/16")),
             // Other mark bits (kube-proxy's 0x4000) are kept, ours added...
@@ -289,7 +292,7 @@ fn ipv6_ethernet_decisions() {
             ("fd00:244:1::5", "fd00:1:0:3::9", mesh("fd00:1::/48")),
             ("fd00:99::1", "2001:db8::1", untouched(Pass)),
             ("fd00:99::1", "fd00:50::7", masq(&[ALLOWED6])),
-            ("fd00:244:1::5", "fd00:50::7", masq(&[NAT6, ALLOWED6])),
+            ("fd00:244:1::5", "fd00:50::7", masq(&[ALLOWED6])),
             // An IPv4-mapped address does not match IPv4 entries (the family is part of the
             // key).
             ("::ffff:10.244.1.5", "2001:db8::1", untouched(Pass)),
@@ -418,10 +421,10 @@ fn raw_ip_framing_on_a_device_without_mac_header() {
     }
 }
 
-/// The mesh entry for `net`, as the datapath holds it.
+/// The destination entry for `net`, as the datapath holds it.
 fn mesh_entry(dp: &mut Datapath, net: IpNet) -> EntryValue {
     dp.maps()
-        .entries(Role::Mesh)
+        .entries(Trie::Destination)
         .unwrap()
         .into_iter()
         .find(|(n, _)| *n == net)
@@ -429,12 +432,13 @@ fn mesh_entry(dp: &mut Datapath, net: IpNet) -> EntryValue {
         .1
 }
 
-/// The networks in the mesh table.
+/// The networks of the mesh destinations in the destination trie.
 fn mesh_nets(dp: &mut Datapath) -> Vec<IpNet> {
     dp.maps()
-        .entries(Role::Mesh)
+        .entries(Trie::Destination)
         .unwrap()
         .into_iter()
+        .filter(|(_, v)| v.flags & ENTRY_MASQUERADE == 0)
         .map(|(n, _)| n)
         .collect()
 }
@@ -458,7 +462,7 @@ fn fast_path_redirects_mesh_but_never_services() {
                 nh_family: FAMILY_V4,
                 nh_addr: [10, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
             };
-            dp.maps().insert(Role::Mesh, net, &value).unwrap();
+            dp.maps().insert(Trie::Destination, net, &value).unwrap();
         };
         // The /16 peer entry and the service.
         give_egress(&mut dp, "10.1.0.0/16", ENTRY_REDIRECT | ENTRY_NEIGH);
@@ -550,7 +554,7 @@ fn counters_land_in_the_region_of_the_cpu_that_ran() {
     let net: IpNet = "10.244.1.0/24".parse().unwrap();
     let slot = dp
         .maps()
-        .entries(Role::NatSource)
+        .entries(Trie::NatSource)
         .unwrap()
         .into_iter()
         .find(|(n, _)| *n == net)
@@ -619,7 +623,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
     .unwrap();
     let old = plan();
     dp.sync(&old, &NoResolver).unwrap();
-    // A whole new mesh of 8 entries: with the 5 old ones still in, the table overflows.
+    // A whole new mesh of 8 entries: with the 8 old destinations still in, the trie overflows.
     let mut new = old.clone();
     new.mesh_destinations = (0..8u8)
         .map(|i| {

@@ -2,10 +2,13 @@
 //! `#[repr(C)]`, plain old data; the `user` feature adds `aya::Pod` for userspace.
 //!
 //! Maps (names are the ELF symbol names, also the pin file names):
-//! - [`MAP_MESH`], [`MAP_NAT_SRC`], [`MAP_MASQ_DST`]: one kernel LPM trie per role, key
-//!   [`LpmData`] (the family, then the address) with prefix length [`FAMILY_BITS`] + the CIDR's
-//!   length, value [`EntryValue`]. One trie holds both families; a lookup is one call, and an
-//!   entry one write, replaced atomically by the kernel.
+//! - [`MAP_DST`], [`MAP_NAT_SRC`]: kernel LPM tries, key [`LpmData`] (the family, then the
+//!   address) with prefix length [`FAMILY_BITS`] + the CIDR's length, value [`EntryValue`]. One
+//!   trie holds both families; a lookup is one call, and an entry one write, replaced atomically
+//!   by the kernel. [`MAP_DST`] holds the mesh destinations and the masquerade destinations
+//!   ([`ENTRY_MASQUERADE`]), so the longest match on a destination decides between them; a
+//!   masquerade destination inside a mesh destination is written as that mesh destination
+//!   ([`ENTRY_COVERED`]). [`MAP_NAT_SRC`] holds the NAT sources.
 //! - [`MAP_ENCAP`], [`MAP_IPIP_SRC`], [`MAP_DECAP`]: IPIP inside a location, same keys and
 //!   values: destinations to encapsulate at egress of the private interface (the entry's
 //!   [`ENTRY_IPIP`] addresses), the outer sources accepted at its ingress (Kilo's `KILO-IPIP`),
@@ -18,9 +21,8 @@
 #![no_std]
 
 /// Names of the maps in the object (and of their pins).
-pub const MAP_MESH: &str = "KILO_MESH";
+pub const MAP_DST: &str = "KILO_DST";
 pub const MAP_NAT_SRC: &str = "KILO_NAT_SRC";
-pub const MAP_MASQ_DST: &str = "KILO_MASQ_DST";
 pub const MAP_ENCAP: &str = "KILO_ENCAP";
 pub const MAP_IPIP_SRC: &str = "KILO_IPIP_SRC";
 pub const MAP_DECAP: &str = "KILO_DECAP";
@@ -43,7 +45,7 @@ pub const PROG_NOOP: &str = "kilo_noop";
 
 /// What the pinned maps mean: [`Config::layout`]. Raise it whenever a map's meaning changes
 /// (not only its size), so an upgraded agent replaces the pins instead of adopting them.
-pub const LAYOUT: u32 = 3;
+pub const LAYOUT: u32 = 4;
 
 /// Default capacity of each trie (entries are allocated as inserted).
 pub const DEFAULT_MAX_ENTRIES: u32 = 1 << 16;
@@ -138,6 +140,12 @@ pub const ENTRY_NEIGH: u32 = 4;
 
 /// `EntryValue::flags`: encapsulate in IPv4 (protocol 4) from `nh_addr[4..8]` to `nh_addr[..4]`.
 pub const ENTRY_IPIP: u32 = 8;
+/// `EntryValue::flags`, [`MAP_DST`]: a masquerade destination (without it: a mesh destination).
+pub const ENTRY_MASQUERADE: u32 = 16;
+/// `EntryValue::flags`, [`MAP_DST`]: a masquerade destination inside a mesh destination, which
+/// Kilo leaves alone: the value (counter slot included) of the longest mesh destination holding
+/// it. Not read by the program.
+pub const ENTRY_COVERED: u32 = 32;
 
 /// The value of every trie entry.
 #[repr(C)]
@@ -178,7 +186,7 @@ pub enum Decision {
     Pass = 2,
     /// Destination inside the mesh: left alone (never masqueraded).
     Mesh = 3,
-    /// Marked for masquerading (NAT source or masquerade destination, not a mesh destination).
+    /// Marked for masquerading (masquerade destination, or NAT source to no mesh destination).
     Masquerade = 4,
     /// Fast path: redirected to the entry's egress.
     Redirect = 5,

@@ -1,9 +1,11 @@
 //! The kilo TC programs. `kilo_ingress` (Ethernet, up to two VLAN tags) and `kilo_ingress_l3`
-//! (raw IP), at ingress of the pod-facing devices and the WireGuard interface, decide with one
-//! kernel LPM-trie lookup per role: destination in `KILO_MESH` → leave alone (or, fast path on,
-//! an egress in the entry, not a service: redirect); else source in `KILO_NAT_SRC` or
-//! destination in `KILO_MASQ_DST` → set our mark bits (the static nftables rule masquerades);
-//! else leave alone. Every other packet leaves with our mark bits clear (others' are kept).
+//! (raw IP), at ingress of the pod-facing devices and the WireGuard interface, decide with at
+//! most two kernel LPM-trie lookups: the destination's longest match in `KILO_DST` is a mesh
+//! destination → leave alone (or, fast path on, an egress in the entry, not a service:
+//! redirect), or a masquerade destination → set our mark bits (the static nftables rule
+//! masquerades); no match: source in `KILO_NAT_SRC` → set our mark bits; else leave alone. Only
+//! the entry that decides counts the packet. Every other packet leaves with our mark bits clear
+//! (others' are kept).
 //! Nothing is dropped; malformed packets pass untouched. The only map writes are this CPU's
 //! counters (and aya-log records of malformed packets when asked). The IPIP programs: [`ipip`].
 //! Layouts: `kilo-common`.
@@ -24,17 +26,15 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
-    Decision, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_BITS, FAMILY_V4,
-    FAMILY_V6, LpmData, counter_stride,
+    Decision, ENTRY_MASQUERADE, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue,
+    FAMILY_BITS, FAMILY_V4, FAMILY_V6, LpmData, counter_stride,
 };
 
 type Trie = LpmTrie<LpmData, EntryValue>;
 #[map]
-static KILO_MESH: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
+static KILO_DST: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
 static KILO_NAT_SRC: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
-#[map]
-static KILO_MASQ_DST: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);
 #[map]
 static KILO_CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 /// CPU by CPU: see kilo-common's `MAP_COUNTERS`. The loader sizes it for the possible CPUs.
@@ -281,8 +281,11 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
         };
         (key::<4>(&hdr, 12), key::<4>(&hdr, 16))
     };
-    if let Some(entry) = KILO_MESH.get(&dst) {
+    if let Some(entry) = KILO_DST.get(&dst) {
         run.count_entry(entry);
+        if entry.flags & ENTRY_MASQUERADE != 0 {
+            return (ok, Decision::Masquerade);
+        }
         if entry.flags & ENTRY_REDIRECT != 0
             && entry.flags & ENTRY_SERVICE == 0
             && run.cfg.flags & CONFIG_FAST_PATH != 0
@@ -291,19 +294,13 @@ fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
         }
         return (ok, Decision::Mesh);
     }
-    let mut masquerade = false;
-    for (trie, k) in [(&KILO_NAT_SRC, &src), (&KILO_MASQ_DST, &dst)] {
-        if let Some(entry) = trie.get(k) {
+    match KILO_NAT_SRC.get(&src) {
+        Some(entry) => {
             run.count_entry(entry);
-            masquerade = true;
+            (ok, Decision::Masquerade)
         }
+        None => (ok, Decision::Pass),
     }
-    let decision = if masquerade {
-        Decision::Masquerade
-    } else {
-        Decision::Pass
-    };
-    (ok, decision)
 }
 
 /// The fast path: decrement the TTL / hop limit like a router and redirect to the entry's

@@ -15,7 +15,7 @@ use std::{
 
 use super::{
     Counters, Datapath, DatapathError, DatapathMaps as _, FakeMaps, Hook, NoResolver, Plans, Role,
-    ifindex, read_counters, sync_maps,
+    Trie, ifindex, read_counters, sync_maps,
 };
 use crate::{
     effects::{
@@ -71,18 +71,14 @@ impl DatapathStatsSource for Stats {
 
 /// The datapath's counters, labelled with the owners `plan` gives the entries.
 pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> DatapathStats {
-    let mut occupancy: BTreeMap<Role, u64> = Role::ALL.iter().map(|r| (*r, 0)).collect();
     let entries = counters
         .labelled(plan)
-        .map(|(e, owner)| {
-            *occupancy.entry(e.role).or_default() += 1;
-            EntryStats {
-                role: e.role.label(),
-                cidr: e.net,
-                kind: super::keys::kind_label(e.kind),
-                owner: owner.to_string(),
-                counter: e.counter,
-            }
+        .map(|(e, owner)| EntryStats {
+            role: e.role.label(),
+            cidr: e.net,
+            kind: super::keys::kind_label(e.kind),
+            owner: owner.to_string(),
+            counter: e.counter,
         })
         .collect();
     DatapathStats {
@@ -92,11 +88,11 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
             .map(|(d, c)| (d.name(), *c))
             .collect(),
         entries,
-        maps: occupancy
+        maps: Role::ALL
             .into_iter()
-            .map(|(r, n)| MapUsage {
+            .map(|r| MapUsage {
                 map: r.label(),
-                entries: n,
+                entries: counters.fill.get(&r).copied().unwrap_or(0) as u64,
                 capacity: counters.capacity as u64,
             })
             .chain([MapUsage {
@@ -316,21 +312,22 @@ impl DatapathSync for AgentDatapath {
         let mut shared = self.lock();
         let maps = loaded(&mut shared)?.maps();
         let mut lines = Vec::new();
-        for role in Role::ALL {
+        for trie in Trie::ALL {
             let have: BTreeSet<ipnet::IpNet> = maps
-                .entries(role)
+                .entries(trie)
                 .map_err(failed)?
                 .into_iter()
                 .map(|(net, _)| net)
                 .collect();
-            let want = Plans { nat: plan, ipip }.role(role);
-            for (net, entry) in want {
-                if !have.contains(net) {
-                    lines.push(format!("+ datapath {role} {net} ({})", entry.owner));
+            let mut want = BTreeSet::new();
+            for (net, w) in (Plans { nat: plan, ipip }).wants(trie) {
+                if !have.contains(&net) {
+                    lines.push(format!("+ datapath {} {net} ({})", w.role, w.entry.owner));
                 }
+                want.insert(net);
             }
-            for net in have.iter().filter(|n| !want.contains_key(*n)) {
-                lines.push(format!("- datapath {role} {net}"));
+            for net in have.difference(&want) {
+                lines.push(format!("- datapath {trie} {net}"));
             }
         }
         Ok(lines)

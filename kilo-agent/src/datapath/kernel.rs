@@ -31,12 +31,12 @@ use ipnet::IpNet;
 use kilo_common::{
     CONFIG_FAST_PATH, CONFIG_ROUTE_REALM, CONFIG_SYNCED, Config, Counter, DEFAULT_COUNTER_SLOTS,
     DEFAULT_MARK, DEFAULT_MARK_MASK, DEFAULT_MAX_ENTRIES, EntryValue, LAYOUT, LpmData, MAP_CONFIG,
-    MAP_COUNTERS, MAP_DECAP, MAP_ENCAP, MAP_IPIP_SRC, MAP_LOGS, MAP_MASQ_DST, MAP_MESH,
-    MAP_NAT_SRC, PROG_DECAP, PROG_ENCAP, PROG_L2, PROG_L3, counter_stride,
+    MAP_COUNTERS, MAP_DECAP, MAP_DST, MAP_ENCAP, MAP_IPIP_SRC, MAP_LOGS, MAP_NAT_SRC, PROG_DECAP,
+    PROG_ENCAP, PROG_L2, PROG_L3, counter_stride,
 };
 
 use super::{
-    DatapathError, Role,
+    DatapathError, Trie,
     counters::CounterArray,
     keys, rtnl,
     sync::{Counters, DatapathMaps, MapSync, Plans, READ_BACK_EVERY, Resolver},
@@ -238,12 +238,12 @@ impl DatapathConfig {
     }
 }
 
-type Trie = LpmTrie<MapData, LpmData, EntryValue>;
+type TrieMap = LpmTrie<MapData, LpmData, EntryValue>;
 
 /// The program's maps, opened from the loaded object: the tries, the config and the counters.
 pub struct KernelMaps {
-    /// By role, in [`Role::ALL`]'s order.
-    tries: [Trie; 6],
+    /// In [`Trie::ALL`]'s order.
+    tries: [TrieMap; 5],
     config: Array<MapData, Config>,
     counters: CounterArray,
     capacity: usize,
@@ -260,9 +260,9 @@ impl KernelMaps {
                 .ok_or_else(|| DatapathError::Config(format!("object has no map {name}")))?;
             T::try_from(map).map_err(|e| DatapathError::map(name, e))
         }
-        let [a, b, c, d, e, f] = Role::ALL.map(|r| take(ebpf, r.map_name()));
+        let [a, b, c, d, e] = Trie::ALL.map(|t| take(ebpf, t.map_name()));
         Ok(KernelMaps {
-            tries: [a?, b?, c?, d?, e?, f?],
+            tries: [a?, b?, c?, d?, e?],
             config: take(ebpf, MAP_CONFIG)?,
             counters: CounterArray::new(
                 ebpf.take_map(MAP_COUNTERS),
@@ -275,7 +275,7 @@ impl KernelMaps {
 
 /// Every entry of `trie` through BPF_MAP_LOOKUP_BATCH: one system call per 1,024 entries
 /// instead of two per entry (get_next_key, lookup).
-fn lookup_batch(trie: &Trie) -> io::Result<Vec<(Key<LpmData>, EntryValue)>> {
+fn lookup_batch(trie: &TrieMap) -> io::Result<Vec<(Key<LpmData>, EntryValue)>> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
     /// The `batch` member of `union bpf_attr`.
     #[repr(C)]
@@ -348,9 +348,9 @@ fn errno(e: &MapError) -> Option<i32> {
 }
 
 impl DatapathMaps for KernelMaps {
-    fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
-        let name = role.map_name();
-        let trie = &self.tries[role as usize];
+    fn entries(&self, trie: Trie) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
+        let name = trie.map_name();
+        let trie = &self.tries[trie as usize];
         let items = match lookup_batch(trie) {
             Ok(items) => items,
             // Kernels without batch lookups on LPM tries: two system calls per entry.
@@ -390,10 +390,10 @@ impl DatapathMaps for KernelMaps {
             .collect()
     }
 
-    fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
+    fn insert(&mut self, trie: Trie, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
         let capacity = self.capacity;
-        let name = role.map_name();
-        self.tries[role as usize]
+        let name = trie.map_name();
+        self.tries[trie as usize]
             .insert(&keys::entry_key(&net), value, 0)
             .map_err(|e| match errno(&e) {
                 Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
@@ -403,9 +403,9 @@ impl DatapathMaps for KernelMaps {
             })
     }
 
-    fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
-        let name = role.map_name();
-        match self.tries[role as usize].remove(&keys::entry_key(&net)) {
+    fn remove(&mut self, trie: Trie, net: IpNet) -> Result<(), DatapathError> {
+        let name = trie.map_name();
+        match self.tries[trie as usize].remove(&keys::entry_key(&net)) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
             Err(e) => Err(DatapathError::map(name, e)),
@@ -970,10 +970,9 @@ fn program_mut<'a>(
 }
 
 /// The maps pinned under `maps/`.
-const PINNED_MAPS: [&str; 9] = [
-    MAP_MESH,
+const PINNED_MAPS: [&str; 8] = [
+    MAP_DST,
     MAP_NAT_SRC,
-    MAP_MASQ_DST,
     MAP_ENCAP,
     MAP_IPIP_SRC,
     MAP_DECAP,
@@ -986,8 +985,8 @@ const PINNED_MAPS: [&str; 9] = [
 /// takes its maps; loads no program.
 fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelMaps), DatapathError> {
     let mut loader = EbpfLoader::new();
-    for role in Role::ALL {
-        loader.map_max_entries(role.map_name(), config.max_entries);
+    for trie in Trie::ALL {
+        loader.map_max_entries(trie.map_name(), config.max_entries);
     }
     loader.map_max_entries(MAP_COUNTERS, config.counters_len()?);
     if let Some(dir) = &config.pin_dir {

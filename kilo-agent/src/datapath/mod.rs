@@ -37,7 +37,7 @@ pub use sync::{
     Resolver, read_counters, sync_maps,
 };
 
-/// Which table an entry lives in.
+/// What an entry stands for (Kilo's rule it replaces): a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
     /// `mesh_destinations`: never masqueraded (fast path candidates).
@@ -64,15 +64,14 @@ impl Role {
         Role::Decapsulate,
     ];
 
-    /// The map (and pin) name.
-    pub const fn map_name(self) -> &'static str {
+    /// The trie its entries live in.
+    pub const fn trie(self) -> Trie {
         match self {
-            Role::Mesh => kilo_common::MAP_MESH,
-            Role::NatSource => kilo_common::MAP_NAT_SRC,
-            Role::MasqueradeDestination => kilo_common::MAP_MASQ_DST,
-            Role::Encapsulate => kilo_common::MAP_ENCAP,
-            Role::IpipSource => kilo_common::MAP_IPIP_SRC,
-            Role::Decapsulate => kilo_common::MAP_DECAP,
+            Role::Mesh | Role::MasqueradeDestination => Trie::Destination,
+            Role::NatSource => Trie::NatSource,
+            Role::Encapsulate => Trie::Encapsulate,
+            Role::IpipSource => Trie::IpipSource,
+            Role::Decapsulate => Trie::Decapsulate,
         }
     }
 
@@ -86,6 +85,55 @@ impl Role {
             Role::IpipSource => "ipip_source",
             Role::Decapsulate => "decapsulate",
         }
+    }
+}
+
+/// The program's LPM tries. [`Trie::Destination`] holds two roles: mesh and masquerade
+/// destinations (see kilo-common's `MAP_DST`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Trie {
+    Destination,
+    NatSource,
+    Encapsulate,
+    IpipSource,
+    Decapsulate,
+}
+
+impl Trie {
+    pub const ALL: [Trie; 5] = [
+        Trie::Destination,
+        Trie::NatSource,
+        Trie::Encapsulate,
+        Trie::IpipSource,
+        Trie::Decapsulate,
+    ];
+
+    /// The map (and pin) name.
+    pub const fn map_name(self) -> &'static str {
+        match self {
+            Trie::Destination => kilo_common::MAP_DST,
+            Trie::NatSource => kilo_common::MAP_NAT_SRC,
+            Trie::Encapsulate => kilo_common::MAP_ENCAP,
+            Trie::IpipSource => kilo_common::MAP_IPIP_SRC,
+            Trie::Decapsulate => kilo_common::MAP_DECAP,
+        }
+    }
+
+    /// A metrics label: the role of its entries, `destination` for the shared trie.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Trie::Destination => "destination",
+            Trie::NatSource => Role::NatSource.label(),
+            Trie::Encapsulate => Role::Encapsulate.label(),
+            Trie::IpipSource => Role::IpipSource.label(),
+            Trie::Decapsulate => Role::Decapsulate.label(),
+        }
+    }
+}
+
+impl std::fmt::Display for Trie {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
     }
 }
 
@@ -127,9 +175,9 @@ pub enum DatapathError {
         #[source]
         source: Box<DatapathError>,
     },
-    #[error("stale {role} entry {net}: {source}")]
+    #[error("stale {trie} entry {net}: {source}")]
     Stale {
-        role: Role,
+        trie: Trie,
         net: IpNet,
         #[source]
         source: Box<DatapathError>,

@@ -1,27 +1,35 @@
 //! The map diff: make the tries equal to a [`DatapathPlan`] and an [`IpipPlan`] ([`Plans`]),
 //! writing only the difference (one write per changed entry, none when nothing changed), found
-//! in one ordered pass per role over the plan and [`MapSync`]'s record of what the maps hold;
+//! in one ordered pass per trie over the plan and [`MapSync`]'s record of what the maps hold;
 //! behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
-//! Order: new and changed entries go in mesh destinations first, stale ones go NAT sources and
-//! masquerade destinations first, mesh destinations last; accepted IPIP sources and served
-//! destinations go in before destinations to encapsulate and out after them. So while a
-//! topology grows or shrinks a packet is never marked that neither topology would mark, and a
-//! failure part-way (a full trie) leaves everything the old topology had plus some of the new.
+//! The destination trie holds the mesh destinations and the masquerade destinations (flagged
+//! `ENTRY_MASQUERADE`); a masquerade destination inside a mesh destination
+//! ([`DatapathPlan::covering_mesh`]) holds that mesh destination's value and counter slot
+//! (flagged `ENTRY_COVERED`), so a packet to it counts where Kilo's `RETURN` rule would.
+//!
+//! Order: new and changed entries go in destinations (in CIDR order, so a mesh destination
+//! before the masquerade destinations it covers) first, stale ones go NAT sources first,
+//! destinations last; accepted IPIP sources and served destinations go in before destinations
+//! to encapsulate and out after them. So while a topology grows or shrinks a packet is never
+//! marked that neither topology would mark, and a failure part-way (a full trie) leaves
+//! everything the old topology had plus some of the new.
 //!
 //! The record is read back from the maps at the first sync, after a failed write, and every
 //! [`READ_BACK_EVERY`] syncs (which repairs entries someone else changed in our pinned maps; the
 //! kernel sends no notification about map contents). Per-entry counter slots are stored in the
-//! entry values, so they survive syncs and adoption by a new agent; the record also knows which
-//! slots are held, and a slot freed by a sync's deletes is handed out from the next sync on,
+//! entry values, so they survive syncs and adoption by a new agent (a covered entry holds none
+//! of its own); the record also knows which slots are held, and a slot freed by a sync's deletes is handed out from the next sync on,
 //! zeroed (only if non-zero) first. The metrics read the entries from the record too
 //! ([`MapSync::counters`]): no system call per entry.
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
-use kilo_common::{Config, Counter, Decision, EntryValue, NO_COUNTER};
+use kilo_common::{
+    Config, Counter, Decision, ENTRY_COVERED, ENTRY_MASQUERADE, EntryValue, NO_COUNTER,
+};
 
-use super::{DatapathError, Role, keys};
+use super::{DatapathError, Role, Trie, keys};
 use crate::{
     effects::Writes,
     plan::{DatapathEntry, DatapathPlan, Device, EntryKind, IpipPlan},
@@ -50,10 +58,10 @@ impl Resolver for NoResolver {
 /// The datapath's maps, as the diff sees them.
 pub trait DatapathMaps {
     /// Every entry of one trie.
-    fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError>;
+    fn entries(&self, trie: Trie) -> Result<Vec<(IpNet, EntryValue)>, DatapathError>;
     /// Inserts or overwrites (atomically) one entry.
-    fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError>;
-    fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError>;
+    fn insert(&mut self, trie: Trie, net: IpNet, value: &EntryValue) -> Result<(), DatapathError>;
+    fn remove(&mut self, trie: Trie, net: IpNet) -> Result<(), DatapathError>;
     /// Entries each trie can hold.
     fn capacity(&self) -> usize;
     /// Number of per-entry counter slots.
@@ -75,6 +83,7 @@ pub struct Plans<'a> {
     pub ipip: &'a IpipPlan,
 }
 
+static NONE: BTreeMap<IpNet, DatapathEntry> = BTreeMap::new();
 static NO_IPIP: IpipPlan = IpipPlan {
     encapsulate: BTreeMap::new(),
     sources: BTreeMap::new(),
@@ -102,45 +111,144 @@ impl<'a> Plans<'a> {
             Role::Decapsulate => &self.ipip.decapsulate,
         }
     }
+
+    /// What one trie should hold, in CIDR order: each role's entries; in the destination trie
+    /// the mesh destinations and the masquerade destinations (a CIDR in both is a mesh
+    /// destination), the latter marked covered when inside a mesh destination.
+    pub(crate) fn wants(self, trie: Trie) -> impl Iterator<Item = (IpNet, Want<'a>)> + Clone {
+        let (first, second) = roles(trie);
+        let nat = self.nat;
+        let mut a = self.role(first).iter().peekable();
+        let mut b = second.map_or(&NONE, |r| self.role(r)).iter().peekable();
+        std::iter::from_fn(move || {
+            let take_a = match (a.peek(), b.peek()) {
+                (Some((x, _)), Some((y, _))) => x <= y,
+                (x, _) => x.is_some(),
+            };
+            if take_a {
+                let (net, entry) = a.next()?;
+                if b.peek().is_some_and(|(y, _)| *y == net) {
+                    b.next();
+                }
+                let want = Want {
+                    role: first,
+                    entry,
+                    covered: None,
+                };
+                return Some((*net, want));
+            }
+            let (net, entry) = b.next()?;
+            let want = Want {
+                role: second.expect("entries only with a second role"),
+                entry,
+                covered: nat.covering_mesh(net),
+            };
+            Some((*net, want))
+        })
+    }
+}
+
+/// The roles whose entries a trie holds: one, or (the destination trie) two.
+const fn roles(trie: Trie) -> (Role, Option<Role>) {
+    match trie {
+        Trie::Destination => (Role::Mesh, Some(Role::MasqueradeDestination)),
+        Trie::NatSource => (Role::NatSource, None),
+        Trie::Encapsulate => (Role::Encapsulate, None),
+        Trie::IpipSource => (Role::IpipSource, None),
+        Trie::Decapsulate => (Role::Decapsulate, None),
+    }
+}
+
+/// The role of an entry a trie holds (`None` for a covered one: it stands for the mesh
+/// destination whose value it holds).
+fn role_of(trie: Trie, value: &EntryValue) -> Option<Role> {
+    if value.flags & ENTRY_COVERED != 0 {
+        return None;
+    }
+    let (first, second) = roles(trie);
+    Some(match second {
+        Some(r) if value.flags & ENTRY_MASQUERADE != 0 => r,
+        _ => first,
+    })
+}
+
+/// What one trie entry should hold: its role and plan entry and, for a covered masquerade
+/// destination, the mesh destination whose value it takes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Want<'a> {
+    pub role: Role,
+    pub entry: &'a DatapathEntry,
+    covered: Option<(IpNet, &'a DatapathEntry)>,
+}
+
+impl Want<'_> {
+    /// The map value with counter slot `counter`.
+    fn value(&self, counter: u32, resolver: &dyn Resolver) -> EntryValue {
+        let (entry, flags) = match self.covered {
+            Some((_, mesh)) => (mesh, ENTRY_COVERED),
+            None if self.role == Role::MasqueradeDestination => (self.entry, ENTRY_MASQUERADE),
+            None => (self.entry, 0),
+        };
+        let mut value = keys::entry_value(entry, counter, resolver);
+        value.flags |= flags;
+        value
+    }
+
+    /// Whether `v` is this entry's value as it should be, in a trie holding `have`: with a
+    /// counter slot of its own, or (covered) the slot of the mesh destination covering it,
+    /// which must be as it should be too.
+    fn held_by(
+        &self,
+        v: &EntryValue,
+        have: &BTreeMap<IpNet, EntryValue>,
+        slots: u32,
+        resolver: &dyn Resolver,
+    ) -> bool {
+        let slot_ok = match self.covered {
+            None => true,
+            Some((outer, mesh)) => have.get(&outer).is_some_and(|o| {
+                o.counter == v.counter && keys::entry_value(mesh, o.counter, resolver) == *o
+            }),
+        };
+        slot_ok && v.counter < slots && self.value(v.counter, resolver) == *v
+    }
 }
 
 /// The order new and changed entries are written in (see the module doc).
-const UPSERT_ORDER: [Role; 6] = [
-    Role::Mesh,
-    Role::NatSource,
-    Role::MasqueradeDestination,
-    Role::IpipSource,
-    Role::Decapsulate,
-    Role::Encapsulate,
+const UPSERT_ORDER: [Trie; 5] = [
+    Trie::Destination,
+    Trie::NatSource,
+    Trie::IpipSource,
+    Trie::Decapsulate,
+    Trie::Encapsulate,
 ];
 /// The order stale entries are deleted in.
-const DELETE_ORDER: [Role; 6] = [
-    Role::Encapsulate,
-    Role::IpipSource,
-    Role::Decapsulate,
-    Role::NatSource,
-    Role::MasqueradeDestination,
-    Role::Mesh,
+const DELETE_ORDER: [Trie; 5] = [
+    Trie::Encapsulate,
+    Trie::IpipSource,
+    Trie::Decapsulate,
+    Trie::NatSource,
+    Trie::Destination,
 ];
 
 pub use crate::effects::READ_BACK_EVERY;
 
-/// What the maps hold, per role, and which counter slots their entries hold.
+/// What the maps hold, per trie, and which counter slots their entries hold.
 #[derive(Debug)]
 struct Record {
-    tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
+    tries: BTreeMap<Trie, BTreeMap<IpNet, EntryValue>>,
     /// Bit `s % 64` of word `s / 64` set: slot `s` is held.
     used: Vec<u64>,
 }
 
 impl Record {
-    fn new(tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>, slots: u32) -> Self {
+    fn new(tries: BTreeMap<Trie, BTreeMap<IpNet, EntryValue>>, slots: u32) -> Self {
         let mut record = Record {
             tries: BTreeMap::new(),
             used: vec![0; slots.div_ceil(64) as usize],
         };
         for v in tries.values().flat_map(|t| t.values()) {
-            record.hold(v.counter, true);
+            record.hold_own(v, true);
         }
         record.tries = tries;
         record
@@ -151,6 +259,13 @@ impl Record {
         if let Some(w) = self.used.get_mut(slot as usize / 64) {
             let bit = 1 << (slot % 64);
             *w = if held { *w | bit } else { *w & !bit };
+        }
+    }
+
+    /// Marks the slot of `v` held or free, unless it is a covered entry's (another's slot).
+    fn hold_own(&mut self, v: &EntryValue, held: bool) {
+        if v.flags & ENTRY_COVERED == 0 {
+            self.hold(v.counter, held);
         }
     }
 
@@ -197,9 +312,14 @@ impl MapSync {
             }
         };
         let slots = maps.counter_slots();
-        let changes: BTreeMap<Role, Vec<Change>> = Role::ALL
+        let changes: BTreeMap<Trie, Vec<Change>> = Trie::ALL
             .into_iter()
-            .map(|r| (r, changes(plan.role(r), &record.tries[&r], slots, resolver)))
+            .map(|t| {
+                (
+                    t,
+                    changes(plan.wants(t), &record.tries[&t], slots, resolver),
+                )
+            })
             .collect();
         let mut diff = Diff {
             maps,
@@ -235,58 +355,59 @@ pub fn sync_maps<'a, M: DatapathMaps + ?Sized>(
 }
 
 fn read_back<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Record, DatapathError> {
-    let tries = Role::ALL
+    let tries = Trie::ALL
         .into_iter()
-        .map(|role| Ok((role, maps.entries(role)?.into_iter().collect())))
+        .map(|trie| Ok((trie, maps.entries(trie)?.into_iter().collect())))
         .collect::<Result<_, DatapathError>>()?;
     Ok(Record::new(tries, maps.counter_slots()))
 }
 
 /// One entry to write or delete.
 enum Change<'a> {
-    /// A new entry, or one whose value (or counter slot) must change: (CIDR, plan entry, value
-    /// the maps hold).
-    Put(IpNet, &'a DatapathEntry, Option<EntryValue>),
+    /// A new entry, or one whose value (or counter slot) must change: (CIDR, what it should
+    /// hold, value the maps hold).
+    Put(IpNet, Want<'a>, Option<EntryValue>),
     Delete(IpNet),
 }
 
-/// What differs between the plan's entries of one role and the record's: one ordered pass over
-/// both, no lookups and no allocation when nothing differs (a plan CIDR with host bits set
-/// makes a second pass over the plan keyed as the maps key it).
+/// What differs between what a trie should hold and the record's: one ordered pass over both,
+/// no lookups (but a covered entry's) and no allocation when nothing differs (a plan CIDR with
+/// host bits set makes a second pass over the plan keyed as the maps key it).
 fn changes<'a>(
-    want: &'a BTreeMap<IpNet, DatapathEntry>,
+    want: impl Iterator<Item = (IpNet, Want<'a>)> + Clone,
     have: &BTreeMap<IpNet, EntryValue>,
     slots: u32,
     resolver: &dyn Resolver,
 ) -> Vec<Change<'a>> {
     // The idle case, as cheap as a comparison gets: equal keys and values, in one zip.
-    let same = |((net, entry), (hn, hv)): ((&IpNet, &DatapathEntry), (&IpNet, &EntryValue))| {
-        net == hn && hv.counter < slots && keys::entry_value(entry, hv.counter, resolver) == *hv
-    };
-    if want.len() == have.len() && want.iter().zip(have).all(same) {
+    let mut held = have.iter();
+    let same = want.clone().all(|(net, w)| {
+        held.next()
+            .is_some_and(|(hn, hv)| net == *hn && w.held_by(hv, have, slots, resolver))
+    });
+    if same && held.next().is_none() {
         return Vec::new();
     }
-    merge(want.iter().map(|(n, e)| (*n, e)), have, slots, resolver).unwrap_or_else(|| {
-        let keyed: BTreeMap<IpNet, &DatapathEntry> =
-            want.iter().map(|(n, e)| (n.trunc(), e)).collect();
+    merge(want.clone(), have, slots, resolver).unwrap_or_else(|| {
+        let keyed: BTreeMap<IpNet, Want> = want.map(|(n, w)| (n.trunc(), w)).collect();
         merge(keyed.into_iter(), have, slots, resolver).expect("keys without host bits")
     })
 }
 
 /// The changes, or `None` at the first CIDR with host bits set.
 fn merge<'a>(
-    want: impl Iterator<Item = (IpNet, &'a DatapathEntry)>,
+    want: impl Iterator<Item = (IpNet, Want<'a>)>,
     have: &BTreeMap<IpNet, EntryValue>,
     slots: u32,
     resolver: &dyn Resolver,
 ) -> Option<Vec<Change<'a>>> {
     let mut out = Vec::new();
-    let mut have = have.iter();
-    let mut next = have.next();
-    for (net, entry) in want {
+    let mut rest = have.iter();
+    let mut next = rest.next();
+    for (net, w) in want {
         let old = match next {
             Some((h, v)) if *h == net => {
-                next = have.next();
+                next = rest.next();
                 Some(*v)
             }
             // Keys in the record have no host bits: only a key it lacks needs the check.
@@ -294,25 +415,22 @@ fn merge<'a>(
             _ => {
                 while let Some((h, _)) = next.filter(|(h, _)| **h < net) {
                     out.push(Change::Delete(*h));
-                    next = have.next();
+                    next = rest.next();
                 }
                 let old = next.filter(|(h, _)| **h == net).map(|(_, v)| *v);
                 if old.is_some() {
-                    next = have.next();
+                    next = rest.next();
                 }
                 old
             }
         };
-        let same = old.is_some_and(|v| {
-            v.counter < slots && keys::entry_value(entry, v.counter, resolver) == v
-        });
-        if !same {
-            out.push(Change::Put(net, entry, old));
+        if !old.is_some_and(|v| w.held_by(&v, have, slots, resolver)) {
+            out.push(Change::Put(net, w, old));
         }
     }
     out.extend(
         next.into_iter()
-            .chain(have)
+            .chain(rest)
             .map(|(stale, _)| Change::Delete(*stale)),
     );
     Some(out)
@@ -329,20 +447,20 @@ struct Diff<'a, M: ?Sized> {
 impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
     fn apply(
         &mut self,
-        changes: &BTreeMap<Role, Vec<Change>>,
+        changes: &BTreeMap<Trie, Vec<Change>>,
         resolver: &dyn Resolver,
     ) -> Result<(), DatapathError> {
-        for role in UPSERT_ORDER {
-            for change in &changes[&role] {
-                if let Change::Put(net, entry, old) = change {
-                    self.put(role, *net, entry, *old, resolver)?;
+        for trie in UPSERT_ORDER {
+            for change in &changes[&trie] {
+                if let Change::Put(net, want, old) = change {
+                    self.put(trie, *net, want, *old, resolver)?;
                 }
             }
         }
-        for role in DELETE_ORDER {
-            for change in &changes[&role] {
+        for trie in DELETE_ORDER {
+            for change in &changes[&trie] {
                 if let Change::Delete(net) = change {
-                    self.delete(role, *net)?;
+                    self.delete(trie, *net)?;
                 }
             }
         }
@@ -362,40 +480,53 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         slot
     }
 
-    /// Writes one new or changed entry, keeping its counter slot or giving it a free one.
+    /// Writes one new or changed entry, keeping its counter slot or giving it a free one (a
+    /// covered entry takes the slot of the mesh destination covering it, written before it).
     fn put(
         &mut self,
-        role: Role,
+        trie: Trie,
         net: IpNet,
-        entry: &DatapathEntry,
+        want: &Want,
         old: Option<EntryValue>,
         resolver: &dyn Resolver,
     ) -> Result<(), DatapathError> {
         let slots = self.maps.counter_slots();
-        let (counter, fresh) = match old.map(|v| v.counter).filter(|c| *c < slots) {
-            Some(c) => (c, false),
-            None => self.free_slot().map_or((NO_COUNTER, false), |c| (c, true)),
+        let own = old
+            .filter(|v| v.flags & ENTRY_COVERED == 0)
+            .map(|v| v.counter)
+            .filter(|c| *c < slots);
+        let (counter, fresh) = match (want.covered, own) {
+            (Some((outer, _)), _) => {
+                let outer = self.record.tries[&trie].get(&outer);
+                (outer.map_or(NO_COUNTER, |v| v.counter), false)
+            }
+            (None, Some(c)) => (c, false),
+            (None, None) => self.free_slot().map_or((NO_COUNTER, false), |c| (c, true)),
         };
-        let value = keys::entry_value(entry, counter, resolver);
+        let value = want.value(counter, resolver);
         if old == Some(value) {
             return Ok(());
         }
         let wrap = |source| DatapathError::Entry {
-            role,
+            role: want.role,
             net,
-            owner: entry.owner.clone(),
+            owner: want.entry.owner.clone(),
             source: Box::new(source),
         };
         if fresh && self.maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
             self.maps.reset_entry_counter(counter).map_err(wrap)?;
             self.writes.add("counter_reset", 1);
         }
-        self.maps.insert(role, net, &value).map_err(wrap)?;
+        self.maps.insert(trie, net, &value).map_err(wrap)?;
         self.record
             .tries
-            .get_mut(&role)
-            .expect("all roles")
+            .get_mut(&trie)
+            .expect("all tries")
             .insert(net, value);
+        // Now covered: the slot it held is free.
+        if let (Some(c), Some(_)) = (own, want.covered) {
+            self.record.hold(c, false);
+        }
         let kind = if old.is_some() {
             "map_update"
         } else {
@@ -405,34 +536,36 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         Ok(())
     }
 
-    fn delete(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
+    fn delete(&mut self, trie: Trie, net: IpNet) -> Result<(), DatapathError> {
         self.maps
-            .remove(role, net)
+            .remove(trie, net)
             .map_err(|source| DatapathError::Stale {
-                role,
+                trie,
                 net,
                 source: Box::new(source),
             })?;
         let gone = self
             .record
             .tries
-            .get_mut(&role)
-            .expect("all roles")
+            .get_mut(&trie)
+            .expect("all tries")
             .remove(&net);
         if let Some(v) = gone {
-            self.record.hold(v.counter, false);
+            self.record.hold_own(&v, false);
         }
         self.writes.add("map_delete", 1);
         Ok(())
     }
 }
 
-/// Traffic counters: per decision and per map entry; and how full the tries and the counter
-/// slots are.
+/// Traffic counters: per decision and per map entry (but covered ones, whose traffic their
+/// mesh destination counts); and how full the tries and the counter slots are.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
     pub decisions: BTreeMap<Decision, Counter>,
     pub entries: Vec<EntryCounter>,
+    /// Entries the tries hold per role (covered masquerade destinations included).
+    pub fill: BTreeMap<Role, usize>,
     /// Entries each trie can hold.
     pub capacity: usize,
     /// Per-entry counter slots, and how many entries hold one.
@@ -500,8 +633,15 @@ fn counters_of<M: DatapathMaps + ?Sized>(
         out.decisions
             .insert(d, decisions.get(d as usize).copied().unwrap_or_default());
     }
-    for (role, entries) in &record.tries {
+    for (trie, entries) in &record.tries {
         for (net, value) in entries {
+            let role = role_of(*trie, value);
+            *out.fill
+                .entry(role.unwrap_or(Role::MasqueradeDestination))
+                .or_default() += 1;
+            let Some(role) = role else {
+                continue;
+            };
             let counter = if value.counter == NO_COUNTER {
                 Counter::default()
             } else {
@@ -509,7 +649,7 @@ fn counters_of<M: DatapathMaps + ?Sized>(
                 maps.entry_counter(value.counter)?
             };
             out.entries.push(EntryCounter {
-                role: *role,
+                role,
                 net: *net,
                 kind: keys::kind_from_code(value.kind),
                 counter,
@@ -523,19 +663,19 @@ fn counters_of<M: DatapathMaps + ?Sized>(
 /// Every insert and remove is logged in `log`, in order.
 #[derive(Debug, Clone)]
 pub struct FakeMaps {
-    pub tries: BTreeMap<Role, BTreeMap<IpNet, EntryValue>>,
+    pub tries: BTreeMap<Trie, BTreeMap<IpNet, EntryValue>>,
     pub capacity: usize,
     pub counters: Vec<Counter>,
     pub decisions: Vec<Counter>,
     pub config: Config,
-    /// `(role, net, inserted)` per write.
-    pub log: Vec<(Role, IpNet, bool)>,
+    /// `(trie, net, inserted)` per write.
+    pub log: Vec<(Trie, IpNet, bool)>,
 }
 
 impl FakeMaps {
     pub fn new(capacity: usize, counter_slots: u32) -> Self {
         FakeMaps {
-            tries: Role::ALL.iter().map(|r| (*r, BTreeMap::new())).collect(),
+            tries: Trie::ALL.iter().map(|t| (*t, BTreeMap::new())).collect(),
             capacity,
             counters: vec![Counter::default(); counter_slots as usize],
             decisions: vec![Counter::default(); Decision::COUNT as usize],
@@ -546,26 +686,26 @@ impl FakeMaps {
 }
 
 impl DatapathMaps for FakeMaps {
-    fn entries(&self, role: Role) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
-        Ok(self.tries[&role].iter().map(|(k, v)| (*k, *v)).collect())
+    fn entries(&self, trie: Trie) -> Result<Vec<(IpNet, EntryValue)>, DatapathError> {
+        Ok(self.tries[&trie].iter().map(|(k, v)| (*k, *v)).collect())
     }
 
-    fn insert(&mut self, role: Role, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
-        let trie = self.tries.get_mut(&role).expect("all roles");
-        if !trie.contains_key(&net) && trie.len() >= self.capacity {
+    fn insert(&mut self, trie: Trie, net: IpNet, value: &EntryValue) -> Result<(), DatapathError> {
+        let entries = self.tries.get_mut(&trie).expect("all tries");
+        if !entries.contains_key(&net) && entries.len() >= self.capacity {
             return Err(DatapathError::Full {
-                name: role.map_name(),
+                name: trie.map_name(),
                 capacity: self.capacity,
             });
         }
-        trie.insert(net, *value);
-        self.log.push((role, net, true));
+        entries.insert(net, *value);
+        self.log.push((trie, net, true));
         Ok(())
     }
 
-    fn remove(&mut self, role: Role, net: IpNet) -> Result<(), DatapathError> {
-        self.tries.get_mut(&role).expect("all roles").remove(&net);
-        self.log.push((role, net, false));
+    fn remove(&mut self, trie: Trie, net: IpNet) -> Result<(), DatapathError> {
+        self.tries.get_mut(&trie).expect("all tries").remove(&net);
+        self.log.push((trie, net, false));
         Ok(())
     }
 
@@ -634,19 +774,35 @@ mod tests {
         }
     }
 
-    fn slot(maps: &FakeMaps, role: Role, net: &str) -> u32 {
-        maps.tries[&role][&net.parse::<IpNet>().unwrap()].counter
+    fn slot(maps: &FakeMaps, trie: Trie, net: &str) -> u32 {
+        maps.tries[&trie][&net.parse::<IpNet>().unwrap()].counter
     }
+
+    /// Nested CIDRs, so that masquerade destinations fall inside mesh destinations (and the
+    /// other way round).
+    const NESTED: [&str; 10] = [
+        "10.0.0.0/8",
+        "10.1.0.0/16",
+        "10.1.2.0/24",
+        "10.2.0.0/16",
+        "10.2.0.0/24",
+        "192.168.0.0/16",
+        "192.168.1.0/24",
+        "172.16.0.0/12",
+        "172.16.5.0/24",
+        "0.0.0.0/0",
+    ];
 
     proptest::proptest! {
         /// Syncs from one record (no read-back in between) keep the tries equal to the plan,
-        /// give no two entries one slot and a newly given slot a zeroed counter; an entry is
-        /// left without a slot only while all are held (slots freed by a sync's deletes are
-        /// handed out from the next sync on).
+        /// give no two entries one slot of their own and a newly given slot a zeroed counter,
+        /// and a covered entry the slot of the mesh destination covering it; an entry is left
+        /// without a slot only while all are held (slots freed by a sync's deletes are handed
+        /// out from the next sync on).
         #[test]
         fn syncs_from_the_record_keep_slots_distinct_and_zeroed(
             plans in proptest::collection::vec(
-                [(); 3].map(|()| proptest::collection::btree_set(0u8..10, 0..6)),
+                [(); 3].map(|()| proptest::collection::btree_set(0usize..10, 0..6)),
                 1..10,
             ),
         ) {
@@ -654,33 +810,40 @@ mod tests {
             let mut sync = MapSync::default();
             let mut before = BTreeSet::new();
             for sets in plans {
-                let cidrs = sets.map(|s| s.iter().map(|i| format!("10.{i}.0.0/16")).collect::<Vec<_>>());
-                let [mesh, nat, masq] = cidrs.each_ref().map(|v| v.iter().map(String::as_str).collect::<Vec<_>>());
+                let [mesh, nat, masq] = sets.map(|s| s.iter().map(|i| NESTED[*i]).collect::<Vec<_>>());
                 let p = plan(&mesh, &nat, &masq);
-                let want: BTreeSet<(Role, IpNet)> = Role::ALL
+                let wants: Vec<(Trie, IpNet, bool)> = Trie::ALL
                     .iter()
-                    .flat_map(|r| Plans::from(&p).role(*r).keys().map(move |n| (*r, *n)))
+                    .flat_map(|t| Plans::from(&p).wants(*t).map(move |(n, w)| (*t, n, w.covered.is_some())))
                     .collect();
+                let want: BTreeSet<(Trie, IpNet)> = wants.iter().map(|(t, n, _)| (*t, *n)).collect();
+                let own = wants.iter().filter(|w| !w.2).count();
                 for _ in 0..2 {
                     sync.sync(&mut maps, &p, &NoResolver).unwrap();
-                    let held: BTreeSet<(Role, IpNet, u32)> = Role::ALL
+                    let held: BTreeSet<(Trie, IpNet, u32, bool)> = Trie::ALL
                         .iter()
-                        .flat_map(|r| maps.tries[r].iter().map(move |(n, v)| (*r, *n, v.counter)))
+                        .flat_map(|t| maps.tries[t].iter().map(move |(n, v)| {
+                            (*t, *n, v.counter, v.flags & ENTRY_COVERED != 0)
+                        }))
                         .collect();
-                    let have: BTreeSet<(Role, IpNet)> = held.iter().map(|(r, n, _)| (*r, *n)).collect();
+                    let have: BTreeSet<(Trie, IpNet)> = held.iter().map(|h| (h.0, h.1)).collect();
                     proptest::prop_assert_eq!(&have, &want);
-                    let slots: Vec<u32> = held.iter().map(|h| h.2).filter(|c| *c != NO_COUNTER).collect();
+                    let slots: Vec<u32> = held.iter().filter(|h| !h.3).map(|h| h.2).filter(|c| *c != NO_COUNTER).collect();
                     let distinct: BTreeSet<u32> = slots.iter().copied().collect();
                     proptest::prop_assert_eq!(distinct.len(), slots.len(), "{:?}", held);
-                    for (_, _, c) in held.difference(&before).filter(|h| h.2 != NO_COUNTER) {
-                        proptest::prop_assert_eq!(maps.counters[*c as usize], Counter::default());
+                    for (_, net, c, _) in held.iter().filter(|h| h.3) {
+                        let (outer, _) = p.covering_mesh(net).unwrap();
+                        proptest::prop_assert_eq!(*c, slot(&maps, Trie::Destination, &outer.to_string()));
+                    }
+                    for h in held.difference(&before).filter(|h| h.2 != NO_COUNTER && !h.3) {
+                        proptest::prop_assert_eq!(maps.counters[h.2 as usize], Counter::default());
                     }
                     // Traffic on every slot before the next sync.
                     maps.counters.fill(Counter { packets: 1, bytes: 1 });
                     before = held;
                 }
-                let counted = before.iter().filter(|h| h.2 != NO_COUNTER).count();
-                proptest::prop_assert_eq!(counted, want.len().min(8), "{:?}", before);
+                let counted = before.iter().filter(|h| h.2 != NO_COUNTER && !h.3).count();
+                proptest::prop_assert_eq!(counted, own.min(8), "{:?}", before);
             }
         }
     }
@@ -711,32 +874,122 @@ mod tests {
         let mut maps = FakeMaps::new(100, 100);
         let p1 = plan(&["10.0.0.0/24", "10.0.2.0/24"], &[], &[]);
         sync_maps(&mut maps, &p1, &NoResolver).unwrap();
-        let keep = slot(&maps, Role::Mesh, "10.0.2.0/24");
+        let keep = slot(&maps, Trie::Destination, "10.0.2.0/24");
         let p2 = plan(&["10.0.2.0/24", "10.0.3.0/24"], &[], &[]);
         let w = sync_maps(&mut maps, &p2, &NoResolver).unwrap();
         assert_eq!(
             (w.get("map_insert"), w.get("map_delete"), w.total()),
             (1, 1, 2)
         );
-        assert_eq!(slot(&maps, Role::Mesh, "10.0.2.0/24"), keep);
+        assert_eq!(slot(&maps, Trie::Destination, "10.0.2.0/24"), keep);
         // The new entry did not take the slot of the one deleted in the same sync.
-        assert_ne!(slot(&maps, Role::Mesh, "10.0.3.0/24"), keep);
+        assert_ne!(slot(&maps, Trie::Destination, "10.0.3.0/24"), keep);
     }
 
-    /// Inserts go mesh destinations first, deletes go mesh destinations last: in between, no
-    /// packet is marked that neither topology marks.
+    /// Inserts go destinations first, deletes go destinations last: in between, no packet is
+    /// marked that neither topology marks.
     #[test]
-    fn mesh_destinations_go_in_first_and_out_last() {
+    fn destinations_go_in_first_and_out_last() {
         let mut maps = FakeMaps::new(100, 100);
         let full = plan(&["10.1.0.0/16"], &["10.244.0.0/24"], &["192.168.0.0/24"]);
         sync_maps(&mut maps, &full, &NoResolver).unwrap();
-        let roles: Vec<(Role, bool)> = maps.log.iter().map(|(r, _, i)| (*r, *i)).collect();
-        assert_eq!(roles[0], (Role::Mesh, true), "{roles:?}");
+        let first: IpNet = "10.1.0.0/16".parse().unwrap();
+        assert_eq!(
+            maps.log[0],
+            (Trie::Destination, first, true),
+            "{:?}",
+            maps.log
+        );
         maps.log.clear();
         sync_maps(&mut maps, &plan(&[], &[], &[]), &NoResolver).unwrap();
-        let roles: Vec<(Role, bool)> = maps.log.iter().map(|(r, _, i)| (*r, *i)).collect();
-        assert_eq!(roles.len(), 3);
-        assert_eq!(roles[2], (Role::Mesh, false), "{roles:?}");
+        assert_eq!(maps.log.len(), 3);
+        assert_eq!(maps.log[0].0, Trie::NatSource, "{:?}", maps.log);
+        assert_eq!(maps.log[2].0, Trie::Destination, "{:?}", maps.log);
+        assert!(maps.log.iter().all(|(_, _, inserted)| !inserted));
+    }
+
+    /// One trie for both kinds of destination: a masquerade destination is flagged; one inside
+    /// a mesh destination (not one around it) holds that mesh destination's value and counter
+    /// slot, and is no counter of its own; a CIDR in both is a mesh destination. Covered and
+    /// uncovered again as the mesh destination comes and goes, with slots kept distinct.
+    #[test]
+    fn masquerade_destinations_inside_mesh_destinations_are_covered() {
+        let mut maps = FakeMaps::new(100, 100);
+        let mut sync = MapSync::default();
+        let masq = ["10.1.0.0/16", "192.168.0.0/16", "172.16.0.0/12"];
+        let mut p = plan(
+            &["10.0.0.0/8", "192.168.1.0/24", "172.16.0.0/12"],
+            &[],
+            &masq,
+        );
+        p.mesh_destinations
+            .get_mut(&"10.0.0.0/8".parse().unwrap())
+            .unwrap()
+            .next_hop = Some(NextHop::WireGuard);
+        let resolver = |_| Some(7);
+        sync.sync(&mut maps, &p, &resolver).unwrap();
+        let dst =
+            |maps: &FakeMaps, net: &str| maps.tries[&Trie::Destination][&net.parse().unwrap()];
+        assert_eq!(maps.tries[&Trie::Destination].len(), 5);
+        let outer = dst(&maps, "10.0.0.0/8");
+        let covered = dst(&maps, "10.1.0.0/16");
+        assert_eq!(covered.flags, outer.flags | ENTRY_COVERED);
+        assert_eq!((covered.counter, covered.ifindex), (outer.counter, 7));
+        assert_eq!(dst(&maps, "192.168.0.0/16").flags, ENTRY_MASQUERADE);
+        assert_eq!(dst(&maps, "192.168.1.0/24").flags, 0);
+        assert_eq!(dst(&maps, "172.16.0.0/12").flags, 0);
+        assert!(sync.sync(&mut maps, &p, &resolver).unwrap().is_empty());
+        let c = sync.counters(&maps).unwrap();
+        let roles: Vec<(Role, String)> = c
+            .entries
+            .iter()
+            .map(|e| (e.role, e.net.to_string()))
+            .collect();
+        assert_eq!(c.entries.len(), 4, "{roles:?}");
+        assert_eq!(c.slots_used, 4);
+        assert_eq!(c.fill[&Role::Mesh], 3);
+        assert_eq!(c.fill[&Role::MasqueradeDestination], 2);
+        assert!(
+            c.entry(Role::MasqueradeDestination, &"10.1.0.0/16".parse().unwrap())
+                .is_none()
+        );
+        let distinct = |maps: &FakeMaps| {
+            let own: Vec<u32> = maps.tries[&Trie::Destination]
+                .values()
+                .filter(|v| v.flags & ENTRY_COVERED == 0)
+                .map(|v| v.counter)
+                .collect();
+            own.iter().collect::<BTreeSet<_>>().len() == own.len()
+        };
+        // The mesh destination goes: the masquerade destination masquerades, on a slot of its
+        // own (zeroed), taken before the mesh destination's is freed.
+        maps.counters.fill(Counter {
+            packets: 1,
+            bytes: 1,
+        });
+        let mut without = p.clone();
+        without
+            .mesh_destinations
+            .remove(&"10.0.0.0/8".parse().unwrap());
+        let w = sync.sync(&mut maps, &without, &resolver).unwrap();
+        assert_eq!((w.get("map_update"), w.get("map_delete")), (1, 1), "{w}");
+        let now = dst(&maps, "10.1.0.0/16");
+        assert_eq!(now.flags, ENTRY_MASQUERADE);
+        assert_ne!(now.counter, outer.counter);
+        assert_eq!(maps.counters[now.counter as usize], Counter::default());
+        assert!(distinct(&maps));
+        // And comes back: covered again, its own slot freed for the next entry.
+        sync.sync(&mut maps, &p, &resolver).unwrap();
+        let again = dst(&maps, "10.1.0.0/16");
+        assert_eq!(again.counter, dst(&maps, "10.0.0.0/8").counter);
+        assert!(again.flags & ENTRY_COVERED != 0 && distinct(&maps));
+        let mut more = p.clone();
+        more.nat_sources.insert(
+            "10.244.0.0/24".parse().unwrap(),
+            entry(EntryKind::LocalPods, "n"),
+        );
+        sync.sync(&mut maps, &more, &resolver).unwrap();
+        assert_eq!(slot(&maps, Trie::NatSource, "10.244.0.0/24"), now.counter);
     }
 
     /// The metrics take the entries from the record (a scrape reads no entry back) and their
@@ -749,13 +1002,13 @@ mod tests {
         let before = sync.counters(&maps).unwrap();
         assert!(before.entries.is_empty() && before.capacity == 100 && before.slots == 4);
         sync.sync(&mut maps, &p, &NoResolver).unwrap();
-        let s = slot(&maps, Role::Mesh, "10.2.0.0/16") as usize;
+        let s = slot(&maps, Trie::Destination, "10.2.0.0/16") as usize;
         maps.counters[s] = Counter {
             packets: 3,
             bytes: 300,
         };
         // Gone from the maps behind the agent's back: still in the record.
-        maps.tries.get_mut(&Role::NatSource).unwrap().clear();
+        maps.tries.get_mut(&Trie::NatSource).unwrap().clear();
         let c = sync.counters(&maps).unwrap();
         assert_eq!(c.entries.len(), 3, "{c:?}");
         assert_eq!((c.slots_used, c.slots, c.capacity), (3, 4, 100));
@@ -772,7 +1025,7 @@ mod tests {
         let p = plan(&["10.1.0.0/16"], &["10.244.0.0/24"], &[]);
         let mut sync = MapSync::default();
         assert_eq!(sync.sync(&mut maps, &p, &NoResolver).unwrap().total(), 2);
-        maps.tries.get_mut(&Role::Mesh).unwrap().clear();
+        maps.tries.get_mut(&Trie::Destination).unwrap().clear();
         let mut repaired_at = None;
         for i in 1..=READ_BACK_EVERY {
             let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
@@ -783,7 +1036,7 @@ mod tests {
             }
         }
         assert_eq!(repaired_at, Some(READ_BACK_EVERY));
-        assert!(maps.tries[&Role::Mesh].contains_key(&"10.1.0.0/16".parse().unwrap()));
+        assert!(maps.tries[&Trie::Destination].contains_key(&"10.1.0.0/16".parse().unwrap()));
     }
 
     #[test]
@@ -793,7 +1046,7 @@ mod tests {
         let p = plan(&["10.1.0.0/16", "10.2.0.0/16"], &[], &[]);
         assert!(sync.sync(&mut maps, &p, &NoResolver).is_err());
         maps.capacity = 2;
-        maps.tries.get_mut(&Role::Mesh).unwrap().clear();
+        maps.tries.get_mut(&Trie::Destination).unwrap().clear();
         let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
         assert_eq!(w.get("map_insert"), 2, "{w}");
     }
@@ -803,7 +1056,7 @@ mod tests {
         let mut maps = FakeMaps::new(100, 2);
         let p1 = plan(&["10.0.0.0/24"], &[], &[]);
         sync_maps(&mut maps, &p1, &NoResolver).unwrap();
-        let s = slot(&maps, Role::Mesh, "10.0.0.0/24") as usize;
+        let s = slot(&maps, Trie::Destination, "10.0.0.0/24") as usize;
         maps.counters[s] = Counter {
             packets: 3,
             bytes: 300,
@@ -840,7 +1093,10 @@ mod tests {
         );
         assert!(msg.contains("full"), "{msg}");
         for net in old.mesh_destinations.keys() {
-            assert!(maps.tries[&Role::Mesh].contains_key(net), "{net} lost");
+            assert!(
+                maps.tries[&Trie::Destination].contains_key(net),
+                "{net} lost"
+            );
         }
     }
 
@@ -849,7 +1105,7 @@ mod tests {
         let mut maps = FakeMaps::new(100, 1);
         let p = plan(&["10.0.0.0/24", "10.0.1.0/24"], &[], &[]);
         sync_maps(&mut maps, &p, &NoResolver).unwrap();
-        let slots: Vec<u32> = maps.tries[&Role::Mesh]
+        let slots: Vec<u32> = maps.tries[&Trie::Destination]
             .values()
             .map(|v| v.counter)
             .collect();
@@ -869,7 +1125,7 @@ mod tests {
         let mut maps = FakeMaps::new(100, 10);
         let p = plan(&["10.0.0.7/24"], &[], &[]);
         sync_maps(&mut maps, &p, &NoResolver).unwrap();
-        assert!(maps.tries[&Role::Mesh].contains_key(&"10.0.0.0/24".parse().unwrap()));
+        assert!(maps.tries[&Trie::Destination].contains_key(&"10.0.0.0/24".parse().unwrap()));
         assert!(sync_maps(&mut maps, &p, &NoResolver).unwrap().is_empty());
     }
 }

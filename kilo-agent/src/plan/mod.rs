@@ -99,7 +99,9 @@ pub struct Rule {
 ///
 /// Every key is truncated (no host bits), so each is a valid LPM-trie key.
 /// A packet is masqueraded when `(src ∈ nat_sources or dst ∈ masquerade_destinations)
-/// and dst ∉ mesh_destinations` (longest prefix match everywhere).
+/// and dst ∉ mesh_destinations` (prefix match everywhere): the datapath keeps the mesh and
+/// masquerade destinations in one trie, marking the [covered](DatapathPlan::covering_mesh)
+/// masquerade destinations.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DatapathPlan {
     /// Kilo's `KILO-NAT -d X -j RETURN`: destinations inside the mesh (segment allowed IPs,
@@ -109,6 +111,22 @@ pub struct DatapathPlan {
     pub nat_sources: BTreeMap<IpNet, DatapathEntry>,
     /// Kilo's `POSTROUTING -d X -j KILO-NAT`: this location's allowed-location IPs.
     pub masquerade_destinations: BTreeMap<IpNet, DatapathEntry>,
+}
+
+impl DatapathPlan {
+    /// The longest mesh destination that holds `net` (`net` itself included). A masquerade
+    /// destination it returns one for is *covered*: Kilo never masquerades a packet to it (the
+    /// mesh destination returns first), so the datapath's one destination trie writes it as
+    /// that mesh destination, and the longest match alone gives Kilo's decision.
+    pub fn covering_mesh(&self, net: &IpNet) -> Option<(IpNet, &DatapathEntry)> {
+        if self.mesh_destinations.is_empty() {
+            return None;
+        }
+        (0..=net.prefix_len()).rev().find_map(|len| {
+            let outer = IpNet::new(net.addr(), len).ok()?.trunc();
+            self.mesh_destinations.get(&outer).map(|e| (outer, e))
+        })
+    }
 }
 
 /// The datapath's IPIP maps: Kilo's `tunl0` routes and `KILO-IPIP` chain, as sets of CIDRs
