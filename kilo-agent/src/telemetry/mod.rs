@@ -30,8 +30,8 @@
 //!   `kilo_datapath_bytes_total{decision}` (every packet the program saw),
 //!   `kilo_datapath_entry_packets_total{role,cidr,kind,owner}`,
 //!   `kilo_datapath_entry_bytes_total{...}` (traffic that matched each map entry),
-//!   `kilo_datapath_map_entries{map}` and `kilo_datapath_map_capacity{map}` (the three tries,
-//!   and `entry_counters`: the per-entry counter slots).
+//!   `kilo_datapath_map_entries{map}` and `kilo_datapath_map_capacity{map}` (each role's
+//!   entries in its trie, and `entry_counters`: the per-entry counter slots).
 //!
 //! Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
 //! reconcile succeeded, 503 before and while the backend is disconnected; its body's second
