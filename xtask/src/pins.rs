@@ -35,6 +35,28 @@ pub const KUBE_APISERVER_BUILD_DEPS: &[&str] = &[
     "dpkg-dev",
     "rsync",
 ];
+/// What the e2e cluster runs, built from the same source as KUBE_APISERVER (cmd/ names).
+pub const KUBE_CLUSTER: &[&str] = &[
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+];
+/// Debian packages of the e2e cluster's nodes and images (containerd 1.6, runc, the CNI
+/// plugins in /usr/lib/cni; gcc and libc6-dev for the static pause program).
+pub const E2E_PACKAGES: &[&str] = &[
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "conntrack",
+    "iptables",
+    "openssl",
+    "gcc",
+    "libc6-dev",
+    "umoci",
+    "skopeo",
+];
 /// cargo-fuzz, which builds and runs the fuzz targets (with NIGHTLY).
 pub const CARGO_FUZZ: &str = "0.13.2";
 /// The static target of the image's binaries.
