@@ -3,6 +3,7 @@
 //! It runs on whatever stable toolchain the machine has, installs the pinned
 //! toolchains and tools (see `pins.rs`), then drives cargo with them.
 mod bench;
+mod e2e;
 mod pins;
 mod soak;
 
@@ -54,6 +55,17 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Start a Kubernetes cluster on this machine (a control plane and kubelet nodes in network
+    /// namespaces), deploy kg with `kubectl apply -k` as a user would and check it (see
+    /// xtask/src/e2e.rs): `e2e [--keep]`. Needs root.
+    E2e {
+        /// Leave the cluster running after the checks (`e2e --down` removes it).
+        #[arg(long)]
+        keep: bool,
+        /// Only remove a cluster left by `--keep` or by an interrupted run.
+        #[arg(long, conflicts_with = "keep")]
+        down: bool,
+    },
     /// Run the reliability tests' long versions (faults under traffic) and write RELIABILITY.md
     /// (see xtask/src/soak.rs): `soak [--no-run] [--out DIR] [-- TEST ARGS]`. Needs root.
     Soak {
@@ -88,6 +100,10 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             setup()?;
             bench::bench(&args)
+        }
+        Task::E2e { keep, down } => {
+            setup()?;
+            e2e::e2e(keep, down)
         }
         Task::Soak { args } => {
             setup()?;
@@ -281,16 +297,55 @@ fn kube_apiserver_dir() -> PathBuf {
     cache_dir().join(format!("kube-apiserver-{}", pins::KUBE_APISERVER))
 }
 
+/// Every binary of the e2e cluster (`pins::KUBE_CLUSTER`) and kubectl, from the same build.
+fn kube_cluster_dir() -> PathBuf {
+    cache_dir().join(format!("kube-cluster-{}", pins::KUBE_APISERVER))
+}
+
 /// kube-apiserver for the tests, built once from Debian's source package and cached outside
-/// git (about 4 minutes on 2 cores); `xtask/scripts/kube-apiserver.sh` says how.
+/// git (about 4 minutes on 2 cores); `xtask/scripts/kube-apiserver.sh` says how. Taken from the
+/// e2e cluster's build when that one is cached.
 fn install_kube_apiserver() -> Result<()> {
-    if kube_apiserver_dir().join("kube-apiserver").exists() {
+    let dir = kube_apiserver_dir();
+    if dir.join("kube-apiserver").exists() {
+        return Ok(());
+    }
+    let cluster = kube_cluster_dir();
+    if cluster.join("kube-apiserver").exists() {
+        let staging = dir.with_extension("partial");
+        std::fs::create_dir_all(&staging)?;
+        for name in ["kube-apiserver", "kubectl"] {
+            std::fs::copy(cluster.join(name), staging.join(name))?;
+        }
+        std::fs::rename(&staging, &dir)?;
         return Ok(());
     }
     if !is_root() {
         eprintln!("xtask: not root, not building kube-apiserver; the API server tests will skip");
         return Ok(());
     }
+    build_kube(&["kube-apiserver"], &dir)
+}
+
+/// The e2e cluster's Kubernetes binaries, built once (kube-apiserver in the same Go build when
+/// it is not cached yet, then kept for the tests too). Returns their directory.
+fn install_kube_cluster() -> Result<PathBuf> {
+    let dir = kube_cluster_dir();
+    if pins::KUBE_CLUSTER
+        .iter()
+        .chain(&["kubectl"])
+        .all(|name| dir.join(name).exists())
+    {
+        return Ok(dir);
+    }
+    build_kube(pins::KUBE_CLUSTER, &dir)?;
+    install_kube_apiserver()?;
+    Ok(dir)
+}
+
+/// Builds `cmds` (names under the Kubernetes tree's `cmd/`) from Debian's `kubernetes` source
+/// package in one Go build, into `out` with the same release's kubectl.
+fn build_kube(cmds: &[&str], out: &Path) -> Result<()> {
     // The machine's own package sources, as source-package sources too.
     let sources = Path::new("/etc/apt/sources.list.d/kilo-rs-src.sources");
     if !sources.exists() {
@@ -301,13 +356,15 @@ fn install_kube_apiserver() -> Result<()> {
     }
     install_debian_packages(pins::KUBE_APISERVER_BUILD_DEPS)?;
     eprintln!(
-        "xtask: building kube-apiserver {} for the tests (once)",
+        "xtask: building {} {} (once)",
+        cmds.join(", "),
         pins::KUBE_APISERVER
     );
     run(Command::new("bash")
         .arg(root_dir().join("xtask/scripts/kube-apiserver.sh"))
         .arg(pins::KUBE_APISERVER)
-        .arg(kube_apiserver_dir()))
+        .arg(out)
+        .args(cmds))
 }
 
 fn is_root() -> bool {
@@ -360,7 +417,7 @@ fn image_ref() -> String {
 /// Builds `kg` and `kgctl` statically (musl) and assembles them into an image with umoci
 /// (there is no Docker engine here), then checks it. The Dockerfile at the top level builds the
 /// same image from the same binaries where Docker is at hand.
-fn image() -> Result<()> {
+pub(crate) fn image() -> Result<()> {
     if !is_root() {
         bail!("building the image installs Debian packages and unpacks layers as root");
     }
