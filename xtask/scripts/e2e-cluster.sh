@@ -21,6 +21,7 @@
 #   e2e-cluster.sh add-node WORK NODE:LOCATION     (after `up`; same binaries and images)
 #   e2e-cluster.sh down WORK
 #   e2e-cluster.sh node-exec WORK NODE CMD...      (in the node's network and mount namespaces)
+#   e2e-cluster.sh stop-node WORK NODE             (its containers, kubelet, kube-proxy, containerd)
 #   e2e-cluster.sh ext-wireguard WORK IFACE        (a wireguard-go device on the host `ext`)
 # `up` starts everything in the background (PIDs in WORK/pids) and waits until every node is
 # registered (NotReady until a CNI configuration appears: kg's DaemonSet installs it). `down`
@@ -242,6 +243,8 @@ node_up() { # node_up NODE LOCATION
   for tar in "${IMAGES[@]}"; do
     in_node "$node" ctr -n k8s.io images import "$tar" >/dev/null
   done
+  # No disk-pressure eviction nor image garbage collection past the defaults' 85-90 %: this
+  # machine's disk is shared with builds, and the images cannot be pulled again.
   spawn "kubelet-$node" "${NODE_NS[@]}" "$BIN/kubelet" --kubeconfig="$WORK/admin.kubeconfig" \
     --container-runtime=remote \
     --container-runtime-endpoint=unix:///run/containerd/containerd.sock \
@@ -250,7 +253,9 @@ node_up() { # node_up NODE LOCATION
     --hostname-override="$node" --node-ip="203.0.113.$idx" \
     --node-labels="topology.kubernetes.io/region=$loc" \
     --pod-infra-container-image=local/pause:1 --read-only-port=0 \
-    --resolv-conf=/etc/resolv.conf
+    --resolv-conf=/etc/resolv.conf \
+    --eviction-hard=memory.available\<100Mi,nodefs.available\<1%,imagefs.available\<1% \
+    --image-gc-high-threshold=100 --image-gc-low-threshold=99
   spawn "kube-proxy-$node" "${NODE_NS[@]}" "$BIN/kube-proxy" --kubeconfig="$WORK/admin.kubeconfig" \
     --hostname-override="$node" --proxy-mode=iptables --cluster-cidr="$POD_CIDR" \
     --conntrack-max-per-core=0 --conntrack-tcp-timeout-established=0 \
@@ -280,6 +285,10 @@ wait_registered() { # wait_registered NODE...
 
 up() {
   if [ -e "$WORK/pids" ]; then down; fi
+  # Memory, not the machine's disk, which builds share: etcd's fsyncs stay fast and kubelet
+  # sees no disk pressure.
+  mkdir -p "$WORK"
+  mount -t tmpfs -o size=8g,mode=0755 krs-e2e "$WORK"
   mkdir -p "$WORK/logs" "$WORK/nodes" "$WORK/mnt"
   # A private mount, so that the mount namespaces' files can be bind mounts.
   mount --bind "$WORK/mnt" "$WORK/mnt"
@@ -362,6 +371,11 @@ down() {
     while read -r d; do [ -d "$d" ] && find "$d" -depth -type d -empty -delete; done <"$WORK/created-dirs"
   fi
   [ -f "$WORK/ext-wireguard" ] && rm -f "/run/wireguard/$(cat "$WORK/ext-wireguard").sock"
+  local logs
+  logs=$(dirname "$WORK")/krs-e2e-logs
+  rm -rf "$logs"
+  cp -a "$WORK/logs" "$logs" 2>/dev/null && log "the components' logs: $logs"
+  mountpoint -q "$WORK" && umount "$WORK"
   rm -rf "$WORK"
   log "down: processes, containers, cgroups, mounts and namespaces removed"
   return 0
@@ -385,6 +399,7 @@ case "$cmd" in
     node_up "${1%%:*}" "${1#*:}"
     wait_registered "${1%%:*}"
     ;;
+  stop-node) node_down "$1" ;;
   ext-wireguard)
     spawn "wireguard-go-ext" nsenter --net="/run/netns/$P-ext" \
       env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 wireguard-go --foreground "$1"

@@ -47,7 +47,8 @@ image pause 1 pause_rootfs --config.entrypoint /pause
 # busybox-static conflicts with the busybox package the tests install: unpack it, do not install it.
 busybox_rootfs() {
   (cd "$work" && apt-get download busybox-static >/dev/null 2>&1 && dpkg-deb -x busybox-static_*.deb bb)
-  mkdir -p "$1/bin"
+  mkdir -p "$1/bin" "$1/tmp"
+  chmod 1777 "$1/tmp"
   cp "$work/bb/bin/busybox" "$1/bin/busybox"
   local a
   for a in $("$1/bin/busybox" --list); do [ "$a" = busybox ] || ln -s busybox "$1/bin/$a"; done

@@ -23,7 +23,13 @@ use crate::{install_debian_packages, install_kube_cluster, is_root, output, pins
 const WORK: &str = "/run/krs-e2e";
 
 /// The nodes and their locations (kg's `topology.kubernetes.io/region` label).
-const NODES: &[(&str, &str)] = &[("n1", "east"), ("n3", "west")];
+const NODES: &[(&str, &str)] = &[
+    ("n1", "east"),
+    ("n2", "east"),
+    ("n3", "west"),
+    ("n4", "west"),
+    ("n5", "north"),
+];
 
 /// A busybox HTTP server whose one CGI script answers with the client's address.
 const ECHO_SERVER: &str = r"mkdir -p /www/cgi-bin && printf '#!/bin/sh\necho Content-Type: text/plain\necho\necho $REMOTE_ADDR\n' >/www/cgi-bin/ip && chmod +x /www/cgi-bin/ip && exec httpd -f -p 8080 -h /www";
@@ -370,17 +376,21 @@ impl Cluster {
             .as_str()
             .context("clusterIP")?
             .to_owned();
-        let url = format!("http://{cluster_ip}/cgi-bin/ip");
+        // busybox-static's wget crashes (SIGSEGV) here: nc with a hand-written request.
+        let request =
+            format!("printf 'GET /cgi-bin/ip HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {cluster_ip} 80");
         let seen = wait_for(
             Duration::from_secs(90),
-            &format!("{client} -> {url}"),
+            &format!("{client} -> {cluster_ip}"),
             || {
-                Ok(self
-                    .kubectl(&[
-                        "exec", &client, "--", "wget", "-q", "-T", "3", "-O", "-", &url,
-                    ])
-                    .ok()
-                    .map(|s| s.trim().to_owned()))
+                let answer = self.kubectl(&["exec", &client, "--", "sh", "-c", &request])?;
+                // httpd's REMOTE_ADDR, on the last line: `[::ffff:10.42.0.3]`.
+                Ok(answer.lines().last().map(|l| {
+                    l.trim()
+                        .trim_matches(|c| c == '[' || c == ']')
+                        .trim_start_matches("::ffff:")
+                        .to_owned()
+                }))
             },
         )?;
         if seen != client_ip {
@@ -449,7 +459,7 @@ impl Cluster {
                 || {
                     Ok(Command::new("nsenter")
                         .arg("--net=/run/netns/krs-e2e-ext")
-                        .args(["ping", "-c", "1", "-W", "2", &ip])
+                        .args(["busybox", "ping", "-c", "1", "-W", "2", &ip])
                         .stdout(Stdio::null())
                         .status()?
                         .success()
@@ -538,17 +548,35 @@ impl Cluster {
             bail!("{replaced} of {} kg pods replaced", NODES.len());
         }
         if sent < 10 || received != sent {
-            bail!("{from} -> {to} ({ip}): {summary}");
+            // The longest run of unanswered pings, in seconds (one every 0.2 s).
+            let seqs: Vec<u64> = log
+                .split("seq=")
+                .skip(1)
+                .filter_map(|r| r.split_whitespace().next()?.parse().ok())
+                .collect();
+            let gap = seqs
+                .windows(2)
+                .map(|w| w[1] - w[0] - 1)
+                .max()
+                .unwrap_or(sent);
+            bail!(
+                "{from} -> {to} ({ip}): {summary} (longest outage {:.1} s)",
+                gap as f64 * 0.2
+            );
         }
         Ok(format!(
             "{replaced} pods replaced; {from} -> {to}: {summary}"
         ))
     }
 
-    /// The last node is deleted: no other node keeps a route to its pod CIDR.
+    /// The last node goes away (its kubelet, containers and containerd stopped) and is deleted:
+    /// no other node keeps a route to its pod CIDR.
     fn node_deleted(&self) -> Result<String> {
         let (gone, _) = NODES[NODES.len() - 1];
         let cidr = self.pod_cidr(gone)?;
+        run(Command::new("bash")
+            .arg(&self.script)
+            .args(["stop-node", WORK, gone]))?;
         self.kubectl(&["delete", "node", gone])?;
         for (node, _) in &NODES[..NODES.len() - 1] {
             wait_for(
@@ -671,22 +699,46 @@ impl Cluster {
     /// Every probe pod pings every other one; the mesh gets `settle` to converge first.
     fn adjacency(&self, settle: Duration) -> Result<String> {
         let pods = self.probe_ips()?;
+        if pods.len() != NODES.len() {
+            bail!(
+                "{} probe pods with an address, not {}",
+                pods.len(),
+                NODES.len()
+            );
+        }
         let mut pairs = 0;
         for (from, _) in &pods {
-            for (to, ip) in &pods {
-                if from == to {
-                    continue;
+            let targets: Vec<&str> = pods
+                .iter()
+                .filter(|(to, _)| to != from)
+                .map(|(_, ip)| ip.as_str())
+                .collect();
+            // Prints the targets that did not answer `count` pings out of `count`.
+            let ping = |count: u32| {
+                let script = format!(
+                    "for ip in {}; do ping -q -c {count} -W 2 $ip >/dev/null || echo $ip; done",
+                    targets.join(" ")
+                );
+                self.kubectl(&["exec", from, "--", "sh", "-c", &script])
+                    .map(|out| {
+                        out.split_whitespace()
+                            .map(str::to_owned)
+                            .collect::<Vec<_>>()
+                    })
+            };
+            wait_for(settle, &format!("{from} -> {targets:?}"), || {
+                let failed = ping(1)?;
+                if failed.is_empty() {
+                    Ok(Some(()))
+                } else {
+                    bail!("no answer from {failed:?}")
                 }
-                let ping = |count: &str| {
-                    self.kubectl(&["exec", from, "--", "ping", "-c", count, "-W", "2", ip])
-                };
-                wait_for(settle, &format!("{from} -> {to} ({ip})"), || {
-                    Ok(ping("1").is_ok().then_some(()))
-                })?;
-                ping("3")
-                    .with_context(|| format!("{from} -> {to} ({ip}) after the first reply"))?;
-                pairs += 1;
+            })?;
+            let failed = ping(3)?;
+            if !failed.is_empty() {
+                bail!("{from}: pings lost to {failed:?} after the mesh had converged");
             }
+            pairs += targets.len();
         }
         Ok(format!("{pairs} ordered pairs, 3 of 3 pings each"))
     }
