@@ -345,6 +345,60 @@ impl Cluster {
             "a node deleted with kubectl leaves the others' routes",
             || self.node_deleted(),
         );
+        report.step("kubectl delete -k leaves every node as before kg", || {
+            self.deleted()
+        });
+    }
+
+    /// After `kubectl delete -k`, what kg's pods left on each remaining node: routes (kg's
+    /// protocol 107), rules, the WireGuard link, the nftables table, bpffs pins, TC filters on
+    /// the pod bridge and the Node annotations.
+    fn deleted(&self) -> Result<String> {
+        self.kubectl(&["delete", "-k", "xtask/e2e"])?;
+        wait_for(Duration::from_secs(120), "kg's pods gone", || {
+            Ok(self.kilo_pods()?.is_empty().then_some(()))
+        })?;
+        let mut left = Vec::new();
+        for (node, _) in &NODES[..NODES.len() - 1] {
+            let probes: [(&str, &[&str]); 6] = [
+                ("routes", &["ip", "route", "show", "proto", "107"]),
+                (
+                    "rules",
+                    &["sh", "-c", "ip rule | grep -v -E '^(0|32766|32767):'"],
+                ),
+                (
+                    "link kilo0",
+                    &["sh", "-c", "ip -o link show kilo0 2>/dev/null"],
+                ),
+                ("nftables", &["sh", "-c", "nft list tables | grep kilo"]),
+                ("bpffs pins", &["find", "/sys/fs/bpf", "-mindepth", "1"]),
+                (
+                    "TC filters",
+                    &["tc", "filter", "show", "dev", "kube-bridge", "ingress"],
+                ),
+            ];
+            for (what, cmd) in probes {
+                let out = self.node_exec(node, cmd).unwrap_or_default();
+                if !out.trim().is_empty() {
+                    left.push(format!("{node} {what}: {}", out.trim().replace('\n', "; ")));
+                }
+            }
+            let n = self.json(&["get", "node", node])?;
+            let ours: Vec<&String> = n["metadata"]["annotations"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, _)| k)
+                .filter(|k| k.starts_with("kilo.squat.ai/"))
+                .collect();
+            if !ours.is_empty() {
+                left.push(format!("{node} annotations: {ours:?}"));
+            }
+        }
+        if !left.is_empty() {
+            bail!("left behind:\n  {}", left.join("\n  "));
+        }
+        Ok("no route, rule, link, table, pin, filter or annotation of kg's".into())
     }
 
     /// A pod in the last node's location serves its client's address (busybox httpd's CGI
