@@ -371,7 +371,19 @@ impl Cluster {
                     &["sh", "-c", "ip -o link show kilo0 2>/dev/null"],
                 ),
                 ("nftables", &["sh", "-c", "nft list tables | grep kilo"]),
-                ("bpffs pins", &["find", "/sys/fs/bpf", "-mindepth", "1"]),
+                // (progs.debug and maps.debug come with every bpffs mount)
+                (
+                    "bpffs pins",
+                    &[
+                        "find",
+                        "/sys/fs/bpf",
+                        "-mindepth",
+                        "1",
+                        "!",
+                        "-name",
+                        "*.debug",
+                    ],
+                ),
                 (
                     "TC filters",
                     &["tc", "filter", "show", "dev", "kube-bridge", "ingress"],
