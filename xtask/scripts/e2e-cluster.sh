@@ -21,6 +21,7 @@
 #   e2e-cluster.sh add-node WORK NODE:LOCATION     (after `up`; same binaries and images)
 #   e2e-cluster.sh down WORK
 #   e2e-cluster.sh node-exec WORK NODE CMD...      (in the node's network and mount namespaces)
+#   e2e-cluster.sh pod-routes WORK                 (cp reaches each node's pod CIDR through it)
 #   e2e-cluster.sh stop-node WORK NODE             (its containers, kubelet, kube-proxy, containerd)
 #   e2e-cluster.sh ext-wireguard WORK IFACE        (a wireguard-go device on the host `ext`)
 # `up` starts everything in the background (PIDs in WORK/pids) and waits until every node is
@@ -86,6 +87,12 @@ certs() {
     "$CP_IP" >"$d/san.ext"
   openssl x509 -req -in "$d/apiserver.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
     -days 2 -extfile "$d/san.ext" -out "$d/apiserver.crt" 2>/dev/null
+  # The Peer webhook's serving certificate (docs/deploying.md, without cert-manager).
+  openssl req -newkey rsa:2048 -nodes -subj /CN=kilo-peer-validation.kube-system.svc \
+    -keyout "$d/webhook.key" -out "$d/webhook.csr" 2>/dev/null
+  echo 'subjectAltName=DNS:kilo-peer-validation.kube-system.svc' >"$d/webhook.ext"
+  openssl x509 -req -in "$d/webhook.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
+    -days 2 -extfile "$d/webhook.ext" -out "$d/webhook.crt" 2>/dev/null
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
   # Every component (and the kubelets) as one administrator: this cluster tests kg, not RBAC
@@ -131,7 +138,8 @@ YAML
     --service-account-key-file="$d/sa.pub" --service-account-signing-key-file="$d/sa.key" \
     --token-auth-file="$d/tokens.csv" --authorization-mode=Node,RBAC \
     --service-cluster-ip-range="$SERVICE_CIDR" --kubelet-preferred-address-types=InternalIP \
-    --audit-policy-file="$WORK/audit.yaml" --audit-log-path="$WORK/logs/audit.log"
+    --audit-policy-file="$WORK/audit.yaml" --audit-log-path="$WORK/logs/audit.log" \
+    --enable-aggregator-routing=true # webhooks called at the pod's address: see pod-routes
   local i
   for i in $(seq 1 120); do
     kubectl_cp get --raw /readyz >/dev/null 2>&1 && break
@@ -398,6 +406,14 @@ case "$cmd" in
     mapfile -t IMAGES <"$WORK/images"
     node_up "${1%%:*}" "${1#*:}"
     wait_registered "${1%%:*}"
+    ;;
+  pod-routes)
+    # The control plane is no node (no kg there): it reaches each node's pods through that
+    # node, as on a flat network (through one node, WireGuard would drop a source that is
+    # no peer's).
+    BIN=$(cat "$WORK/bin")
+    kubectl_cp get nodes -o jsonpath='{range .items[*]}{.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}' |
+      while read -r cidr ip; do in_ns cp ip route replace "$cidr" via "$ip"; done
     ;;
   stop-node) node_down "$1" ;;
   ext-wireguard)

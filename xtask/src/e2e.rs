@@ -176,6 +176,23 @@ fn output_in(cmd: &mut Command, input: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Standard base64 with padding (the caBundle).
+fn base64(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in data.chunks(3) {
+        let n = chunk.iter().fold(0u32, |n, b| n << 8 | u32::from(*b)) << (8 * (3 - chunk.len()));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
 fn in_cidr(ip: &str, cidr: &str) -> bool {
     let (Some((net, len)), Ok(ip)) = (cidr.split_once('/'), ip.parse::<Ipv4Addr>()) else {
         return false;
@@ -248,9 +265,7 @@ impl Cluster {
             }
             Ok(format!("{} nodes registered, none Ready", NODES.len()))
         });
-        if !report.step("kubectl apply -k xtask/e2e", || {
-            self.kubectl(&["apply", "-k", "xtask/e2e"])
-        }) {
+        if !report.step("kubectl apply -k xtask/e2e", || self.deploy()) {
             return;
         }
         if !report.step("DaemonSet rolled out on every node", || {
@@ -336,6 +351,10 @@ impl Cluster {
         report.step(
             "a Peer applied with kubectl: `kgctl showconf peer` configures an outside host that then reaches every pod",
             || self.peer(),
+        );
+        report.step(
+            "the deployed webhook refuses a Peer with a malformed CIDR, naming the field",
+            || self.webhook(),
         );
         report.step(
             "a rolling update of the DaemonSet under pod-to-pod traffic loses no packet",
@@ -467,6 +486,74 @@ impl Cluster {
         Ok(format!(
             "{client} ({client_loc}) -> {cluster_ip} -> echo on {server_node} ({server_loc}): saw {seen}"
         ))
+    }
+
+    /// The webhook's Secret (before, so its pod starts at once), `kubectl apply -k`, then the
+    /// CA in the ValidatingWebhookConfiguration, as docs/deploying.md says without cert-manager.
+    fn deploy(&self) -> Result<String> {
+        let pki = self.work.join("pki");
+        let (crt, key) = (pki.join("webhook.crt"), pki.join("webhook.key"));
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "create",
+            "secret",
+            "tls",
+            "kilo-peer-validation-tls",
+            &format!("--cert={}", crt.display()),
+            &format!("--key={}", key.display()),
+        ])?;
+        let applied = self.kubectl(&["apply", "-k", "xtask/e2e"])?;
+        let ca = std::fs::read(pki.join("ca.crt"))?;
+        let patch = json!([{
+            "op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": base64(&ca),
+        }]);
+        self.kubectl(&[
+            "patch",
+            "validatingwebhookconfiguration",
+            "peers.kilo.squat.ai",
+            "--type=json",
+            "-p",
+            &patch.to_string(),
+        ])?;
+        Ok(applied.lines().count().to_string() + " objects applied")
+    }
+
+    /// A Peer whose allowed IP is no CIDR: once the webhook's pod is available, refused with
+    /// the field named (the CRD's schema lets any non-empty string through).
+    fn webhook(&self) -> Result<String> {
+        run(Command::new("bash")
+            .arg(&self.script)
+            .args(["pod-routes", WORK]))?;
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "wait",
+            "--for=condition=Available",
+            "deployment/kilo-peer-validation",
+            "--timeout=120s",
+        ])?;
+        let peer = json!({
+            "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer", "metadata": {"name": "bad"},
+            "spec": {
+                "allowedIPs": ["10.5.0.300/32"],
+                "publicKey": "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=",
+            },
+        });
+        match self.apply(&peer) {
+            Ok(out) => {
+                let _ = self.kubectl(&["delete", "peer", "bad"]);
+                bail!("admitted: {}", out.trim())
+            }
+            Err(e) => {
+                let e = format!("{e:#}");
+                if !e.contains("denied the request") || !e.contains("allowedIPs") {
+                    bail!("refused, but not by the webhook naming allowedIPs: {e}");
+                }
+                let why = e.lines().find(|l| l.contains("denied")).unwrap_or(&e);
+                Ok(why.trim().to_owned())
+            }
+        }
     }
 
     /// The host `ext` (outside the cluster, on the public side) gets a wireguard-go device, a
@@ -861,4 +948,31 @@ fn ready_nodes(nodes: &Value) -> Vec<String> {
         })
         .filter_map(|n| n["metadata"]["name"].as_str().map(str::to_owned))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_is_rfc_4648() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded);
+        }
+    }
+
+    #[test]
+    fn cidr_containment() {
+        assert!(in_cidr("10.42.3.7", "10.42.3.0/24"));
+        assert!(!in_cidr("10.42.4.7", "10.42.3.0/24"));
+        assert!(in_cidr("1.2.3.4", "0.0.0.0/0"));
+        assert!(!in_cidr("10.42.3.7", "not a cidr"));
+    }
 }
