@@ -11,7 +11,8 @@
 #     private address kg finds (same-location traffic, IPIP)
 #
 # Each node: ns krs-e2e-nI and its own mount namespace (a file under $WORK/mnt) in which
-# /var/lib/kubelet, /var/log/pods, /var/log/containers, /etc/cni/net.d, /var/lib/kilo,
+# /var/lib/kubelet, /var/log/pods, /var/log/containers, /etc/cni/net.d, /etc/kubernetes
+# (the kubelet's kubeconfig at kubeadm's path, which kg's manifests read), /var/lib/kilo,
 # /var/lib/containerd, /run/containerd, /run/netns and /run/wireguard are its own directories and
 # /sys/fs/bpf its own bpffs, running containerd, kubelet and kube-proxy (iptables mode). The pods'
 # cgroups are under /krs-e2e/nI of every cgroup v1 hierarchy.
@@ -35,7 +36,7 @@ SERVICE_CIDR=10.96.0.0/12
 TOKEN=krs-e2e-admin-token
 CGROUP_ROOT=/sys/fs/cgroup
 # The node-local paths that are each node's own (bind mounts in its mount namespace).
-NODE_DIRS="var/lib/kubelet var/log/pods var/log/containers etc/cni/net.d var/lib/kilo var/lib/containerd run/containerd run/netns run/wireguard"
+NODE_DIRS="var/lib/kubelet var/log/pods var/log/containers etc/cni/net.d etc/kubernetes var/lib/kilo var/lib/containerd run/containerd run/netns run/wireguard"
 
 log() { printf '[e2e-cluster] %s\n' "$*" >&2; }
 
@@ -236,6 +237,26 @@ node_up() { # node_up NODE LOCATION
   in_node "$node" mount -t bpf bpf /sys/fs/bpf
   # As on a systemd host: mounts shared, so kubelet's HostToContainer propagation works.
   in_node "$node" mount --make-rshared /
+  # The kubelet's kubeconfig where kubeadm puts it (kg's init container reads its server).
+  cat >"$nd/etc/kubernetes/kubelet.conf" <<YAML
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster:
+    server: https://$CP_IP:6443
+    certificate-authority: $WORK/pki/ca.crt
+users:
+- name: kubelet
+  user:
+    token: $TOKEN
+contexts:
+- name: e2e
+  context:
+    cluster: e2e
+    user: kubelet
+current-context: e2e
+YAML
   containerd_config "$node" >"$nd/containerd.toml"
   local c
   for c in $(cgroup_controllers); do mkdir -p "$CGROUP_ROOT/$c/$P/$node"; done
@@ -253,7 +274,7 @@ node_up() { # node_up NODE LOCATION
   done
   # No disk-pressure eviction nor image garbage collection past the defaults' 85-90 %: this
   # machine's disk is shared with builds, and the images cannot be pulled again.
-  spawn "kubelet-$node" "${NODE_NS[@]}" "$BIN/kubelet" --kubeconfig="$WORK/admin.kubeconfig" \
+  spawn "kubelet-$node" "${NODE_NS[@]}" "$BIN/kubelet" --kubeconfig=/etc/kubernetes/kubelet.conf \
     --container-runtime=remote \
     --container-runtime-endpoint=unix:///run/containerd/containerd.sock \
     --cert-dir="$nd/pki" --cgroup-driver=cgroupfs --cgroups-per-qos=false \
