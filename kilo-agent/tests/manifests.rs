@@ -368,9 +368,10 @@ fn every_overlay_has_its_distributions_paths_and_its_modes_flags() {
             Some(d.kubelet_kubeconfig),
             "{name}"
         );
-        // Kilo as the CNI mounts the runtime's CNI configuration directory; an add-on none.
+        // Kilo as the CNI (userspace included, as Kilo's kilo-kubeadm-userspace.yaml) mounts the
+        // runtime's CNI configuration directory; an add-on none.
         let cni_dir = r.host_paths.get("cni-conf-dir").map(String::as_str);
-        let is_cni = !o.mode.contains(&"--cni=false") && o.mode != USERSPACE;
+        let is_cni = !o.mode.contains(&"--cni=false");
         assert_eq!(cni_dir, is_cni.then_some(d.cni_conf_dir), "{name}");
         for path in r.host_paths.values() {
             for foreign in d.foreign {
