@@ -218,10 +218,20 @@ fn cross_cargo(path: &std::ffi::OsStr, arch: &Arch, subcommand: &str) -> Command
         .env("KILO_CACHE_DIR", cache_dir())
         .args([subcommand, "--target", arch.target]);
     if arch.build_std {
+        // No self-contained crt objects come without rust-std: zig's musl brings its own.
         cmd.env("RUSTC_BOOTSTRAP", "1")
+            .env(target_env(arch, "RUSTFLAGS"), "-Clink-self-contained=no")
             .arg("-Zbuild-std=std,panic_abort");
     }
     cmd
+}
+
+/// Cargo's `CARGO_TARGET_<TRIPLE>_<KEY>` variable for the arch's target.
+fn target_env(arch: &Arch, key: &str) -> String {
+    format!(
+        "CARGO_TARGET_{}_{key}",
+        arch.target.to_uppercase().replace('-', "_")
+    )
 }
 
 fn bin_dir(arch: &Arch) -> PathBuf {
@@ -439,18 +449,10 @@ fn check_arch(out: &Path, archive: &Path, fixture: &Path, arch: &Arch) -> Result
 fn arm64_test_tier(path: &std::ffi::OsStr) -> Result<()> {
     let arch = &ARCHES[1];
     let qemu = arch.qemu.expect("arm64 is emulated");
-    let runner = format!(
-        "CARGO_TARGET_{}_RUNNER",
-        arch.target.to_uppercase().replace('-', "_")
-    );
     let started = std::time::Instant::now();
-    run(cross_cargo(path, arch, "test").env(runner, qemu).args([
-        "--package",
-        "kilo-agent",
-        "--lib",
-        "--test",
-        "golden",
-    ]))?;
+    run(cross_cargo(path, arch, "test")
+        .env(target_env(arch, "RUNNER"), qemu)
+        .args(["--package", "kilo-agent", "--lib", "--test", "golden"]))?;
     eprintln!(
         "xtask: the pure tier passed for {} under {qemu} in {:.0?}",
         arch.target,
