@@ -48,7 +48,7 @@ pub fn e2e(keep: bool, down: bool) -> Result<()> {
     let start = Instant::now();
     install_debian_packages(pins::E2E_PACKAGES)?;
     let bin = install_kube_cluster()?;
-    crate::image()?;
+    crate::image::host_image()?;
     let images = root_dir().join("target/e2e/images");
     run(Command::new("bash")
         .arg(root_dir().join("xtask/scripts/e2e-images.sh"))

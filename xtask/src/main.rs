@@ -4,6 +4,7 @@
 //! toolchains and tools (see `pins.rs`), then drives cargo with them.
 mod bench;
 mod e2e;
+mod image;
 mod pins;
 mod soak;
 
@@ -37,9 +38,14 @@ enum Task {
     },
     /// Build a three-node mesh in network namespaces and show it working (needs root).
     Demo,
-    /// Build the container image: static kg and kgctl on an empty base, as an OCI layout
-    /// (target/image/oci) and a docker-archive (target/image/kilo-rs.tar), then check it.
-    Image,
+    /// Build the container image for linux/amd64, arm64 and arm/v7: static kg and kgctl on an
+    /// empty base, one OCI image index (target/image/oci), docker-archives and kgctl release
+    /// files (target/image), then check each architecture (under qemu-user-static).
+    Image {
+        /// Also run the pure test tier for arm64 under qemu-user-static.
+        #[arg(long)]
+        check_arm64_tests: bool,
+    },
     /// Fuzz the parsers of outside input (kilo-agent/fuzz): every target, or one, for a while.
     Fuzz {
         /// One target (node, peer, objects, values, cni); default: all of them.
@@ -89,9 +95,9 @@ fn main() -> Result<()> {
             setup()?;
             demo()
         }
-        Task::Image => {
+        Task::Image { check_arm64_tests } => {
             setup()?;
-            image()
+            image::image(check_arm64_tests)
         }
         Task::Fuzz { target, seconds } => {
             setup()?;
@@ -407,142 +413,6 @@ fn demo() -> Result<()> {
     run(Command::new("bash")
         .arg(root_dir().join("xtask/scripts/demo.sh"))
         .arg(root_dir().join("target/debug")))
-}
-
-/// The image's name and tag.
-fn image_ref() -> String {
-    format!("kilo-rs:{}", env!("CARGO_PKG_VERSION"))
-}
-
-/// Builds `kg` and `kgctl` statically (musl) and assembles them into an image with umoci
-/// (there is no Docker engine here), then checks it. The Dockerfile at the top level builds the
-/// same image from the same binaries where Docker is at hand.
-pub(crate) fn image() -> Result<()> {
-    if !is_root() {
-        bail!("building the image installs Debian packages and unpacks layers as root");
-    }
-    install_debian_packages(pins::IMAGE_PACKAGES)?;
-    let targets = output(Command::new("rustup").args([
-        "target",
-        "list",
-        "--installed",
-        "--toolchain",
-        pins::STABLE,
-    ]))?;
-    if !targets.lines().any(|l| l == pins::IMAGE_TARGET) {
-        run(Command::new("rustup").args([
-            "target",
-            "add",
-            pins::IMAGE_TARGET,
-            "--toolchain",
-            pins::STABLE,
-        ]))?;
-    }
-    run(cargo()
-        .env("CC_x86_64_unknown_linux_musl", "x86_64-linux-musl-gcc")
-        .args(["build", "--release", "--package", "kilo-agent", "--bins"])
-        .args(["--target", pins::IMAGE_TARGET]))?;
-    let bin = root_dir().join(format!("target/{}/release", pins::IMAGE_TARGET));
-    let out = root_dir().join("target/image");
-    let layout = out.join("oci");
-    let bundle = out.join("bundle");
-    for dir in [&layout, &bundle] {
-        if dir.exists() {
-            std::fs::remove_dir_all(dir)?;
-        }
-    }
-    std::fs::create_dir_all(&out)?;
-    let tag = env!("CARGO_PKG_VERSION");
-    let image = format!("{}:{tag}", layout.display());
-    run(Command::new("umoci")
-        .args(["init", "--layout"])
-        .arg(&layout))?;
-    run(Command::new("umoci").args(["new", "--image", &image]))?;
-    run(Command::new("umoci")
-        .args(["unpack", "--image", &image])
-        .arg(&bundle))?;
-    let usr_bin = bundle.join("rootfs/usr/bin");
-    std::fs::create_dir_all(&usr_bin)?;
-    for name in ["kg", "kgctl"] {
-        std::fs::copy(bin.join(name), usr_bin.join(name))?;
-    }
-    run(Command::new("umoci")
-        .args(["repack", "--image", &image])
-        .arg(&bundle))?;
-    run(Command::new("umoci").args([
-        "config",
-        "--image",
-        &image,
-        "--os",
-        "linux",
-        "--architecture",
-        "amd64",
-        "--config.entrypoint",
-        "/usr/bin/kg",
-        "--config.label",
-        "org.opencontainers.image.title=kilo-rs",
-        "--config.label",
-        &format!("org.opencontainers.image.version={tag}"),
-    ]))?;
-    let archive = out.join("kilo-rs.tar");
-    let _ = std::fs::remove_file(&archive);
-    run(Command::new("skopeo")
-        .args(["copy", &format!("oci:{image}")])
-        .arg(format!(
-            "docker-archive:{}:{}",
-            archive.display(),
-            image_ref()
-        )))?;
-    check_image(&archive, &bundle)?;
-    eprintln!(
-        "image {}: OCI layout {} (tag {tag}), docker-archive {} (`docker load -i`, `podman load -i`, \
-         `ctr images import`)",
-        image_ref(),
-        layout.display(),
-        archive.display()
-    );
-    Ok(())
-}
-
-/// Reads the archive's configuration back (entrypoint, OS, architecture) and runs the binaries
-/// in the image's root.
-fn check_image(archive: &Path, bundle: &Path) -> Result<()> {
-    let config = output(
-        Command::new("skopeo")
-            .args(["inspect", "--config"])
-            .arg(format!("docker-archive:{}", archive.display())),
-    )?;
-    let config: serde_json::Value =
-        serde_json::from_str(&config).context("skopeo inspect --config")?;
-    let entrypoint = &config["config"]["Entrypoint"];
-    if entrypoint != &serde_json::json!(["/usr/bin/kg"])
-        || config["os"] != "linux"
-        || config["architecture"] != "amd64"
-    {
-        bail!("image configuration is not what was built: {config:#}");
-    }
-    let rootfs = bundle.join("rootfs");
-    let entries: Vec<String> = std::fs::read_dir(&rootfs)?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    if entries != ["usr"] {
-        bail!("the image holds more than /usr/bin/{{kg,kgctl}}: {entries:?}");
-    }
-    // Inside the image's own root, where there is no libc: the binaries are static.
-    for name in ["kg", "kgctl"] {
-        let version = output(
-            Command::new("chroot")
-                .arg(&rootfs)
-                .arg(format!("/usr/bin/{name}"))
-                .arg("--version"),
-        )?;
-        if !version.starts_with(&format!("{name} {}", env!("CARGO_PKG_VERSION"))) {
-            bail!("{name} --version in the image printed {version:?}");
-        }
-    }
-    eprintln!("image checked: entrypoint /usr/bin/kg, linux/amd64, static kg and kgctl run in it");
-    Ok(())
 }
 
 fn test(args: &[String]) -> Result<()> {

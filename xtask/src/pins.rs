@@ -59,8 +59,12 @@ pub const E2E_PACKAGES: &[&str] = &[
 ];
 /// cargo-fuzz, which builds and runs the fuzz targets (with NIGHTLY).
 pub const CARGO_FUZZ: &str = "0.13.2";
-/// The static target of the image's binaries.
+/// The static target of the image's amd64 binaries (xtask/src/image.rs lists the others).
 pub const IMAGE_TARGET: &str = "x86_64-unknown-linux-musl";
-/// Debian packages that build and assemble the image (a musl C compiler for ring, umoci and
-/// skopeo for the OCI layout and the docker-archive).
-pub const IMAGE_PACKAGES: &[&str] = &["musl-tools", "umoci", "skopeo"];
+/// Debian packages that assemble and check the image (umoci and skopeo for the OCI layout, the
+/// index and the docker-archives; qemu-user-static runs the other architectures' binaries).
+pub const IMAGE_PACKAGES: &[&str] = &["umoci", "skopeo", "qemu-user-static"];
+/// zig from PyPI (`ziglang`): the C compiler (for ring) and the musl of every image target.
+pub const ZIGLANG: &str = "0.15.2";
+/// cargo-zigbuild, which builds with zig as the C compiler and linker.
+pub const CARGO_ZIGBUILD: &str = "0.24.1";

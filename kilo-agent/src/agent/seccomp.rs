@@ -14,11 +14,19 @@ use seccompiler::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
-    #[error("seccomp: unsupported architecture {0}")]
-    Arch(String),
     #[error("seccomp: {0}")]
     Filter(String),
 }
+
+/// `kexec_file_load`, which libc names for musl on x86_64 only.
+#[cfg(target_arch = "x86_64")]
+const SYS_KEXEC_FILE_LOAD: libc::c_long = libc::SYS_kexec_file_load;
+/// asm-generic/unistd.h's number.
+#[cfg(target_arch = "aarch64")]
+const SYS_KEXEC_FILE_LOAD: libc::c_long = 294;
+/// arch/arm/tools/syscall.tbl's number.
+#[cfg(target_arch = "arm")]
+const SYS_KEXEC_FILE_LOAD: libc::c_long = 401;
 
 /// The system calls refused outright.
 const REFUSED: [libc::c_long; 21] = [
@@ -39,7 +47,7 @@ const REFUSED: [libc::c_long; 21] = [
     libc::SYS_finit_module,
     libc::SYS_delete_module,
     libc::SYS_kexec_load,
-    libc::SYS_kexec_file_load,
+    SYS_KEXEC_FILE_LOAD,
     libc::SYS_reboot,
     libc::SYS_swapon,
     libc::SYS_swapoff,
@@ -49,11 +57,17 @@ const REFUSED: [libc::c_long; 21] = [
 const BPF_MAP_CREATE: u64 = 0;
 const BPF_PROG_LOAD: u64 = 5;
 
-/// Installs the filter on all threads of the process. Irreversible.
-pub fn install() -> Result<(), SeccompError> {
-    let arch = std::env::consts::ARCH
-        .try_into()
-        .map_err(|_| SeccompError::Arch(std::env::consts::ARCH.into()))?;
+/// Installs the filter on all threads of the process (irreversible) and returns true. On an
+/// architecture seccompiler has no filter for (32-bit ARM), warns and returns false: Kilo has
+/// no filter at all, and the agent must still run there.
+pub fn install() -> Result<bool, SeccompError> {
+    let Ok(arch) = std::env::consts::ARCH.try_into() else {
+        tracing::warn!(
+            arch = std::env::consts::ARCH,
+            "no seccomp filter for this architecture: exec is not forbidden"
+        );
+        return Ok(false);
+    };
     let err = |e: seccompiler::BackendError| SeccompError::Filter(e.to_string());
     let bpf_cmd = |cmd| {
         SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, cmd)
@@ -61,9 +75,9 @@ pub fn install() -> Result<(), SeccompError> {
             .map_err(err)
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        REFUSED.iter().map(|nr| (*nr, vec![])).collect();
+        REFUSED.iter().map(|nr| (i64::from(*nr), vec![])).collect();
     rules.insert(
-        libc::SYS_bpf,
+        i64::from(libc::SYS_bpf),
         vec![bpf_cmd(BPF_MAP_CREATE)?, bpf_cmd(BPF_PROG_LOAD)?],
     );
     let filter = SeccompFilter::new(
@@ -74,5 +88,7 @@ pub fn install() -> Result<(), SeccompError> {
     )
     .map_err(err)?;
     let program: BpfProgram = filter.try_into().map_err(err)?;
-    seccompiler::apply_filter_all_threads(&program).map_err(|e| SeccompError::Filter(e.to_string()))
+    seccompiler::apply_filter_all_threads(&program)
+        .map_err(|e| SeccompError::Filter(e.to_string()))?;
+    Ok(true)
 }

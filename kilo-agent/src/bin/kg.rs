@@ -248,10 +248,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         "capabilities dropped on every thread"
     );
     if flags.seccomp {
-        seccomp::install()?;
-        tracing::info!(
-            "seccomp filter installed: this process can no longer exec, load BPF programs, trace or mount"
-        );
+        if seccomp::install()? {
+            tracing::info!(
+                "seccomp filter installed: this process can no longer exec, load BPF programs, trace or mount"
+            );
+        }
     } else {
         tracing::warn!("--seccomp=false: exec is not forbidden");
     }
