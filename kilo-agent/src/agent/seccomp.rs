@@ -74,10 +74,13 @@ pub fn install() -> Result<bool, SeccompError> {
             .and_then(|c| SeccompRule::new(vec![c]))
             .map_err(err)
     };
+    // libc's syscall numbers are `c_long`: i64 on 64-bit targets, i32 on 32-bit ARM.
+    #[allow(clippy::useless_conversion)]
+    let nr = |n: libc::c_long| i64::from(n);
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        REFUSED.iter().map(|nr| (i64::from(*nr), vec![])).collect();
+        REFUSED.iter().map(|n| (nr(*n), vec![])).collect();
     rules.insert(
-        i64::from(libc::SYS_bpf),
+        nr(libc::SYS_bpf),
         vec![bpf_cmd(BPF_MAP_CREATE)?, bpf_cmd(BPF_PROG_LOAD)?],
     );
     let filter = SeccompFilter::new(
