@@ -428,7 +428,18 @@ fn check_arch(out: &Path, archive: &Path, fixture: &Path, arch: &Arch) -> Result
             );
         }
     }
-    let conf = binary("kgctl")
+    // Outside the chroot, where the fixture is: the image's own kgctl, emulated where needed.
+    let kgctl = rootfs.join("usr/bin/kgctl");
+    let mut showconf = match arch.qemu {
+        None => Command::new(&kgctl),
+        Some(qemu) => {
+            let mut c = Command::new(qemu);
+            c.arg(&kgctl);
+            c
+        }
+    };
+    let conf = showconf
+        .env_remove("KUBECONFIG")
         .args(["--backend", "file", "--backend-dir"])
         .arg(fixture)
         .args(["--mesh-granularity", "location", "showconf", "node", "b"])
