@@ -28,7 +28,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kilo_agent::{agent::ANNOTATION_KEY, mesh::Key, reconcile::wireguard::uapi_socket};
+use kilo_agent::{
+    mesh::{Key, annotations::KEY as ANNOTATION_KEY},
+    reconcile::wireguard::uapi_socket,
+};
 use support::{
     agent::{ENDPOINT_ANNOTATION, peer_yaml},
     netns::{NetNs, WgGo, veth},

@@ -8,10 +8,10 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use kilo_agent::{
-    agent::{ANNOTATION_KEY, Agent, Local, LoopSettings, PlanOutcome},
+    agent::{Agent, Local, LoopSettings, PlanOutcome},
     backend::file::FileBackend,
     datapath::{Counter, FakeDatapath, Trie},
-    mesh::{Key, Snapshot},
+    mesh::{Key, Snapshot, annotations::KEY as ANNOTATION_KEY},
     reconcile::{FakeKernel, Reconciler, wireguard::FakeWireGuard},
     telemetry::Metrics,
 };
@@ -113,14 +113,20 @@ fn run_case(clean_up: bool) -> (FakeAgent, tempfile::TempDir, u64) {
 fn bursts_coalesce_and_clean_up_false_leaves_everything() {
     let (a, dir, burst) = run_case(false);
     assert!(burst < 20, "20 file writes cost {burst} reconciles");
-    let k = &a.reconciler.kernel.state;
+    let k = &a.reconciler.kernel().state;
     assert_eq!(k.routes.len(), 21);
     assert_eq!(k.addresses.len(), 1);
     assert_eq!(
-        a.reconciler.wireguard.device.as_ref().unwrap().peers.len(),
+        a.reconciler
+            .wireguard()
+            .device
+            .as_ref()
+            .unwrap()
+            .peers
+            .len(),
         21
     );
-    assert_eq!(a.reconciler.datapath.len(), 21);
+    assert_eq!(a.reconciler.datapath().len(), 21);
     // The datapath metrics read the maps at scrape time, labelled with the plan's owners.
     let text = a.metrics.encode();
     let entries = r#"kilo_datapath_map_entries{map="mesh_destination"}"#;
@@ -138,14 +144,14 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
         let series = format!("kilo_reconcile_triggers_total{{cause=\"{cause}\"}}");
         assert_eq!(support::agent::metric(&text, &series), Some(n), "{text}");
     }
-    let mut maps = a.reconciler.datapath.maps();
+    let mut maps = a.reconciler.datapath().maps();
     let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
     let slot = maps.tries[&Trie::Destination][&p1].counter as usize;
     maps.counters[slot] = Counter {
         packets: 5,
         bytes: 420,
     };
-    a.reconciler.datapath.set_maps(maps);
+    a.reconciler.datapath().set_maps(maps);
     let text = a.metrics.encode();
     let p1_packets = r#"kilo_datapath_entry_packets_total{role="mesh_destination",cidr="10.200.0.1/32",kind="peer",owner="p1"}"#;
     assert_eq!(support::agent::metric(&text, p1_packets), Some(5), "{text}");
@@ -157,7 +163,7 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
 #[test]
 fn clean_up_true_removes_our_state_and_annotations() {
     let (a, dir, _) = run_case(true);
-    let k = &a.reconciler.kernel.state;
+    let k = &a.reconciler.kernel().state;
     assert!(
         k.routes.is_empty() && k.rules.is_empty() && k.addresses.is_empty(),
         "{k:?}"
@@ -166,7 +172,7 @@ fn clean_up_true_removes_our_state_and_annotations() {
         k.links.contains_key("kilo0"),
         "--clean-up-interface=false keeps the link"
     );
-    assert!(a.reconciler.datapath.is_empty());
+    assert!(a.reconciler.datapath().is_empty());
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(!mine.contains("kilo.squat.ai/"), "{mine}");
 }

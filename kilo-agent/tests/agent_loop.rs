@@ -11,10 +11,10 @@ use std::{
 };
 
 use kilo_agent::{
-    agent::{ANNOTATION_KEY, Agent, LoopSettings},
+    agent::{Agent, LoopSettings},
     backend::file::FileBackend,
     datapath::FakeDatapath,
-    mesh::Key,
+    mesh::{Key, annotations::KEY as ANNOTATION_KEY},
     reconcile::{
         Reconciler, Settings,
         netlink::{Changes, NetlinkKernel, watch},
@@ -144,7 +144,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
                     agent_metrics,
                 );
                 let (tx, rx) = tokio::sync::mpsc::channel(1);
-                let _w = watch(agent.filter.clone(), tx, changes).unwrap();
+                let _w = watch(agent.event_filter(), tx, changes).unwrap();
                 agent
                     .run(Some(rx), async move {
                         let _ = stop_rx.await;

@@ -282,7 +282,7 @@ fn adding_a_peer_keeps_the_other_sessions() {
     ok(&first);
     a.sh("busybox ping -c2 -W5 10.4.0.2");
     let before = in_ns(&a, &wga.name, ska, async move |r: &mut Real| {
-        r.wireguard.observe().unwrap().unwrap()
+        r.wireguard_mut().observe().unwrap().unwrap()
     });
     let stats = before.stats[&remote].clone();
     assert!(stats.last_handshake.is_some(), "no handshake: {stats:?}");
@@ -299,7 +299,7 @@ fn adding_a_peer_keeps_the_other_sessions() {
     let (second, after) = in_ns(&a, &wga.name, ska, {
         async move |r: &mut Real| {
             let w = r.reconcile(&p2).await.unwrap();
-            (w, r.wireguard.observe().unwrap().unwrap())
+            (w, r.wireguard_mut().observe().unwrap().unwrap())
         }
     });
     ok(&second);
@@ -428,7 +428,7 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
                 .map(|l| l.index)
                 .collect::<BTreeSet<_>>(),
             wireguard_index: report.links.get(&wgname).map(|l| l.index),
-            own_port: Some(r.kernel.port()),
+            own_port: Some(r.kernel().port()),
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(1000);
         let _watch = watch(std::sync::Arc::new(filter.into()), tx, Changes::default()).unwrap();
@@ -478,7 +478,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
     let ip = format!("ip netns exec {}", a.name);
     in_ns(&a, &wg.name, sk, async move |r: &mut Real| {
         let changes = Changes::default();
-        r.kernel.follow(changes.clone());
+        r.kernel_mut().follow(changes.clone());
         let (tx, _rx) = tokio::sync::mpsc::channel(1);
         let watcher = watch(Default::default(), tx, changes.clone()).unwrap();
         settle().await;
@@ -486,20 +486,20 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
         // The echoes of our writes: the pass after them reads once, the next ones not.
         settle().await;
         ok(&r.reconcile(&p).await.unwrap());
-        let dumps = r.kernel.dumps();
+        let dumps = r.kernel().dumps();
         for _ in 0..3 {
             let idle = r.reconcile(&p).await.unwrap();
             ok(&idle);
             assert!(idle.writes.is_empty(), "{}", idle.writes);
         }
-        assert_eq!(r.kernel.dumps(), dumps, "idle passes dumped the kernel");
+        assert_eq!(r.kernel().dumps(), dumps, "idle passes dumped the kernel");
 
         // A change that triggers no reconcile (an address on another link) is still seen by
         // the next pass: here, as a conflict with the WireGuard address.
         sh(&format!("{ip} ip addr add 10.4.0.1/32 dev eth0"));
         settle().await;
         let conflict = r.reconcile(&p).await.unwrap();
-        assert_eq!(r.kernel.dumps(), dumps + 1);
+        assert_eq!(r.kernel().dumps(), dumps + 1);
         assert!(
             conflict.problems.iter().any(|p| p.contains("also on eth0")),
             "{:?}",
@@ -518,7 +518,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
         // A change the watcher misses is read at the READ_BACK_EVERY-th pass.
         watcher.abort();
         settle().await;
-        let dumps = r.kernel.dumps();
+        let dumps = r.kernel().dumps();
         sh(&format!("{ip} ip route del 10.0.0.2/32 table 1107"));
         let mut repaired_at = None;
         for i in 1..=READ_BACK_EVERY {
@@ -527,7 +527,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
             }
         }
         assert_eq!(repaired_at, Some(READ_BACK_EVERY));
-        assert_eq!(r.kernel.dumps(), dumps + 1);
+        assert_eq!(r.kernel().dumps(), dumps + 1);
 
         // Still unwatched: after a write the next pass reads what it wrote, not the record.
         let mut more = p.clone();

@@ -161,15 +161,15 @@ fn ten_thousand_peers_and_a_huge_file_converge_and_the_loop_keeps_serving() {
         converged
     });
 
-    let device = agent.reconciler.wireguard.device.as_ref().unwrap();
+    let device = agent.reconciler.wireguard().device.as_ref().unwrap();
     assert_eq!(device.peers.len(), PEERS as usize + 2);
     let big_peer = &device.peers[&key(PEERS)];
     assert_eq!(big_peer.allowed_ips.len(), BIG_PEER_IPS as usize);
     // Each peer's allowed IPs are mesh destinations.
     assert!(
-        agent.reconciler.datapath.len() >= (PEERS + BIG_PEER_IPS + 1) as usize,
+        agent.reconciler.datapath().len() >= (PEERS + BIG_PEER_IPS + 1) as usize,
         "{}",
-        agent.reconciler.datapath.len()
+        agent.reconciler.datapath().len()
     );
     // The huge file was refused unread, naming its size; the fat node's annotation by name.
     let update = backend.updates().borrow().clone();

@@ -182,7 +182,6 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     let datapath = datapath(&flags, devices.clone())?;
     let mut kernel = NetlinkKernel::connect()?;
-    let own_port = kernel.port();
     let changes = netlink::Changes::default();
     kernel.follow(changes.clone());
     let reconciler = Reconciler::new(
@@ -234,8 +233,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
 
     let (_bound, _server) = telemetry::serve(flags.listen, metrics).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(1);
-    agent.filter.lock().expect("filter lock").own_port = Some(own_port);
-    let _watch = netlink::watch(agent.filter.clone(), tx, changes)?;
+    let _watch = netlink::watch(agent.event_filter(), tx, changes)?;
     // Start-up is done (programs loaded, bpffs mounted, sockets bound): keep only what the
     // steady state uses.
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();

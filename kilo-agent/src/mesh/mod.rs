@@ -3,7 +3,8 @@
 //!
 //! Owns: the raw [`Snapshot`], its typed form ([`Node`], [`MeshPeer`]), the parsers and
 //! their per-object errors ([`ObjectError`]), the resolution of duplicate identities and
-//! conflicting claims ([`resolve_conflicts`]), and the on-disk object loader ([`objects`]).
+//! conflicting claims ([`resolve_conflicts`]), the on-disk object loader ([`objects`]), and
+//! Kilo's annotation names ([`annotations`]).
 //! Parsing is pure; only [`objects::load_dir`] reads files.
 //!
 //! Every value is read exactly as Kilo's `translateNode`, `Peer.Validate` and `translatePeer`
@@ -29,6 +30,7 @@
 //!   refused by name, unparsed.
 //! - A `discovered-endpoints` entry no peer could use (no IP, a port outside 0..=65535) is
 //!   dropped; Kilo keeps it.
+pub mod annotations;
 mod conflicts;
 mod crd;
 mod endpoint;
@@ -46,7 +48,7 @@ pub use crd::{DnsOrIp, Peer, PeerEndpoint, PeerSpec};
 pub use endpoint::{Endpoint, EndpointError, Host};
 pub use k8s_openapi::api::core::v1::Node as KubeNode;
 pub use key::{Key, KeyError};
-pub use node::{CHECK_IN_PERIOD_SECS, DEFAULT_TOPOLOGY_LABEL, Node, annotations};
+pub use node::{CHECK_IN_PERIOD_SECS, DEFAULT_TOPOLOGY_LABEL, Node};
 pub use peer::MeshPeer;
 
 /// The raw objects a backend has seen, keyed by name: the input of everything pure.

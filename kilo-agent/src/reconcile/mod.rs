@@ -27,6 +27,7 @@ pub mod wireguard;
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    sync::{Arc, Mutex},
 };
 
 pub use kilo_common::Counter;
@@ -38,6 +39,7 @@ pub use crate::effects::{
 };
 
 use self::{
+    netlink::EventFilter,
     state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
     wireguard::{Resolver, WgDiff, WireGuard},
 };
@@ -73,6 +75,12 @@ pub trait Kernel {
         _private: u32,
     ) -> Result<BTreeMap<IpAddr, IpAddr>, KernelError> {
         Ok(BTreeMap::new())
+    }
+
+    /// The port that kernel notifications of our own writes carry, if it has one (see
+    /// [`EventFilter::own_port`]).
+    fn echo_port(&self) -> Option<u32> {
+        None
     }
 }
 
@@ -241,17 +249,56 @@ pub enum Realms {
 
 /// Runs the reconcilers in dependency order: link, WireGuard device, datapath (before the
 /// routes that send into its encapsulation), addresses, routes, rules, and (with [`Reconciler::with_cni`]) the CNI configuration file.
+/// It owns the [`EventFilter`] a [`netlink::watch`] applies and keeps it on the devices it
+/// observed last.
 pub struct Reconciler<K, W, D> {
-    pub kernel: K,
-    pub wireguard: W,
-    pub datapath: D,
-    pub settings: Settings,
-    pub cni: Option<cni::CniFile>,
+    kernel: K,
+    wireguard: W,
+    datapath: D,
+    settings: Settings,
+    cni: Option<cni::CniFile>,
     realms: Realms,
+    events: Arc<Mutex<EventFilter>>,
+}
+
+impl<K, W, D> Reconciler<K, W, D> {
+    pub fn kernel(&self) -> &K {
+        &self.kernel
+    }
+
+    pub fn kernel_mut(&mut self) -> &mut K {
+        &mut self.kernel
+    }
+
+    pub fn wireguard(&self) -> &W {
+        &self.wireguard
+    }
+
+    pub fn wireguard_mut(&mut self) -> &mut W {
+        &mut self.wireguard
+    }
+
+    pub fn datapath(&self) -> &D {
+        &self.datapath
+    }
+
+    /// The kernel notifications that concern our objects, for [`netlink::watch`]: kept on the
+    /// devices' current indexes after each reconcile.
+    pub fn event_filter(&self) -> Arc<Mutex<EventFilter>> {
+        self.events.clone()
+    }
+
+    /// Records the links a reconcile observed, in the report and in the event filter.
+    fn observed_links(&self, report: &mut Report, links: BTreeMap<String, LinkState>) {
+        let wireguard = &self.settings.devices.wireguard;
+        (self.events.lock().expect("event filter lock")).follow(&links, wireguard);
+        report.links = links;
+    }
 }
 
 impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
     pub fn new(kernel: K, wireguard: W, datapath: D, settings: Settings) -> Self {
+        let events = EventFilter::new(&settings.devices, kernel.echo_port());
         Reconciler {
             kernel,
             wireguard,
@@ -259,7 +306,13 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             settings,
             cni: None,
             realms: Realms::Unknown,
+            events: Arc::new(Mutex::new(events)),
         }
+    }
+
+    /// The WireGuard, private and tunnel devices it manages.
+    pub fn devices(&self) -> &Devices {
+        &self.settings.devices
     }
 
     /// What the kernel has shown of route realms so far.
@@ -351,7 +404,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 report.problems.push(missing.to_string());
                 self.sync_datapath(plan, &observed.indexes, &mut report);
                 self.sync_cni(plan, &mut report);
-                report.links = observed.links;
+                self.observed_links(&mut report, observed.links);
                 return Ok(report);
             }
             report.writes += self.kernel.create_wireguard(&devices.wireguard).await?;
@@ -436,7 +489,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
         self.sync_cni(plan, &mut report);
-        report.links = observed.links;
+        self.observed_links(&mut report, observed.links);
         Ok(report)
     }
 

@@ -505,6 +505,10 @@ async fn request(
 }
 
 impl Kernel for NetlinkKernel {
+    fn echo_port(&self) -> Option<u32> {
+        Some(self.port)
+    }
+
     async fn observe(&mut self, devices: &Devices) -> Result<KernelState, KernelError> {
         if let Some(state) = self.unchanged(devices) {
             return Ok(state);
@@ -717,7 +721,8 @@ impl Kernel for NetlinkKernel {
     }
 }
 
-/// What kernel notifications concern us. Updated by the agent after each observe.
+/// What kernel notifications concern us. The [`super::Reconciler`] owns the one a [`watch`]
+/// applies, and keeps it on the indexes it observed last.
 #[derive(Debug, Clone, Default)]
 pub struct EventFilter {
     /// Link names we depend on (the WireGuard interface, the private and tunnel devices).
@@ -729,6 +734,27 @@ pub struct EventFilter {
     /// The port of the agent's own rtnetlink socket ([`NetlinkKernel::port`]): notifications
     /// carrying it echo the agent's own writes, which need no reconcile of their own.
     pub own_port: Option<u32>,
+}
+
+impl EventFilter {
+    /// The filter of `devices` before their indexes are known.
+    pub fn new(devices: &Devices, own_port: Option<u32>) -> Self {
+        EventFilter {
+            names: devices.names().map(str::to_owned).collect(),
+            own_port,
+            ..EventFilter::default()
+        }
+    }
+
+    /// Follows the devices' current indexes (`wireguard` names the WireGuard interface).
+    pub fn follow(
+        &mut self,
+        links: &std::collections::BTreeMap<String, LinkState>,
+        wireguard: &str,
+    ) {
+        self.indexes = links.values().map(|l| l.index).collect();
+        self.wireguard_index = links.get(wireguard).map(|l| l.index);
+    }
 }
 
 /// Whether a notification is about one of our objects: a route or rule with our protocol marker,

@@ -2,8 +2,8 @@
 //! planner (one WireGuard peer, one route and one mesh-destination entry per remote node and per
 //! Peer, what a leader's real plan has per object), the reconciler settings and the local node.
 use kilo_agent::{
-    agent::{ANNOTATION_KEY, Local, PlanOutcome},
-    mesh::{Key, ObjectError, ObjectKind, Snapshot},
+    agent::{Local, PlanOutcome},
+    mesh::{Key, ObjectError, ObjectKind, Snapshot, annotations::KEY as ANNOTATION_KEY},
     plan::{DatapathEntry, Device, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
     reconcile::{Settings, state::Devices, wireguard::system_resolver},
 };

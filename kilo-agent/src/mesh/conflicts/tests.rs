@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::{
-    mesh::{Granularity, Snapshot},
+    mesh::{Granularity, Snapshot, annotations},
     plan::{self, Settings},
     topology::testutil::{by_name, key, nets, node, peer, topo},
 };
@@ -249,9 +249,9 @@ fn a_peer_cannot_take_a_node_range_in_the_plan() {
 fn kube_node(name: &str, k: u8, pods: &str) -> KubeNodeJson {
     serde_json::json!({
         "metadata": {"name": name, "annotations": {
-            "kilo.squat.ai/key": key(k).to_string(),
-            "kilo.squat.ai/endpoint": format!("1.1.1.{k}:51820"),
-            "kilo.squat.ai/internal-ip": format!("192.168.0.{k}/24"),
+            annotations::KEY: key(k).to_string(),
+            annotations::ENDPOINT: format!("1.1.1.{k}:51820"),
+            annotations::INTERNAL_IP: format!("192.168.0.{k}/24"),
         }},
         "spec": {"podCIDR": pods},
     })
@@ -263,7 +263,7 @@ type KubeNodeJson = serde_json::Value;
 pub(crate) fn cloned_snapshot() -> Snapshot {
     let mut nodes = BTreeMap::new();
     let mut c = kube_node("c", 3, "10.2.3.0/24");
-    c["metadata"]["annotations"]["kilo.squat.ai/key"] = key(1).to_string().into();
+    c["metadata"]["annotations"][annotations::KEY] = key(1).to_string().into();
     for (n, v) in [
         ("a", kube_node("a", 1, "10.2.1.0/24")),
         ("b", kube_node("b", 2, "10.2.1.0/24")),
