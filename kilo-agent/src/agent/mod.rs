@@ -15,6 +15,7 @@
 //! (one pass: liveness, plan, reconcilers), `publish` (this node's annotations, the check-in),
 //! `clean_up`, `clock`; start-up apart from the loop: `caps`, `seccomp`, `config` (flags),
 //! `detect`, `key`, `planner`.
+pub mod build;
 pub mod caps;
 mod clean_up;
 mod clock;
