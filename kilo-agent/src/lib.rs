@@ -2,7 +2,9 @@
 //!
 //! Modules follow the data flow, one direction:
 //! backend → mesh → topology → plan → reconcilers (datapath, nft, reconcile) → telemetry.
-//! Everything up to and including `plan` is pure: no I/O.
+//! Everything up to and including `plan` is pure: no I/O. `agent` sits above them all: it
+//! builds them from `kg`'s flags (`agent::build`) and runs the loop that drives them; none of
+//! them imports it.
 
 pub mod agent;
 pub mod backend;

@@ -1,0 +1,264 @@
+//! The reconcilers on the in-memory kernel and WireGuard: convergence, realms, the CNI file.
+use super::{wireguard::FakeWireGuard, *};
+use crate::plan::{
+    DatapathPlan, Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan,
+};
+
+fn plan() -> Plan {
+    Plan {
+        addresses: vec!["10.4.0.1/16".parse().unwrap()],
+        wireguard: WireGuardPlan {
+            listen_port: 51820,
+            peers: vec![WireGuardPeer {
+                public_key: Key([1; 32]),
+                preshared_key: None,
+                endpoint: Some("192.0.2.1:51820".parse().unwrap()),
+                allowed_ips: vec!["10.2.1.0/24".parse().unwrap()],
+                persistent_keepalive: 0,
+            }],
+        },
+        routes: vec![Route {
+            dst: "10.2.1.0/24".parse().unwrap(),
+            gateway: Some("10.4.0.2".parse().unwrap()),
+            src: None,
+            device: Device::WireGuard,
+            onlink: true,
+            table: MAIN_TABLE,
+        }],
+        rules: vec![Rule {
+            src: Some("10.2.0.0/24".parse().unwrap()),
+            dst: None,
+            iif: None,
+            table: KILO_TABLE,
+        }],
+        datapath: DatapathPlan::default(),
+        ipip: Default::default(),
+        cni_ranges: Vec::new(),
+    }
+}
+
+fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, NoDatapath> {
+    Reconciler::new(
+        FakeKernel::default(),
+        FakeWireGuard::default(),
+        NoDatapath,
+        Settings {
+            devices: Devices {
+                wireguard: "kilo0".into(),
+                private: None,
+                tunnel: None,
+            },
+            create_interface: true,
+            mtu: Some(1420),
+            private_key: Key([9; 32]),
+            resolver: Box::new(wireguard::system_resolver),
+        },
+    )
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+#[test]
+fn converges_then_writes_nothing_then_cleans_up() {
+    block_on(async {
+        let mut r = reconciler();
+        let first = r.reconcile(&plan()).await.unwrap();
+        assert!(first.problems.is_empty(), "{:?}", first.problems);
+        for kind in [
+            "link_add",
+            "link_set",
+            "address_add",
+            "route_add",
+            "rule_add",
+        ] {
+            assert_eq!(first.writes.get(kind), 1, "{kind}: {}", first.writes);
+        }
+        assert_eq!(first.writes.get("wireguard_peer_add"), 1);
+        let second = r.reconcile(&plan()).await.unwrap();
+        assert!(second.writes.is_empty(), "{}", second.writes);
+        assert!(r.dry_run(&plan()).await.unwrap().to_string().is_empty());
+
+        let clean = r.clean_up(true).await.unwrap();
+        assert_eq!(clean.writes.get("route_del"), 1);
+        assert_eq!(clean.writes.get("rule_del"), 1);
+        assert_eq!(clean.writes.get("link_del"), 1);
+        assert!(r.kernel.state.routes.is_empty() && r.kernel.state.rules.is_empty());
+    });
+}
+
+#[test]
+fn the_cni_configuration_follows_the_plans_pod_cidrs() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("10-kilo.conflist");
+        std::fs::write(
+            &path,
+            r#"{"name":"kilo","plugins":[{"type":"bridge","ipam":{"type":"host-local"}}]}"#,
+        )
+        .unwrap();
+        let mut r = reconciler().with_cni(path.clone());
+        let plan = Plan {
+            cni_ranges: vec!["10.2.1.0/24".parse().unwrap()],
+            ..plan()
+        };
+        let first = r.reconcile(&plan).await.unwrap();
+        assert_eq!(first.writes.get("cni_config"), 1, "{}", first.writes);
+        assert!(
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .contains("10.2.1.0/24")
+        );
+        assert!(r.dry_run(&plan).await.unwrap().to_string().is_empty());
+        assert!(r.reconcile(&plan).await.unwrap().writes.is_empty());
+        // A moved pod CIDR: the dry run says so, the reconcile writes it.
+        let moved = Plan {
+            cni_ranges: vec!["10.2.9.0/24".parse().unwrap()],
+            ..plan.clone()
+        };
+        let dry = r.dry_run(&moved).await.unwrap().to_string();
+        assert!(dry.contains("10.2.9.0/24"), "{dry}");
+        assert_eq!(
+            r.reconcile(&moved).await.unwrap().writes.get("cni_config"),
+            1
+        );
+    });
+}
+
+#[test]
+fn our_address_on_another_link_is_a_problem_and_still_added() {
+    block_on(async {
+        let mut r = reconciler();
+        (r.kernel.state.elsewhere).insert("10.4.0.1".parse().unwrap(), "eth0".into());
+        let report = r.reconcile(&plan()).await.unwrap();
+        assert_eq!(report.writes.get("address_add"), 1, "{}", report.writes);
+        assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+        assert!(
+            report.problems[0].contains("10.4.0.1 is also on eth0"),
+            "{:?}",
+            report.problems
+        );
+    });
+}
+
+/// A datapath that only remembers what it was told of route realms.
+#[derive(Default)]
+struct RealmDatapath(bool);
+
+impl DatapathSync for RealmDatapath {
+    fn sync(
+        &mut self,
+        _: &DatapathPlan,
+        _: &crate::plan::IpipPlan,
+        _: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+        let mut w = Writes::default();
+        if self.0 != hold {
+            self.0 = hold;
+            w.add("map_config", 1);
+        }
+        Ok(w)
+    }
+}
+
+/// The plan with a route the datapath encapsulates (through `tunl0`, no tunnel device),
+/// reconciled by a kernel that keeps realms or drops them.
+fn realm_reconciler(
+    drops_realms: bool,
+) -> (Reconciler<FakeKernel, FakeWireGuard, RealmDatapath>, Plan) {
+    let r = reconciler();
+    let datapath = RealmDatapath::default();
+    let mut r = Reconciler::new(r.kernel, r.wireguard, datapath, r.settings);
+    r.settings.devices.private = Some("eth0".into());
+    r.kernel.drops_realms = drops_realms;
+    let eth0 = LinkState {
+        index: 2,
+        up: true,
+        mtu: 1500,
+    };
+    r.kernel.state.links.insert("eth0".into(), eth0);
+    let mut plan = plan();
+    plan.routes.push(Route {
+        dst: "192.168.0.2/32".parse().unwrap(),
+        gateway: Some("192.168.0.2".parse().unwrap()),
+        src: None,
+        device: Device::Tunnel,
+        onlink: true,
+        table: KILO_TABLE,
+    });
+    (r, plan)
+}
+
+#[test]
+fn tunnel_routes_carry_our_realm_and_the_datapath_learns_it_holds() {
+    block_on(async {
+        let (mut r, plan) = realm_reconciler(false);
+        let first = r.reconcile(&plan).await.unwrap();
+        assert!(first.problems.is_empty(), "{:?}", first.problems);
+        let tunnel: Vec<_> = (r.kernel.state.routes.iter())
+            .filter(|k| k.oif == 2)
+            .collect();
+        assert_eq!(tunnel.len(), 1);
+        assert_eq!(tunnel[0].realm, Some(KILO_REALM), "{}", tunnel[0]);
+        assert!(
+            r.kernel
+                .state
+                .routes
+                .iter()
+                .all(|k| k.oif == 2 || k.realm.is_none()),
+            "only the encapsulated routes carry it"
+        );
+        // Read back in the same pass: the datapath checks realms from now on.
+        assert_eq!(r.realms(), Realms::Hold);
+        assert!(r.datapath.0);
+        assert_eq!(first.writes.get("map_config"), 1, "{}", first.writes);
+        assert!(r.reconcile(&plan).await.unwrap().writes.is_empty());
+        // A new agent (restart) learns it from the routes it finds.
+        let (mut again, _) = realm_reconciler(false);
+        again.kernel.state = r.kernel.state.clone();
+        let report = again.reconcile(&plan).await.unwrap();
+        assert_eq!(again.realms(), Realms::Hold);
+        assert_eq!(report.writes.get("route_replace"), 0, "{}", report.writes);
+        assert!(again.datapath.0);
+    });
+}
+
+#[test]
+fn a_kernel_that_drops_realms_is_not_asked_again() {
+    block_on(async {
+        let (mut r, plan) = realm_reconciler(true);
+        let first = r.reconcile(&plan).await.unwrap();
+        assert!(first.problems.is_empty(), "{:?}", first.problems);
+        assert_eq!(r.realms(), Realms::Dropped);
+        assert!(!r.datapath.0, "the full lookup stays on");
+        // No replacing the route pass after pass.
+        let second = r.reconcile(&plan).await.unwrap();
+        assert!(second.writes.is_empty(), "{}", second.writes);
+        assert!(r.dry_run(&plan).await.unwrap().to_string().is_empty());
+        assert!(r.kernel.state.routes.iter().all(|k| k.realm.is_none()));
+    });
+}
+
+#[test]
+fn missing_interface_without_create_is_a_problem() {
+    block_on(async {
+        let mut r = reconciler();
+        r.settings.create_interface = false;
+        let report = r.reconcile(&plan()).await.unwrap();
+        assert_eq!(
+            report.problems,
+            [KernelError::NoInterface("kilo0".into()).to_string()]
+        );
+        assert!(report.writes.is_empty(), "{}", report.writes);
+    });
+}
