@@ -330,7 +330,7 @@ pub struct Flags {
     #[arg(long, default_value = "location", value_parser = str::parse::<Granularity>)]
     pub mesh_granularity: Granularity,
     /// Node label giving its location.
-    #[arg(long, default_value = "topology.kubernetes.io/region")]
+    #[arg(long, default_value = crate::mesh::DEFAULT_TOPOLOGY_LABEL)]
     pub topology_label: String,
     /// WireGuard listen port (1 to 65535).
     #[arg(long, default_value_t = 51820, value_parser = clap::value_parser!(u16).range(1..))]

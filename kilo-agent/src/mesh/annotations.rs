@@ -1,6 +1,7 @@
-//! Kilo's node annotations: every `kilo.squat.ai/*` name, which of them the agent publishes, and
-//! the parsers of the values that are more than a scalar (`internal-ip`,
-//! `discovered-endpoints`). [`super::Node::from_kube`] reads a Node with them.
+//! Kilo's node annotations and labels: every `kilo.squat.ai/*` name, which of them the agent
+//! publishes, the default location label, and the parsers of the values that are more than a
+//! scalar (`internal-ip`, `discovered-endpoints`). [`super::Node::from_kube`] reads a Node with
+//! them.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
@@ -27,6 +28,9 @@ pub const DISCOVERED_ENDPOINTS: &str = "kilo.squat.ai/discovered-endpoints";
 pub const ALLOWED_LOCATION_IPS: &str = "kilo.squat.ai/allowed-location-ips";
 pub const GRANULARITY: &str = "kilo.squat.ai/granularity";
 pub const CNI_COMPATIBILITY_IP: &str = "kilo.squat.ai/cni-compatibility-ip";
+
+/// Kilo's default `--topology-label`: a node's location when it has no `location` annotation.
+pub const DEFAULT_TOPOLOGY_LABEL: &str = "topology.kubernetes.io/region";
 
 /// Every annotation the agent writes on its own node (and removes on clean-up).
 pub const OWN: [&str; 8] = [

@@ -41,6 +41,7 @@ mod peer;
 
 use std::{collections::BTreeMap, fmt, str::FromStr};
 
+pub use annotations::DEFAULT_TOPOLOGY_LABEL;
 pub use conflicts::resolve_conflicts;
 #[cfg(test)]
 pub(crate) use conflicts::tests::cloned_snapshot;
@@ -48,7 +49,7 @@ pub use crd::{DnsOrIp, Peer, PeerEndpoint, PeerSpec};
 pub use endpoint::{Endpoint, EndpointError, Host};
 pub use k8s_openapi::api::core::v1::Node as KubeNode;
 pub use key::{Key, KeyError};
-pub use node::{CHECK_IN_PERIOD_SECS, DEFAULT_TOPOLOGY_LABEL, Node};
+pub use node::{CHECK_IN_PERIOD_SECS, Node};
 pub use peer::MeshPeer;
 
 /// The raw objects a backend has seen, keyed by name: the input of everything pure.

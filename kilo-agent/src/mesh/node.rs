@@ -10,8 +10,6 @@ use super::{
     parse_cidr, space,
 };
 
-/// Kilo's default `--topology-label`.
-pub const DEFAULT_TOPOLOGY_LABEL: &str = "topology.kubernetes.io/region";
 /// Kilo's check-in period; a node whose last-seen is older than twice this is not ready.
 pub const CHECK_IN_PERIOD_SECS: i64 = 30;
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::mesh::DEFAULT_TOPOLOGY_LABEL;
 use k8s_openapi::api::core::v1::NodeSpec;
 use kube::api::ObjectMeta;
 
