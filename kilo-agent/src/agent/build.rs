@@ -1,13 +1,13 @@
 //! Start-up, apart from the running loop: from `kg`'s flags to an [`Agent`] wired to its
 //! backend, reconcilers and metrics ([`build`]: the host name, the key file, address
 //! detection, the datapath, the WireGuard and tunnel devices), then the lock-down before the
-//! loop ([`Started::run`]: capabilities dropped, seccomp). The functions that decide something
-//! from the flags are pure and tested here.
+//! loop ([`Started::run`]: capabilities dropped, seccomp); likewise for `kg webhook`
+//! ([`webhook`]). The functions that decide something from the flags are pure and tested here.
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use super::{
     Agent, AgentError, Local, LoopSettings, Planner, Stats, caps,
-    config::{BackendKind, Compatibility, Encapsulate, Flags, LogLevel, Mtu},
+    config::{BackendKind, Compatibility, Encapsulate, Flags, LogLevel, Mtu, WebhookFlags},
     detect::{self, Detected},
     key, planner, seccomp,
 };
@@ -23,6 +23,7 @@ use crate::{
         wireguard::{WgApi, WgControl, WgError, system_resolver},
     },
     telemetry::{self, Metrics, ServeError},
+    webhook::{self as peer_webhook, WebhookError, WebhookSettings},
 };
 
 /// Why `kg` could not start.
@@ -54,6 +55,8 @@ pub enum StartError {
     Caps(#[from] caps::CapsError),
     #[error(transparent)]
     Seccomp(#[from] seccomp::SeccompError),
+    #[error(transparent)]
+    Webhook(#[from] WebhookError),
 }
 
 /// What the pure planner needs from the flags.
@@ -123,6 +126,16 @@ pub fn local(flags: &Flags, hostname: &str, public_key: Key, ips: &Detected) -> 
         // Read at every pass (`with_cni_compatibility_probe`).
         cni_compatibility_ip: None,
     }
+}
+
+/// Warns about the capabilities `flags` need and this process lacks, before anything fails
+/// for want of them.
+fn warn_missing_capabilities(flags: &Flags) {
+    let bpffs = std::path::Path::new("/sys/fs/bpf");
+    caps::warn_missing(caps::Needs {
+        datapath: flags.datapath && !flags.dry_run,
+        mount_bpffs: flags.bpffs_dir.starts_with(bpffs) && !crate::datapath::is_bpffs(bpffs),
+    });
 }
 
 /// `--hostname`, else the kernel's.
@@ -208,6 +221,7 @@ pub struct Started<P> {
 /// addresses, starts the backend, opens the WireGuard device, the datapath and the netlink
 /// connection.
 pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
+    warn_missing_capabilities(flags);
     let hostname = hostname(flags)?;
     let private_key = private_key(flags)?;
     let public_key = key::public_key(&private_key);
@@ -338,6 +352,30 @@ impl<P: Planner> Started<P> {
         tracing::info!(reconciles = stats.reconciles, writes = %stats.writes, "stopped");
         Ok(stats)
     }
+}
+
+/// `kg webhook`: serves the Peer validation webhook, with no capability and (with `seccomp`)
+/// no exec, until `shutdown`.
+pub async fn webhook(
+    flags: &WebhookFlags,
+    seccomp: bool,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StartError> {
+    let settings = WebhookSettings {
+        listen: flags.listen,
+        listen_metrics: flags.listen_metrics,
+        cert_file: flags.cert_file.clone(),
+        key_file: flags.key_file.clone(),
+    };
+    let (addr, metrics_addr, _tasks) = peer_webhook::start(&settings).await?;
+    tracing::info!(%addr, metrics = %metrics_addr, "serving the Peer validation webhook");
+    // It needs none.
+    caps::drop_all_but(0)?;
+    if seccomp {
+        seccomp::install()?;
+    }
+    shutdown.await;
+    Ok(())
 }
 
 #[cfg(test)]

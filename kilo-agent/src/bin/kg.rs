@@ -6,13 +6,9 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory as _, Parser as _};
-use kilo_agent::{
-    agent::{
-        build, caps,
-        config::{Flags, KgCommand, LogFormat, LogLevel},
-        seccomp,
-    },
-    webhook,
+use kilo_agent::agent::{
+    build,
+    config::{Flags, KgCommand, LogFormat, LogLevel},
 };
 
 /// The agent: built from the flags, then run until SIGTERM/SIGINT (or, with `--dry-run`, the
@@ -23,32 +19,19 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         print!("{}", started.dry_run().await?);
         return Ok(());
     }
+    started.run(termination()?).await?;
+    Ok(())
+}
+
+/// Completes at SIGTERM or SIGINT.
+fn termination() -> std::io::Result<impl Future<Output = ()>> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let shutdown = async move {
+    Ok(async move {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM"),
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
         }
-    };
-    started.run(shutdown).await?;
-    Ok(())
-}
-
-/// `kg webhook`: serves until SIGTERM/SIGINT.
-async fn serve_webhook(settings: webhook::WebhookSettings, seccomp: bool) -> anyhow::Result<()> {
-    let (addr, metrics_addr, _tasks) = webhook::start(&settings).await?;
-    tracing::info!(%addr, metrics = %metrics_addr, "serving the Peer validation webhook");
-    // It needs none.
-    caps::drop_all_but(0)?;
-    if seccomp {
-        seccomp::install()?;
-    }
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
-    }
-    Ok(())
+    })
 }
 
 /// Logs to stderr at `--log-level` (or `RUST_LOG`), in `--log-format`. The object loader's
@@ -98,13 +81,7 @@ fn main() -> ExitCode {
     }
     init_logging(&flags);
     if let Some(KgCommand::Webhook(w)) = &flags.command {
-        let settings = webhook::WebhookSettings {
-            listen: w.listen,
-            listen_metrics: w.listen_metrics,
-            cert_file: w.cert_file.clone(),
-            key_file: w.key_file.clone(),
-        };
-        return block_on(serve_webhook(settings, flags.seccomp));
+        return block_on(async { Ok(build::webhook(w, flags.seccomp, termination()?).await?) });
     }
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");
@@ -113,11 +90,6 @@ fn main() -> ExitCode {
     for w in flags.warnings() {
         tracing::warn!("{w}");
     }
-    let bpffs = std::path::Path::new("/sys/fs/bpf");
-    caps::warn_missing(caps::Needs {
-        datapath: flags.datapath && !flags.dry_run,
-        mount_bpffs: flags.bpffs_dir.starts_with(bpffs) && !kilo_agent::datapath::is_bpffs(bpffs),
-    });
     block_on(run(flags))
 }
 
