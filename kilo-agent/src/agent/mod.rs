@@ -31,13 +31,12 @@ use tokio::sync::mpsc;
 
 use crate::{
     backend::{Annotations, Backend, Update},
+    datapath::DatapathSync,
     mesh::{Key, Snapshot},
     plan::Plan,
-    reconcile::{
-        DatapathSync, Kernel, Reconciler, Report, Writes, netlink::EventFilter,
-        wireguard::WireGuard,
-    },
+    reconcile::{Kernel, Reconciler, Report, netlink::EventFilter, wireguard::WireGuard},
     telemetry::{Metrics, Trigger},
+    writes::Writes,
 };
 
 /// A change arriving this long after the previous one is reconciled at once; one arriving sooner
@@ -1522,7 +1521,7 @@ pub(crate) mod testing {
             crate::reconcile::wireguard::FakeWireGuard::default(),
             crate::datapath::FakeDatapath::default(),
             crate::reconcile::Settings {
-                devices: crate::reconcile::state::Devices {
+                devices: crate::plan::Devices {
                     wireguard: "kilo0".into(),
                     private: None,
                     tunnel: None,

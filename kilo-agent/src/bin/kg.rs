@@ -18,12 +18,11 @@ use kilo_agent::{
         seccomp,
     },
     backend::{Backend, file::FileBackend, kubernetes},
-    datapath::{AgentDatapath, Datapath, DatapathConfig, logs},
-    plan,
+    datapath::{Datapath, DatapathConfig, DatapathReconciler, DatapathSync, NoDatapath, logs},
+    plan::{self, Devices},
     reconcile::{
-        DatapathSync, NoDatapath, Reconciler, Settings,
+        Reconciler, Settings,
         netlink::{self, NetlinkKernel},
-        state::Devices,
         wireguard::{WgApi, WgControl, system_resolver},
     },
     telemetry::{self, Metrics},
@@ -70,7 +69,7 @@ fn datapath(flags: &Flags, devices: Devices) -> anyhow::Result<Box<dyn DatapathS
             .context("reading the eBPF program's logs")?;
         tokio::spawn(logs::forward(logger));
     }
-    Ok(Box::new(AgentDatapath::new(
+    Ok(Box::new(DatapathReconciler::new(
         loaded,
         devices,
         &flags.datapath_interfaces,
