@@ -36,9 +36,9 @@ use std::{
 
 use ipnet::{IpNet, Ipv4Net};
 use kilo_agent::{
-    datapath::{Datapath, DatapathConfig, NoResolver, READ_BACK_EVERY},
-    effects::Writes,
+    datapath::{Datapath, DatapathConfig, NoResolver},
     plan::{DatapathEntry, DatapathPlan, EntryKind},
+    writes::{READ_BACK_EVERY, Writes},
 };
 use support::report::{self, median};
 

@@ -25,8 +25,9 @@ use std::{
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_agent::{
-    datapath::{Datapath, DatapathConfig, Framing, NoResolver, READ_BACK_EVERY},
+    datapath::{Datapath, DatapathConfig, Framing, NoResolver},
     plan::{DatapathEntry, DatapathPlan, EntryKind},
+    writes::READ_BACK_EVERY,
 };
 use packets::{frame, time, v4, v6};
 

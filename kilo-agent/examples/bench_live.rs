@@ -65,8 +65,7 @@ use aya::programs::{
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_agent::{
-    datapath::{AttachMode, Datapath, DatapathConfig, Decision, Framing, ifindex},
-    nft,
+    datapath::{AttachMode, Datapath, DatapathConfig, Decision, Framing, ifindex, nft},
     plan::{DatapathEntry, DatapathPlan, Device, EntryKind, NextHop},
 };
 use std::collections::BTreeMap;

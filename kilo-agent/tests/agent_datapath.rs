@@ -1,5 +1,5 @@
 //! Node tier, datapath part: the agent's reconciler driving the real eBPF datapath
-//! ([`AgentDatapath`]) in a throwaway namespace. It converges (programs attached, NAT rule,
+//! ([`DatapathReconciler`]) in a throwaway namespace. It converges (programs attached, NAT rule,
 //! entries), a second pass writes nothing, a map entry deleted behind its back (here by a second
 //! loader that adopts the pins, as an operator's tool would) is restored with exactly one write
 //! at the next read-back (within `READ_BACK_EVERY` reconciles; idle ones compare the plan with
@@ -13,13 +13,16 @@ use std::{collections::BTreeMap, path::PathBuf};
 
 use ipnet::IpNet;
 use kilo_agent::{
-    datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathMaps as _, READ_BACK_EVERY, Trie},
-    mesh::Key,
-    plan::{DatapathEntry, DatapathPlan, EntryKind, IpipPlan, NextHop, Plan},
-    reconcile::{
-        DatapathSync as _, Reconciler, Settings, netlink::NetlinkKernel, state::Devices,
-        wireguard::FakeWireGuard, wireguard::system_resolver,
+    datapath::{
+        Datapath, DatapathConfig, DatapathMaps as _, DatapathReconciler, DatapathSync as _, Trie,
     },
+    mesh::Key,
+    plan::{DatapathEntry, DatapathPlan, Devices, EntryKind, IpipPlan, NextHop, Plan},
+    reconcile::{
+        Reconciler, Settings, netlink::NetlinkKernel, wireguard::FakeWireGuard,
+        wireguard::system_resolver,
+    },
+    writes::READ_BACK_EVERY,
 };
 use support::netns::NetNs;
 
@@ -78,7 +81,7 @@ fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
                 private: None,
                 tunnel: None,
             };
-            let datapath = AgentDatapath::new(
+            let datapath = DatapathReconciler::new(
                 Datapath::open(config.clone()).expect("open datapath"),
                 devices.clone(),
                 &["kube-bridge".to_string()],
@@ -192,7 +195,7 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
             private: None,
             tunnel: None,
         };
-        let mut dp = AgentDatapath::new(
+        let mut dp = DatapathReconciler::new(
             Datapath::open(config).expect("open datapath"),
             devices,
             &["kube-bridge".to_string()],
@@ -267,7 +270,7 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
             tunnel: None,
         };
         let open = || {
-            AgentDatapath::new(
+            DatapathReconciler::new(
                 Datapath::open(config.clone()).expect("open datapath"),
                 devices.clone(),
                 &[],
@@ -329,7 +332,7 @@ fn ipip_programs_attach_and_detach_as_netlink_filters() {
         ns.sh("tc filter show dev eth0 ingress; echo ---; tc filter show dev eth0 egress")
     };
     let (attached, detached) = ns.run(|| {
-        let mut dp = AgentDatapath::new(
+        let mut dp = DatapathReconciler::new(
             Datapath::open(config).expect("open datapath"),
             Devices {
                 wireguard: "kwg0".into(),

@@ -8,7 +8,7 @@ mod support;
 use std::{collections::BTreeSet, time::Duration};
 
 use kilo_agent::{
-    datapath::{FakeDatapath, READ_BACK_EVERY},
+    datapath::FakeDatapath,
     mesh::Key,
     plan::{Device, KILO_TABLE, MAIN_TABLE, Plan, Route, Rule, WireGuardPeer, WireGuardPlan},
     reconcile::{
@@ -16,6 +16,7 @@ use kilo_agent::{
         netlink::{Changes, EventFilter, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl, WireGuard},
     },
+    writes::READ_BACK_EVERY,
 };
 use support::netns::{NetNs, WgGo, sh, veth};
 

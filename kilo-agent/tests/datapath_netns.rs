@@ -8,8 +8,10 @@ use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use ipnet::IpNet;
 use kilo_agent::{
-    datapath::{AttachMode, Datapath, DatapathConfig, Decision, NoResolver, Role},
-    nft::{self, MasqueradeRule},
+    datapath::{
+        AttachMode, Datapath, DatapathConfig, Decision, NoResolver, Role,
+        nft::{self, MasqueradeRule},
+    },
     plan::{DatapathEntry, DatapathPlan, Device, EntryKind, NextHop},
 };
 use support::{

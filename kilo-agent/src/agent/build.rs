@@ -13,13 +13,14 @@ use super::{
 };
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
-    datapath::{AgentDatapath, Datapath, DatapathConfig, DatapathError, logs},
+    datapath::{
+        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath, logs,
+    },
     mesh::Key,
-    plan,
+    plan::{self, Devices},
     reconcile::{
-        DatapathSync, KernelError, NoDatapath, Reconciler, Settings,
+        KernelError, Reconciler, Settings,
         netlink::{self, NetlinkKernel},
-        state::Devices,
         wireguard::{WgApi, WgControl, WgError, system_resolver},
     },
     telemetry::{self, Metrics, ServeError},
@@ -183,7 +184,7 @@ fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathSync>, St
             .map_err(StartError::DatapathLogs)?;
         tokio::spawn(logs::forward(logger));
     }
-    Ok(Box::new(AgentDatapath::new(
+    Ok(Box::new(DatapathReconciler::new(
         loaded,
         devices,
         &flags.datapath_interfaces,

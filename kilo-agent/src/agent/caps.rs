@@ -14,20 +14,16 @@
 //! SETPCAP (otherwise the bounding set stays, harmless: nothing can be exec'd to regain them).
 //!
 //! Capabilities are per thread: the threads already running (the file watcher, the blocking
-//! pool) drop theirs in a handler of [`SIGNAL`], like glibc's `setxid` does for `setuid`, and
-//! the result is read back from `/proc/self/task/*/status`.
-use std::{
-    sync::atomic::{AtomicU32, AtomicU64, Ordering},
-    time::{Duration, Instant},
-};
+//! pool) drop theirs too ([`crate::sys::caps`]), and the result is read back from
+//! `/proc/self/task/*/status`. The names table is linux/capability.h's.
+use crate::sys::caps as sys;
+pub use crate::sys::caps::{SIGNAL, signal};
 
 pub const NET_ADMIN: u32 = 12;
 pub const SYS_ADMIN: u32 = 21;
 pub const PERFMON: u32 = 38;
 pub const BPF: u32 = 39;
 const SETPCAP: u32 = 8;
-/// The highest capability number the kernel knows (linux/capability.h's CAP_LAST_CAP today).
-const LAST_CAP: u32 = 40;
 
 /// A capability kg uses, with its bit number (linux/capability.h) and what it is for.
 pub const NEEDED: [(&str, u32, &str); 4] = [
@@ -162,12 +158,8 @@ const NAMES: [&str; 41] = [
 
 #[derive(Debug, thiserror::Error)]
 pub enum CapsError {
-    #[error("capabilities: {op}: {source}")]
-    Sys {
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("capabilities: {0}")]
+    Sys(#[from] sys::CallError),
     #[error("capabilities: thread {tid} still holds {held:?} after the drop")]
     Kept { tid: String, held: Vec<String> },
 }
@@ -181,158 +173,22 @@ pub struct Dropped {
     pub bounding: bool,
 }
 
-/// The realtime signal whose handler drops a thread's capabilities.
-pub fn signal() -> libc::c_int {
-    libc::SIGRTMIN() + 3
-}
-/// See [`signal`].
-pub const SIGNAL: &str = "SIGRTMIN+3";
-
-// What the handler applies (written before any signal is sent).
-static KEEP: AtomicU64 = AtomicU64::new(0);
-static DROP_BOUNDING: AtomicU32 = AtomicU32::new(0);
-static DONE: AtomicU32 = AtomicU32::new(0);
-static FAILED: AtomicU32 = AtomicU32::new(0);
-
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: libc::c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-const CAP_VERSION_3: u32 = 0x2008_0522;
-
-/// Drops everything but [`KEEP`] on the calling thread. Async-signal-safe: system calls and
-/// atomics only. Returns false if a call failed.
-fn drop_on_this_thread() -> bool {
-    let keep = KEEP.load(Ordering::SeqCst);
-    let mut ok = true;
-    if DROP_BOUNDING.load(Ordering::SeqCst) == 1 {
-        for cap in 0..=LAST_CAP {
-            if keep & (1 << cap) == 0 {
-                // SAFETY: prctl with integer arguments. EINVAL for a capability this kernel
-                // does not know is fine.
-                let rc =
-                    unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
-                ok &=
-                    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL);
-            }
-        }
-    }
-    // SAFETY: prctl with integer arguments.
-    unsafe {
-        libc::prctl(
-            libc::PR_CAP_AMBIENT,
-            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
-    let mut header = CapHeader {
-        version: CAP_VERSION_3,
-        pid: 0,
-    };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: a version-3 header and two data structs, as capget(2) wants.
-    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
-    if rc != 0 {
-        return false;
-    }
-    for (i, d) in data.iter_mut().enumerate() {
-        let keep = (keep >> (32 * i)) as u32;
-        d.effective &= keep;
-        d.permitted &= keep;
-        d.inheritable = 0;
-    }
-    // SAFETY: as above, for capset(2) on the calling thread (pid 0).
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) };
-    ok && rc == 0
-}
-
-extern "C" fn handler(_: libc::c_int) {
-    let errno = std::io::Error::last_os_error().raw_os_error();
-    if !drop_on_this_thread() {
-        FAILED.fetch_add(1, Ordering::SeqCst);
-    }
-    DONE.fetch_add(1, Ordering::SeqCst);
-    // Restore errno for the interrupted code.
-    if let Some(e) = errno {
-        // SAFETY: errno is thread-local.
-        unsafe { *libc::__errno_location() = e };
-    }
-}
-
-fn sys(op: &'static str) -> impl FnOnce(std::io::Error) -> CapsError {
-    move |source| CapsError::Sys { op, source }
-}
-
 fn status_of(tid: &str) -> Option<String> {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()
-}
-
-fn threads() -> Result<Vec<String>, CapsError> {
-    Ok(std::fs::read_dir("/proc/self/task")
-        .map_err(sys("listing /proc/self/task"))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect())
 }
 
 /// Keeps only `keep` on every thread of the process (see the module doc) and checks that no
 /// thread holds more afterwards. Irreversible.
 pub fn drop_all_but(keep: u64) -> Result<Dropped, CapsError> {
-    let status = std::fs::read_to_string("/proc/self/status").map_err(sys("/proc/self/status"))?;
+    let status = std::fs::read_to_string("/proc/self/status").map_err(|source| sys::CallError {
+        call: "/proc/self/status",
+        source,
+    })?;
     let before = set(&status, "CapPrm").unwrap_or(0) | set(&status, "CapEff").unwrap_or(0);
     let bounding = effective(&status).unwrap_or(0) & (1 << SETPCAP) != 0;
-    KEEP.store(keep, Ordering::SeqCst);
-    DROP_BOUNDING.store(u32::from(bounding), Ordering::SeqCst);
-    DONE.store(0, Ordering::SeqCst);
-    FAILED.store(0, Ordering::SeqCst);
-    // SAFETY: a handler that only makes system calls and touches atomics; SA_RESTART so that
-    // interrupted calls resume where they can.
-    unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = handler as extern "C" fn(libc::c_int) as usize;
-        action.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut action.sa_mask);
-        if libc::sigaction(signal(), &action, std::ptr::null_mut()) != 0 {
-            return Err(sys("sigaction")(std::io::Error::last_os_error()));
-        }
-    }
-    // SAFETY: no arguments.
-    let me = unsafe { libc::gettid() }.to_string();
-    let pid = std::process::id() as libc::c_int;
-    let others: Vec<String> = threads()?.into_iter().filter(|t| *t != me).collect();
-    let mut sent = 0;
-    for tid in &others {
-        let Ok(t) = tid.parse::<libc::c_int>() else {
-            continue;
-        };
-        // SAFETY: a signal to a thread of this process, whose handler is installed above.
-        if unsafe { libc::syscall(libc::SYS_tgkill, pid, t, signal()) } == 0 {
-            sent += 1;
-        }
-    }
-    if !drop_on_this_thread() {
-        return Err(sys("capset")(std::io::Error::last_os_error()));
-    }
-    // Handlers run as soon as their thread is scheduled; bounded so a stuck thread is reported
-    // below rather than hanging start-up.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while DONE.load(Ordering::SeqCst) < sent && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    sys::keep_only_on_every_thread(keep, bounding)?;
     // Every thread, including any started meanwhile, must hold nothing beyond `keep`.
-    for tid in threads()? {
+    for tid in sys::threads()? {
         let Some(status) = status_of(&tid) else {
             continue; // exited
         };

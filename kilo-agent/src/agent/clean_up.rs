@@ -2,8 +2,9 @@
 use super::{ANNOTATION_REMOVAL_TIMEOUT, Agent, AgentError, Planner};
 use crate::{
     backend::{Annotations, BackendError},
+    datapath::DatapathSync,
     mesh::annotations,
-    reconcile::{DatapathSync, Kernel, Report, wireguard::WireGuard},
+    reconcile::{Kernel, Report, wireguard::WireGuard},
 };
 
 impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {

@@ -19,7 +19,8 @@ use tokio::{
 use super::{Agent, AgentError, LoopSettings, Planner, Stats};
 use crate::{
     backend::Update,
-    reconcile::{DatapathSync, Kernel, wireguard::WireGuard},
+    datapath::DatapathSync,
+    reconcile::{Kernel, wireguard::WireGuard},
     telemetry::Trigger,
 };
 

@@ -47,12 +47,12 @@ pub use self::{
 };
 use crate::{
     backend::Backend,
+    datapath::DatapathSync,
     mesh::{Key, Snapshot},
     plan::Plan,
-    reconcile::{
-        DatapathSync, Kernel, Reconciler, Writes, netlink::EventFilter, wireguard::WireGuard,
-    },
+    reconcile::{Kernel, Reconciler, netlink::EventFilter, wireguard::WireGuard},
     telemetry::Metrics,
+    writes::Writes,
 };
 
 /// A change arriving this long after the previous one is reconciled at once; one arriving sooner

@@ -10,8 +10,9 @@ use ipnet::IpNet;
 use super::{Agent, AgentError, PlanOutcome, Planner};
 use crate::{
     backend::Update,
+    datapath::DatapathSync,
     mesh::Snapshot,
-    reconcile::{DatapathSync, Kernel, Report, wireguard::WireGuard},
+    reconcile::{Kernel, Report, wireguard::WireGuard},
 };
 
 impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {

@@ -8,8 +8,9 @@ use ipnet::IpNet;
 use super::{Agent, CniProbe, PlanOutcome, Planner};
 use crate::{
     backend::{Annotations, BackendError},
+    datapath::DatapathSync,
     mesh::{Key, Snapshot, annotations},
-    reconcile::{DatapathSync, Kernel, wireguard::WireGuard},
+    reconcile::{Kernel, wireguard::WireGuard},
 };
 
 /// What the agent publishes about its own node.

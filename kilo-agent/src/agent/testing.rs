@@ -52,7 +52,7 @@ pub fn reconciler() -> FakeReconciler {
         crate::reconcile::wireguard::FakeWireGuard::default(),
         crate::datapath::FakeDatapath::default(),
         crate::reconcile::Settings {
-            devices: crate::reconcile::state::Devices {
+            devices: crate::plan::Devices {
                 wireguard: "kilo0".into(),
                 private: None,
                 tunnel: None,

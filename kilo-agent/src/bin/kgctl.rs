@@ -347,10 +347,11 @@ impl Objects {
 async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
     use kilo_agent::{
         agent::key,
+        datapath::NoDatapath,
+        plan::Devices,
         reconcile::{
-            NoDatapath, Reconciler, Settings,
+            Reconciler, Settings,
             netlink::NetlinkKernel,
-            state::Devices,
             wireguard::{WgApi, WgControl, system_resolver},
         },
     };

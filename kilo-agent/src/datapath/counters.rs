@@ -1,22 +1,25 @@
-//! The program's counters as userspace sees them: an mmap of the `KILO_COUNTERS` array (see
-//! kilo-common's `MAP_COUNTERS`), each CPU's region summed per slot. Reading a counter is a
-//! few memory reads, not a system call; recycling an entry's slot zeroes it in place.
-use std::{
-    os::fd::{AsFd as _, AsRawFd as _},
-    ptr,
-};
+//! The program's counters as userspace sees them: the `KILO_COUNTERS` array (see kilo-common's
+//! `MAP_COUNTERS`) mapped into memory, each CPU's region summed per slot, so reading a counter
+//! is a few memory reads, not a system call, and recycling an entry's slot zeroes it in place;
+//! and [`Counters`], every counter labelled with its entry.
+use std::{collections::BTreeMap, os::fd::AsFd as _};
 
 use aya::maps::{Map, MapData};
-use kilo_common::{Counter, DECISION_SLOTS, Decision, MAP_COUNTERS};
-use memmap2::{MmapOptions, MmapRaw};
+use ipnet::IpNet;
+use kilo_common::{Counter, DECISION_SLOTS, Decision, EntryValue, MAP_COUNTERS, NO_COUNTER};
 
-use super::DatapathError;
+use super::{
+    DatapathError, Role, Trie, keys,
+    maps::DatapathMaps,
+    plans::{Plans, role_of},
+};
+use crate::{plan::EntryKind, sys::mmap::Mapped};
 
 /// The counters array, mapped.
 pub struct CounterArray {
     /// Keeps the map (and so the mapping's object) alive.
     _map: MapData,
-    mem: MmapRaw,
+    mem: Mapped<Counter>,
     /// Counters per CPU region.
     stride: usize,
     cpus: usize,
@@ -39,10 +42,8 @@ impl CounterArray {
                 "{entries} counters are not whole regions of {stride}"
             )));
         }
-        let mem = MmapOptions::new()
-            .len(entries * size_of::<Counter>())
-            .map_raw(map.fd().as_fd().as_raw_fd())
-            .map_err(|e| error(format!("mmap: {e}")))?;
+        let mem =
+            Mapped::new(map.fd().as_fd(), entries).map_err(|e| error(format!("mmap: {e}")))?;
         Ok(CounterArray {
             _map: map,
             mem,
@@ -56,18 +57,15 @@ impl CounterArray {
         (self.stride - DECISION_SLOTS as usize) as u32
     }
 
-    /// A slot's pointer on each CPU (`index` within a region).
-    fn each_cpu(&self, index: usize) -> impl Iterator<Item = *mut Counter> + '_ {
-        let base = self.mem.as_mut_ptr().cast::<Counter>();
-        // SAFETY: index < stride and cpu < cpus, so inside the mapping of cpus * stride.
-        (0..self.cpus).map(move |cpu| unsafe { base.add(cpu * self.stride + index) })
+    /// A slot's index on each CPU (`index` within a region).
+    fn each_cpu(&self, index: usize) -> impl Iterator<Item = usize> + use<> {
+        let stride = self.stride;
+        (0..self.cpus).map(move |cpu| cpu * stride + index)
     }
 
     fn sum(&self, index: usize) -> Counter {
-        self.each_cpu(index).fold(Counter::default(), |a, p| {
-            // SAFETY: inside the mapping, aligned; the program updates these words in place
-            // (a torn read of one counter is impossible for aligned u64s on 64-bit targets).
-            let c = unsafe { ptr::read_volatile(p) };
+        self.each_cpu(index).fold(Counter::default(), |a, i| {
+            let c = self.mem.read(i);
             Counter {
                 packets: a.packets + c.packets,
                 bytes: a.bytes + c.bytes,
@@ -92,9 +90,8 @@ impl CounterArray {
 
     /// Zeroes an entry counter slot on every CPU (before the slot is given to a new entry).
     pub fn reset_entry(&mut self, slot: u32) -> Result<(), DatapathError> {
-        for p in self.each_cpu(self.entry_index(slot)?) {
-            // SAFETY: inside the mapping, aligned, mapped writable.
-            unsafe { ptr::write_volatile(p, Counter::default()) };
+        for i in self.each_cpu(self.entry_index(slot)?) {
+            self.mem.write(i, Counter::default());
         }
         Ok(())
     }
@@ -103,4 +100,100 @@ impl CounterArray {
     pub fn decisions(&self) -> Vec<Counter> {
         (0..Decision::COUNT as usize).map(|d| self.sum(d)).collect()
     }
+}
+
+/// Traffic counters: per decision and per map entry (but covered ones, whose traffic their
+/// mesh destination counts); and how full the tries and the counter slots are.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub decisions: BTreeMap<Decision, Counter>,
+    pub entries: Vec<EntryCounter>,
+    /// Entries the tries hold per role (covered masquerade destinations included).
+    pub fill: BTreeMap<Role, usize>,
+    /// Entries each trie can hold.
+    pub capacity: usize,
+    /// Per-entry counter slots, and how many entries hold one.
+    pub slots: u32,
+    pub slots_used: u32,
+}
+
+impl Counters {
+    pub fn decision(&self, d: Decision) -> Counter {
+        self.decisions.get(&d).copied().unwrap_or_default()
+    }
+
+    /// Every entry's counter with the owner and kind the plan gives it (entries the plan does
+    /// not know, e.g. left over from an adopted topology, get the owner "").
+    pub fn labelled<'a>(
+        &'a self,
+        plan: impl Into<Plans<'a>>,
+    ) -> impl Iterator<Item = (&'a EntryCounter, &'a str)> + 'a {
+        let plan = plan.into();
+        self.entries.iter().map(move |e| {
+            let owner = plan
+                .role(e.role)
+                .get(&e.net)
+                .map(|d| d.owner.as_str())
+                .unwrap_or("");
+            (e, owner)
+        })
+    }
+
+    pub fn entry(&self, role: Role, net: &IpNet) -> Option<Counter> {
+        self.entries
+            .iter()
+            .find(|e| e.role == role && &e.net == net)
+            .map(|e| e.counter)
+    }
+}
+
+/// One entry's traffic; label it with the plan's owner via `(role, net)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryCounter {
+    pub role: Role,
+    pub net: IpNet,
+    pub kind: Option<EntryKind>,
+    /// Summed over CPUs; zero for an entry without a counter slot.
+    pub counter: Counter,
+}
+
+/// Every counter, for the entries of `tries` (what the maps hold).
+pub(super) fn counters_of<M: DatapathMaps + ?Sized>(
+    maps: &M,
+    tries: &BTreeMap<Trie, BTreeMap<IpNet, EntryValue>>,
+) -> Result<Counters, DatapathError> {
+    let mut out = Counters {
+        capacity: maps.capacity(),
+        slots: maps.counter_slots(),
+        ..Counters::default()
+    };
+    let decisions = maps.decision_counters()?;
+    for d in Decision::ALL {
+        out.decisions
+            .insert(d, decisions.get(d as usize).copied().unwrap_or_default());
+    }
+    for (trie, entries) in tries {
+        for (net, value) in entries {
+            let role = role_of(*trie, value);
+            *out.fill
+                .entry(role.unwrap_or(Role::MasqueradeDestination))
+                .or_default() += 1;
+            let Some(role) = role else {
+                continue;
+            };
+            let counter = if value.counter == NO_COUNTER {
+                Counter::default()
+            } else {
+                out.slots_used += 1;
+                maps.entry_counter(value.counter)?
+            };
+            out.entries.push(EntryCounter {
+                role,
+                net: *net,
+                kind: keys::kind_from_code(value.kind),
+                counter,
+            });
+        }
+    }
+    Ok(out)
 }

@@ -8,8 +8,27 @@ use kilo_common::{
     FAMILY_V6, LpmData,
 };
 
-use super::sync::Resolver;
 use crate::plan::{DatapathEntry, Device, EntryKind, NextHop};
+
+/// Maps a plan's devices to interface indices (for the fast path's egress).
+pub trait Resolver {
+    fn ifindex(&self, device: Device) -> Option<u32>;
+}
+
+impl<F: Fn(Device) -> Option<u32>> Resolver for F {
+    fn ifindex(&self, device: Device) -> Option<u32> {
+        self(device)
+    }
+}
+
+/// Resolves nothing: no entry gets a fast-path egress.
+pub struct NoResolver;
+
+impl Resolver for NoResolver {
+    fn ifindex(&self, _: Device) -> Option<u32> {
+        None
+    }
+}
 
 /// The trie key of a CIDR (host bits cleared).
 pub fn entry_key(net: &IpNet) -> Key<LpmData> {

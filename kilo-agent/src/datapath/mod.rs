@@ -1,41 +1,56 @@
-//! The eBPF datapath from userspace, one of the reconcilers (it uses [`crate::effects`] and
-//! nothing else of them): loads, attaches, pins and adopts the TC programs, syncs their LPM
-//! tries and reads their counters.
+//! The eBPF datapath from userspace, one of the agent's reconcilers: loads, attaches, pins and
+//! adopts the TC programs, syncs their LPM tries with the plan and reads their counters. Nothing
+//! here starts a process; the raw system calls are [`crate::sys`]'s.
 //!
-//! - [`Datapath`] (kernel.rs): the embedded `kilo-ebpf` object, attached to named interfaces
-//!   (TCX on kernels >= 6.6, clsact + netlink below, rtnl.rs), maps and links pinned under a
-//!   bpffs directory and adopted on start, so forwarding goes on while the agent is down.
-//! - [`MapSync`] (sync.rs): the diff between the plan and the tries (see there), behind the
-//!   [`DatapathMaps`] trait (kernel maps, or [`FakeMaps`] in memory); keys.rs: plan entries as
-//!   keys and values; counters.rs: the mapped counters.
-//! - [`AgentDatapath`] and [`FakeDatapath`] (agent.rs): the datapath behind the reconcilers'
-//!   [`DatapathSync`](crate::effects::DatapathSync) trait, real and in memory.
-//! - [`logs`]: the program's aya-log records as `tracing` events.
-//!
-//! The static masquerade rule is [`crate::nft`]'s; [`Datapath`] keeps it with the mark it uses.
-//! Nothing here starts a process.
-mod agent;
+//! ```text
+//! config.rs      DatapathConfig: what the datapath is loaded with, the program's config value
+//! load.rs        Datapath: the object loaded, maps pinned and adopted, layout migration, clean-up
+//! attach.rs      Hook, Framing: programs attached to interfaces (TCX links, clsact + netlink)
+//! rtnl.rs        the link type and clsact qdisc queries attaching needs
+//! maps.rs        DatapathMaps: the maps as the diff sees them; KernelMaps: the kernel's
+//! keys.rs        plan entries as trie keys and values; Resolver: devices to interface indices
+//! plans.rs       Plans: what each trie should hold
+//! sync.rs        MapSync: the diff between the plans and the tries, from a record of the writes
+//! counters.rs    the mapped counters array; Counters: every counter, labelled
+//! nft.rs         the static masquerade rule (nftables), kept with the program's mark
+//! reconciler.rs  DatapathSync: the datapath as the reconciler drives it; DatapathReconciler
+//! fake.rs        FakeMaps, FakeDatapath: the same in memory, for fast tests
+//! logs.rs        the program's aya-log records as `tracing` events
+//! ```
+mod attach;
+mod config;
 mod counters;
-mod kernel;
+mod fake;
 mod keys;
+mod load;
 pub mod logs;
+mod maps;
+pub mod nft;
+mod plans;
+mod reconciler;
 mod rtnl;
 mod sync;
 
-use std::{io, path::PathBuf};
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
 
 use ipnet::IpNet;
 pub use kilo_common::{Counter, Decision};
 
-pub use agent::{AgentDatapath, FakeDatapath};
-pub use kernel::{
-    AttachMode, Datapath, DatapathConfig, Framing, Hook, KernelMaps, OBJECT, framing, ifindex,
-    is_bpffs,
+pub use attach::{AttachMode, Framing, Hook, framing, ifindex};
+pub use config::DatapathConfig;
+pub use fake::{FakeDatapath, FakeMaps};
+pub use keys::{NoResolver, Resolver};
+pub use load::{Datapath, OBJECT, is_bpffs};
+pub use maps::{DatapathMaps, KernelMaps};
+pub use plans::Plans;
+pub use reconciler::{
+    DatapathReconciler, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError,
+    EntryStats, MapUsage, NoDatapath, stats,
 };
-pub use sync::{
-    Counters, DatapathMaps, EntryCounter, FakeMaps, MapSync, NoResolver, Plans, READ_BACK_EVERY,
-    Resolver, read_counters, sync_maps,
-};
+pub use sync::{Counters, EntryCounter, MapSync, read_counters, sync_maps};
 
 /// What an entry stands for (Kilo's rule it replaces): a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -199,7 +214,7 @@ pub enum DatapathError {
     #[error("invalid datapath config: {0}")]
     Config(String),
     #[error("nftables: {0}")]
-    Nft(#[from] crate::nft::NftError),
+    Nft(#[from] nft::NftError),
 }
 
 impl DatapathError {
@@ -215,5 +230,23 @@ impl DatapathError {
             name,
             source: Box::new(source),
         }
+    }
+}
+
+/// A `map_err` for a file system call on `path`.
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> DatapathError + '_ {
+    move |source| DatapathError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A `map_err` for a link of interface `name`.
+fn link_err<E: std::error::Error + Send + Sync + 'static>(
+    name: &str,
+) -> impl FnOnce(E) -> DatapathError + '_ {
+    move |e| DatapathError::Link {
+        name: name.to_owned(),
+        source: Box::new(e),
     }
 }

@@ -1,4 +1,4 @@
-//! Synchronous rtnetlink requests (no process, no runtime) for attachment: a device's link type,
+//! Synchronous rtnetlink requests ([`crate::sys::netlink`]) for attachment: a device's link type,
 //! and the `clsact` qdisc that netlink (pre-TCX) attachment needs (whether anything is still
 //! filtered through it, and removing it).
 use std::io;
@@ -13,9 +13,11 @@ use netlink_packet_route::{
 };
 use netlink_sys::protocols::NETLINK_ROUTE;
 
+use crate::sys::netlink::{self, NetlinkError};
+
 /// Sends one request and collects the answer (a dump's messages, or nothing for an ack).
 fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let socket = crate::effects::netlink_socket(NETLINK_ROUTE)?;
+    let socket = netlink::socket(NETLINK_ROUTE)?;
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     header.sequence_number = 1;
@@ -23,33 +25,26 @@ fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetl
     packet.finalize();
     let mut buf = vec![0; packet.buffer_len()];
     packet.serialize(&mut buf);
-    socket.send(&buf, 0)?;
-    let mut out = Vec::new();
-    let mut buf = vec![0; 1 << 16];
-    loop {
-        let n = socket.recv(&mut &mut buf[..], 0)?;
-        let mut at = 0;
-        while at < n {
-            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..n])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-            let len = msg.header.length as usize;
-            match msg.payload {
-                NetlinkPayload::Done(_) => return Ok(out),
-                NetlinkPayload::Error(e) => {
-                    return match e.code {
-                        Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
-                        None => Ok(out),
-                    };
-                }
-                NetlinkPayload::InnerMessage(m) => out.push(m),
-                _ => {}
-            }
-            if len == 0 {
-                break;
-            }
-            at += len;
-        }
-    }
+    let acks = usize::from(flags & NLM_F_ACK != 0);
+    let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
+    let invalid = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+    let replies = netlink::exchange(&socket, &buf, acks, dump).map_err(|e| match e {
+        NetlinkError::Io(e) | NetlinkError::Kernel(e) => e,
+        NetlinkError::Malformed => invalid(e.to_string()),
+    })?;
+    replies
+        .iter()
+        .map(
+            |m| match NetlinkMessage::<RouteNetlinkMessage>::deserialize(m) {
+                Ok(NetlinkMessage {
+                    payload: NetlinkPayload::InnerMessage(m),
+                    ..
+                }) => Ok(m),
+                Ok(_) => Err(invalid("an unexpected reply".into())),
+                Err(e) => Err(invalid(e.to_string())),
+            },
+        )
+        .collect()
 }
 
 /// The link-layer type (ARPHRD) of the device with index `ifindex`.

@@ -77,6 +77,33 @@ pub enum Device {
     Tunnel,
 }
 
+/// The names of the devices a plan refers to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Devices {
+    pub wireguard: String,
+    pub private: Option<String>,
+    /// The device of the routes through `Device::Tunnel`: the CNI's (`flannel.1`,
+    /// `cilium_tunl`), or `None`: the datapath encapsulates at egress of the private interface,
+    /// so those routes go out of it, with its MTU minus the 20 bytes of the outer header.
+    pub tunnel: Option<String>,
+}
+
+impl Devices {
+    pub fn name(&self, device: Device) -> Option<&str> {
+        match device {
+            Device::WireGuard => Some(&self.wireguard),
+            Device::Private => self.private.as_deref(),
+            Device::Tunnel => self.tunnel.as_deref(),
+        }
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.wireguard.as_str())
+            .chain(self.private.as_deref())
+            .chain(self.tunnel.as_deref())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Route {
     pub dst: IpNet,

@@ -1,9 +1,9 @@
 //! Reconcilers: observe kernel state, diff it against the plan, apply only the difference.
 //! Each effect sits behind a small trait with a real implementation and an in-memory fake:
 //! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
-//! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule, implemented by the
-//! datapath module, which this module never imports: what both use lives in
-//! [`crate::effects`]). [`Reconciler`] runs them in order and returns the [`Writes`] it made.
+//! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule: the datapath
+//! module's trait; the datapath never imports this module). [`Reconciler`] runs them in order
+//! and returns the [`Writes`] it made.
 //!
 //! Write kinds counted in [`Writes`]: `link_add`, `link_set`, `link_del`, `address_add`,
 //! `address_del`, `route_add`, `route_replace`, `route_del`, `rule_add`, `rule_del`,
@@ -30,20 +30,19 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-pub use kilo_common::Counter;
 use kilo_common::KILO_REALM;
-
-pub use crate::effects::{
-    DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, EntryStats, MapUsage,
-    NoDatapath, Writes,
-};
 
 use self::{
     netlink::EventFilter,
-    state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
+    state::{KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
     wireguard::{Resolver, WgDiff, WireGuard},
 };
-use crate::{mesh::Key, plan::Plan};
+use crate::{
+    datapath::DatapathSync,
+    mesh::Key,
+    plan::{Devices, Plan},
+    writes::Writes,
+};
 
 /// The `rtm_protocol` / `FRA_PROTOCOL` value marking routes and rules as ours.
 pub const RTPROT_KILO: u8 = 107;

@@ -35,10 +35,13 @@ use netlink_packet_route::{
 use rtnetlink::{Handle, IpVersion, LinkUnspec, LinkWireguard, MulticastGroup};
 
 use super::{
-    Kernel, KernelError, RTPROT_KILO, Writes,
-    state::{Devices, KRoute, KRule, KernelDiff, KernelState, LinkState},
+    Kernel, KernelError, RTPROT_KILO,
+    state::{KRoute, KRule, KernelDiff, KernelState, LinkState},
 };
-use crate::effects::READ_BACK_EVERY;
+use crate::{
+    plan::Devices,
+    writes::{READ_BACK_EVERY, Writes},
+};
 
 /// The kernel notifications a [`watch`] has seen, plus one each time it subscribes or loses its
 /// subscription; `None` while it is not subscribed (nothing counts the changes then).

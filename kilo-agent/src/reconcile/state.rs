@@ -11,8 +11,7 @@ use std::{
 
 use ipnet::IpNet;
 
-pub use crate::effects::Devices;
-use crate::plan::{Device, Plan};
+use crate::plan::{Device, Devices, Plan};
 
 /// The state of one link, as far as the agent cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! The reconcilers on the in-memory kernel and WireGuard: convergence, realms, the CNI file.
 use super::{wireguard::FakeWireGuard, *};
+use crate::datapath::{DatapathSyncError, NoDatapath};
 use crate::plan::{
     DatapathPlan, Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan,
 };

@@ -18,7 +18,7 @@ use std::{
 use ipnet::IpNet;
 use wireguard_control as wgc;
 
-use super::Writes;
+use crate::writes::Writes;
 use crate::{
     mesh::{Host, Key},
     plan::WireGuardPlan,

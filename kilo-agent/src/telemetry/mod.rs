@@ -62,8 +62,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use ipnet::IpNet;
 
 use crate::{
+    datapath::{DatapathStats, DatapathStatsSource},
     mesh::Key,
-    reconcile::{DatapathStats, DatapathStatsSource, Writes, wireguard::PeerStatsSource},
+    reconcile::wireguard::PeerStatsSource,
+    writes::Writes,
 };
 
 mod process;
@@ -197,7 +199,7 @@ impl Collector for DatapathCollector {
         let Some(stats) = self.read() else {
             return Ok(());
         };
-        type Field = fn(&crate::reconcile::Counter) -> u64;
+        type Field = fn(&crate::datapath::Counter) -> u64;
         let fields: [(&str, &str, Field); 2] = [
             ("packets", "Packets", |c| c.packets),
             ("bytes", "Bytes", |c| c.bytes),
@@ -229,7 +231,7 @@ impl Collector for DatapathCollector {
                 }),
             )?;
         }
-        type Usage = fn(&crate::reconcile::MapUsage) -> u64;
+        type Usage = fn(&crate::datapath::MapUsage) -> u64;
         let gauges: [(&str, &str, Usage); 2] = [
             (
                 "kilo_datapath_map_entries",
@@ -787,17 +789,17 @@ mod tests {
     struct Source(Mutex<u64>);
 
     impl DatapathStatsSource for Source {
-        fn read(&self) -> Result<DatapathStats, crate::reconcile::DatapathSyncError> {
+        fn read(&self) -> Result<DatapathStats, crate::datapath::DatapathSyncError> {
             // Each read sees more traffic, as the kernel's counters would.
             let mut n = self.0.lock().unwrap();
             *n += 1;
-            let c = crate::reconcile::Counter {
+            let c = crate::datapath::Counter {
                 packets: *n,
                 bytes: *n * 100,
             };
             Ok(DatapathStats {
                 decisions: vec![("pass", Default::default()), ("masquerade", c)],
-                entries: vec![crate::reconcile::EntryStats {
+                entries: vec![crate::datapath::EntryStats {
                     role: "nat_source",
                     cidr: "10.42.1.0/24".parse().unwrap(),
                     kind: "local_pods",
@@ -805,12 +807,12 @@ mod tests {
                     counter: c,
                 }],
                 maps: vec![
-                    crate::reconcile::MapUsage {
+                    crate::datapath::MapUsage {
                         map: "mesh_destination",
                         entries: 4,
                         capacity: 64,
                     },
-                    crate::reconcile::MapUsage {
+                    crate::datapath::MapUsage {
                         map: "entry_counters",
                         entries: 1,
                         capacity: 16,

@@ -4,8 +4,8 @@
 use kilo_agent::{
     agent::{Local, PlanOutcome},
     mesh::{Key, ObjectError, ObjectKind, Snapshot, annotations::KEY as ANNOTATION_KEY},
-    plan::{DatapathEntry, Device, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
-    reconcile::{Settings, state::Devices, wireguard::system_resolver},
+    plan::{DatapathEntry, Device, Devices, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
+    reconcile::{Settings, wireguard::system_resolver},
 };
 
 pub const ENDPOINT_ANNOTATION: &str = "kilo.squat.ai/endpoint";

@@ -1,29 +1,157 @@
-//! The datapath as the agent's reconciler drives it ([`DatapathSync`]): keeps the static
-//! masquerade rule and the fast-path flag, syncs the maps with the plan, attaches the NAT
-//! program to the WireGuard and pod-facing interfaces as they appear (only to maps that have
-//! held a whole plan once), and the IPIP programs to the private interface while the plan has a
-//! location neighbour. Each step writes only when the kernel differs. [`FakeDatapath`] is the
-//! same in memory, for fast tests.
+//! The datapath as one of the agent's reconcilers: the [`DatapathSync`] trait the reconciler
+//! drives, the stats the metrics read ([`DatapathStatsSource`]), and [`DatapathReconciler`], the
+//! real one over a loaded [`Datapath`]: keeps the static masquerade rule and the fast-path flag,
+//! syncs the maps with the plan, attaches the NAT program to the WireGuard and pod-facing
+//! interfaces as they appear (only to maps that have held a whole plan once), and the IPIP
+//! programs to the private interface while the plan has a location neighbour. Each step writes
+//! only when the kernel differs. [`NoDatapath`] does nothing; `fake.rs` has one in memory.
 //!
-//! Its [`DatapathStatsSource`] reads the counters at scrape time from the same maps (under a
-//! mutex a sync holds while it writes), labelled with the owners of the last plan synced, the
-//! entries taken from the sync's record (no system call per entry).
+//! The stats source reads the counters at scrape time from the same maps (under a mutex a sync
+//! holds while it writes), labelled with the owners of the last plan synced, the entries taken
+//! from the sync's record (no system call per entry).
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
 };
 
+use ipnet::IpNet;
+use kilo_common::Counter;
+
 use super::{
-    Counters, Datapath, DatapathError, DatapathMaps as _, FakeMaps, Hook, NoResolver, Plans, Role,
-    Trie, ifindex, read_counters, sync_maps,
+    Datapath, DatapathError, Hook, Role, Trie, ifindex, maps::DatapathMaps as _, plans::Plans,
+    sync::Counters,
 };
 use crate::{
-    effects::{
-        DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Devices, EntryStats,
-        MapUsage, Writes,
-    },
-    plan::{DatapathPlan, Device, IpipPlan},
+    plan::{DatapathPlan, Device, Devices, IpipPlan},
+    writes::Writes,
 };
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathSyncError {
+    #[error("datapath: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Other(#[from] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// The eBPF datapath as the agent sees it; the datapath module provides the real one.
+pub trait DatapathSync {
+    /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
+    /// `links`: every link's index by name, as just read from the kernel (a name not in it is
+    /// not there); `None` to ask the kernel.
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        links: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError>;
+    /// Lines describing what `sync` would change (for `--dry-run`).
+    fn describe(
+        &mut self,
+        _plan: &DatapathPlan,
+        _ipip: &IpipPlan,
+    ) -> Result<Vec<String>, DatapathSyncError> {
+        Ok(Vec::new())
+    }
+    /// Removes map entries, programs, pins and the NAT rule.
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    /// Whether the kernel keeps the realm of the routes it encapsulates (so the encapsulation
+    /// may skip packets routed otherwise); writes only a change.
+    fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
+    /// scrape time, never writing). `None` when there is nothing to read.
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        None
+    }
+}
+
+impl DatapathSync for Box<dyn DatapathSync> {
+    fn sync(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+        links: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
+        (**self).sync(plan, ipip, links)
+    }
+    fn describe(
+        &mut self,
+        plan: &DatapathPlan,
+        ipip: &IpipPlan,
+    ) -> Result<Vec<String>, DatapathSyncError> {
+        (**self).describe(plan, ipip)
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        (**self).clean_up()
+    }
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+        (**self).route_realm(hold)
+    }
+    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
+        (**self).stats_source()
+    }
+}
+
+/// A datapath that does nothing (no eBPF available, or tests of the other reconcilers).
+#[derive(Debug, Default)]
+pub struct NoDatapath;
+
+impl DatapathSync for NoDatapath {
+    fn sync(
+        &mut self,
+        _: &DatapathPlan,
+        _: &IpipPlan,
+        _: Option<&BTreeMap<String, u32>>,
+    ) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+        Ok(Writes::default())
+    }
+}
+
+/// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
+pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
+    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
+}
+
+/// Traffic counters and map occupancy, labelled for the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatapathStats {
+    /// Per decision (`kilo_common::Decision::name`), every decision present.
+    pub decisions: Vec<(&'static str, Counter)>,
+    /// Per map entry.
+    pub entries: Vec<EntryStats>,
+    /// Entries and capacity per role (by `datapath::Role::label`; mesh and masquerade
+    /// destinations share one trie and its capacity), and of the per-entry
+    /// counter slots (`entry_counters`).
+    pub maps: Vec<MapUsage>,
+}
+
+/// How full one map is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapUsage {
+    pub map: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
+}
+
+/// One map entry's traffic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStats {
+    /// `datapath::Role::label`.
+    pub role: &'static str,
+    pub cidr: IpNet,
+    /// The plan's entry kind (`node`, `local_pods`, ...), `unknown` for a code the agent does
+    /// not know.
+    pub kind: &'static str,
+    /// The node, segment, peer or flag the plan gives the entry ("" for an entry it does not
+    /// know, e.g. left over from an adopted topology).
+    pub owner: String,
+    pub counter: Counter,
+}
 
 /// What the reconciler and the metrics share.
 struct Shared {
@@ -40,7 +168,7 @@ struct Stats(Arc<Mutex<Shared>>);
 
 impl std::fmt::Debug for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AgentDatapath stats")
+        f.write_str("DatapathReconciler stats")
     }
 }
 
@@ -105,7 +233,7 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
 }
 
 /// The loaded datapath plus what the agent attaches it to.
-pub struct AgentDatapath {
+pub struct DatapathReconciler {
     shared: Stats,
     /// The WireGuard interface first, then the pod-facing ones.
     interfaces: Vec<String>,
@@ -120,7 +248,7 @@ pub struct AgentDatapath {
     ipip: Option<Option<u32>>,
 }
 
-impl AgentDatapath {
+impl DatapathReconciler {
     pub fn new(
         datapath: Datapath,
         devices: Devices,
@@ -134,7 +262,7 @@ impl AgentDatapath {
                 .filter(|i| **i != devices.wireguard)
                 .cloned(),
         );
-        AgentDatapath {
+        DatapathReconciler {
             shared: Stats(Arc::new(Mutex::new(Shared {
                 datapath: Some(datapath),
                 plan: DatapathPlan::default(),
@@ -208,11 +336,11 @@ fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
         .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
 }
 
-fn failed(e: DatapathError) -> DatapathSyncError {
+pub(super) fn failed(e: DatapathError) -> DatapathSyncError {
     DatapathSyncError::Other(Box::new(e))
 }
 
-impl DatapathSync for AgentDatapath {
+impl DatapathSync for DatapathReconciler {
     fn sync(
         &mut self,
         plan: &DatapathPlan,
@@ -352,113 +480,5 @@ impl DatapathSync for AgentDatapath {
 
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
         Some(Arc::new(self.shared.clone()))
-    }
-}
-
-/// An in-memory datapath: the real map diff ([`sync_maps`]) over [`FakeMaps`], so it writes
-/// (and counts) what the kernel's maps would; its stats source reads those maps. Clones share
-/// the maps.
-#[derive(Debug, Clone, Default)]
-pub struct FakeDatapath(Arc<Mutex<FakeShared>>);
-
-#[derive(Debug)]
-struct FakeShared {
-    maps: FakeMaps,
-    /// The last plan synced (for the owner labels).
-    plan: DatapathPlan,
-    ipip: IpipPlan,
-    /// The last [`DatapathSync::route_realm`].
-    route_realm: bool,
-}
-
-impl Default for FakeShared {
-    fn default() -> Self {
-        FakeShared {
-            maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
-            plan: DatapathPlan::default(),
-            ipip: IpipPlan::default(),
-            route_realm: false,
-        }
-    }
-}
-
-impl FakeDatapath {
-    fn lock(&self) -> MutexGuard<'_, FakeShared> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A copy of the maps (to inspect, or to set counters through [`FakeDatapath::set_maps`]).
-    pub fn maps(&self) -> FakeMaps {
-        self.lock().maps.clone()
-    }
-
-    pub fn set_maps(&self, maps: FakeMaps) {
-        self.lock().maps = maps;
-    }
-
-    /// Entries in all the maps.
-    pub fn len(&self) -> usize {
-        self.lock().maps.tries.values().map(BTreeMap::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// What the last [`DatapathSync::route_realm`] said.
-    pub fn route_realm(&self) -> bool {
-        self.lock().route_realm
-    }
-}
-
-impl DatapathSync for FakeDatapath {
-    fn sync(
-        &mut self,
-        plan: &DatapathPlan,
-        ipip: &IpipPlan,
-        _: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
-        let mut shared = self.lock();
-        let writes =
-            sync_maps(&mut shared.maps, Plans { nat: plan, ipip }, &NoResolver).map_err(failed);
-        if shared.plan != *plan {
-            shared.plan = plan.clone();
-        }
-        if shared.ipip != *ipip {
-            shared.ipip = ipip.clone();
-        }
-        writes
-    }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
-        let mut shared = self.lock();
-        shared.plan = DatapathPlan::default();
-        shared.ipip = IpipPlan::default();
-        sync_maps(&mut shared.maps, &DatapathPlan::default(), &NoResolver).map_err(failed)
-    }
-    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
-        let mut shared = self.lock();
-        let mut writes = Writes::default();
-        if shared.route_realm != hold {
-            shared.route_realm = hold;
-            writes.add("map_config", 1);
-        }
-        Ok(writes)
-    }
-    fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
-        Some(Arc::new(self.clone()))
-    }
-}
-
-impl DatapathStatsSource for FakeDatapath {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
-        let shared = self.lock();
-        let counters = read_counters(&shared.maps).map_err(failed)?;
-        Ok(stats(
-            &counters,
-            Plans {
-                nat: &shared.plan,
-                ipip: &shared.ipip,
-            },
-        ))
     }
 }

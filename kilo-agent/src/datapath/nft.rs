@@ -22,7 +22,10 @@ use std::io;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 
-use crate::effects::{Writes, netlink_socket};
+use crate::{
+    sys::netlink::{self, NetlinkError, messages},
+    writes::{ReadBack, Writes},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -66,13 +69,10 @@ const EXPRESSIONS: [&str; 4] = ["meta", "bitwise", "cmp", "masq"];
 
 // netlink / nfnetlink / nf_tables constants (linux/netlink.h, nfnetlink.h, nf_tables.h).
 const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_MULTI: u16 = 0x2;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
 const NLM_F_CREATE: u16 = 0x400;
 const NLM_F_APPEND: u16 = 0x800;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const NLA_F_NESTED: u16 = 0x8000;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -333,24 +333,17 @@ struct Conn {
     /// The socket's netlink port: notifications of our own writes carry it.
     port: Option<u32>,
     seq: u32,
-    /// One datagram; the kernel's replies here are far smaller.
-    buf: Vec<u8>,
 }
 
 impl Conn {
     fn open() -> Result<Self, NftError> {
-        let sock = netlink_socket(NETLINK_NETFILTER)?;
+        let sock = netlink::socket(NETLINK_NETFILTER)?;
         let mut addr = netlink_sys::SocketAddr::new(0, 0);
         let port = sock
             .get_address(&mut addr)
             .ok()
             .map(|()| addr.port_number());
-        Ok(Conn {
-            sock,
-            port,
-            seq: 0,
-            buf: Vec::with_capacity(1 << 16),
-        })
+        Ok(Conn { sock, port, seq: 0 })
     }
 
     fn next_seq(&mut self) -> u32 {
@@ -367,62 +360,17 @@ impl Conn {
         dump: bool,
         what: &'static str,
     ) -> Result<Vec<Vec<u8>>, NftError> {
-        self.sock.send(buf, 0)?;
-        let mut data = Vec::new();
-        let mut seen = 0;
-        let mut done = !dump;
-        let mut error = None;
-        while seen < acks || !done {
-            self.buf.clear();
-            match self.sock.recv(&mut self.buf, 0) {
-                Ok(_) => {}
-                // A failed batch may leave some acks out: report the error we have.
-                Err(e)
-                    if error.is_some()
-                        && matches!(
-                            e.kind(),
-                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                        ) =>
-                {
-                    break;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            for m in messages(&self.buf) {
-                let m = m.ok_or(NftError::Malformed(what))?;
-                match m.ty {
-                    NLMSG_ERROR => {
-                        let code = i32::from_ne_bytes(
-                            m.body
-                                .get(..4)
-                                .ok_or(NftError::Malformed(what))?
-                                .try_into()
-                                .expect("4 bytes"),
-                        );
-                        if code != 0 && error.is_none() {
-                            error = Some(io::Error::from_raw_os_error(-code));
-                        }
-                        seen += 1;
-                        if dump {
-                            done = true;
-                        }
-                    }
-                    NLMSG_DONE => done = true,
-                    _ => {
-                        if m.body.len() >= 4 {
-                            data.push(m.body[4..].to_vec());
-                        }
-                        if dump && m.flags & NLM_F_MULTI == 0 {
-                            done = true;
-                        }
-                    }
-                }
-            }
-        }
-        match error {
-            Some(source) => Err(NftError::Kernel { what, source }),
-            None => Ok(data),
-        }
+        let replies = netlink::exchange(&self.sock, buf, acks, dump).map_err(|e| match e {
+            NetlinkError::Io(e) => NftError::Io(e),
+            NetlinkError::Kernel(source) => NftError::Kernel { what, source },
+            NetlinkError::Malformed => NftError::Malformed(what),
+        })?;
+        // The header (16 bytes), then nfgenmsg (4).
+        Ok(replies
+            .into_iter()
+            .filter(|m| m.len() >= 20)
+            .map(|m| m[20..].to_vec())
+            .collect())
     }
 }
 
@@ -530,12 +478,10 @@ fn ensure_masquerade_with(c: &mut Conn, rule: &MasqueradeRule) -> Result<Writes,
 /// every `every` calls. Without the group (no subscription possible) it checks at every call.
 pub struct Keeper {
     rule: MasqueradeRule,
-    every: u32,
     /// `None` before the first check and after an error: the next call checks.
     conn: Option<Conn>,
     changes: Option<Socket>,
-    /// Calls since the last check.
-    since: u32,
+    read_back: ReadBack,
     checks: u64,
 }
 
@@ -543,10 +489,9 @@ impl Keeper {
     pub fn new(rule: MasqueradeRule, every: u32) -> Self {
         Keeper {
             rule,
-            every,
             conn: None,
             changes: None,
-            since: 0,
+            read_back: ReadBack::every(every),
             checks: 0,
         }
     }
@@ -563,11 +508,9 @@ impl Keeper {
                 true
             }
         };
-        self.since += 1;
-        if self.conn.is_some() && !announced && self.since < self.every {
+        if !self.read_back.due(self.conn.is_some() && !announced) {
             return Ok(Writes::default());
         }
-        self.since = 0;
         self.checks += 1;
         let conn = match &mut self.conn {
             Some(c) => c,
@@ -628,36 +571,6 @@ fn concerns(datagram: &[u8], own: Option<u32>, table: &str) -> bool {
                     || get(&attrs(&m.body[4..]), NFTA_TABLE_NAME)
                         .is_some_and(|n| cstr(n) != table));
         own != Some(m.port) && !other
-    })
-}
-
-/// One netlink message: its type, flags, sender's port and what follows the header.
-struct Message<'a> {
-    ty: u16,
-    flags: u16,
-    port: u32,
-    body: &'a [u8],
-}
-
-/// The messages of one datagram in order; `None` for a malformed length, and nothing after it.
-fn messages(mut b: &[u8]) -> impl Iterator<Item = Option<Message<'_>>> {
-    std::iter::from_fn(move || {
-        if b.len() < 16 {
-            return None;
-        }
-        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-        if len < 16 || len > b.len() {
-            b = &[];
-            return Some(None);
-        }
-        let m = Message {
-            ty: u16::from_ne_bytes([b[4], b[5]]),
-            flags: u16::from_ne_bytes([b[6], b[7]]),
-            port: u32::from_ne_bytes(b[12..16].try_into().expect("4 bytes")),
-            body: &b[16..len],
-        };
-        b = &b[((len + 3) & !3).min(b.len())..];
-        Some(Some(m))
     })
 }
 
