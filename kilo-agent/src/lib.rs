@@ -8,6 +8,7 @@ pub mod agent;
 pub mod backend;
 pub mod datapath;
 pub mod effects;
+pub mod files;
 pub mod kgctl;
 pub mod mesh;
 pub mod nft;
