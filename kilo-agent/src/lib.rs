@@ -3,12 +3,16 @@
 //! Modules follow the data flow, one direction:
 //! backend → mesh → topology → plan → reconcilers (datapath, nft, reconcile) → telemetry.
 //! Everything up to and including `plan` is pure: no I/O.
+//! `graph` draws a topology (pure), for `kgctl graph` and telemetry's `/graph`. Leaves any
+//! module may use: `files` (files replaced whole). On top: `agent` (kg), `kgctl` (the CLI's
+//! renderings) and `webhook`.
 
 pub mod agent;
 pub mod backend;
 pub mod datapath;
 pub mod effects;
 pub mod files;
+pub mod graph;
 pub mod kgctl;
 pub mod mesh;
 pub mod nft;

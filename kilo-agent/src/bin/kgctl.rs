@@ -12,7 +12,7 @@ use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
 use kilo_agent::{
     agent::config::{LogLevel, Shell, go_bool_flag, parse_duration},
-    files,
+    files, graph,
     kgctl::{self, GranularityArg, OutputFormat, ShowOptions},
     mesh::{self, KubeNode, Peer, Snapshot},
 };
@@ -207,7 +207,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Graph(g) => {
             let dot = kgctl::graph(&cluster)?;
             let out = match g.output.as_str() {
-                "svg" => kgctl::render_svg(&dot)?,
+                "svg" => graph::render_svg(&dot)?,
                 _ => dot,
             };
             // Kilo prints the graph with Println: one extra newline.

@@ -593,7 +593,7 @@ pub fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, Str
     ) {
         return (500, "text/plain", "unsupported layout\n".into());
     }
-    match crate::kgctl::render_svg(dot) {
+    match crate::graph::render_svg(dot) {
         Ok(svg) => (200, "image/svg+xml", svg),
         Err(e) => (500, "text/plain", format!("unable to render graph: {e}\n")),
     }
