@@ -4,8 +4,8 @@
 //! backend → mesh → topology → plan → reconcilers (datapath, nft, reconcile) → telemetry.
 //! Everything up to and including `plan` is pure: no I/O.
 //! `graph` draws a topology (pure), for `kgctl graph` and telemetry's `/graph`. Leaves any
-//! module may use: `files` (files replaced whole). On top: `agent` (kg), `kgctl` (the CLI's
-//! renderings) and `webhook`.
+//! module may use: `files` (files replaced whole) and `http` (the HTTP server of `telemetry` and
+//! `webhook`). On top: `agent` (kg), `kgctl` (the CLI's renderings) and `webhook`.
 
 pub mod agent;
 pub mod backend;
@@ -13,6 +13,7 @@ pub mod datapath;
 pub mod effects;
 pub mod files;
 pub mod graph;
+pub mod http;
 pub mod kgctl;
 pub mod mesh;
 pub mod nft;
