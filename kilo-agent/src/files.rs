@@ -12,10 +12,10 @@ pub enum Mode {
     Exact(u32),
 }
 
-/// Replaces `path` with `contents`: written to a hidden temporary file beside it (`.NAME.XXXXXX.tmp`,
-/// which readers of object files and CNI configurations skip, removed on failure), flushed to
-/// disk, then renamed over `path`. With `durable`, the directory is flushed too, so that the new
-/// name survives a crash.
+/// Replaces `path` with `contents`: written to a hidden temporary file beside it
+/// (`.NAME.XXXXXX.tmp`, which readers of object files and CNI configurations skip, removed on
+/// failure), flushed to disk, then renamed over `path`. With `durable`, the directory is
+/// flushed too, so that the new name survives a crash.
 pub fn replace(path: &Path, contents: &[u8], mode: Mode, durable: bool) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

@@ -1,6 +1,7 @@
 //! Telemetry: Prometheus metrics (Kilo's names plus ours), health and readiness, served on
-//! `--listen` ([`serve`], over [`crate::http`]). `/metrics` answers in OpenMetrics when the client asks for it
-//! (Prometheus does) and in Prometheus' text format 0.0.4 otherwise, as Go's client does.
+//! `--listen` ([`serve`], over [`crate::http`]). `/metrics` answers in OpenMetrics when the
+//! client asks for it (Prometheus does) and in Prometheus' text format 0.0.4 otherwise, as Go's
+//! client does.
 //!
 //! Metrics (see also the README):
 //! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
