@@ -2,14 +2,19 @@
 //!
 //! Modules follow the data flow, one direction:
 //! backend → mesh → topology → plan → reconcilers (reconcile, which drives datapath) → telemetry.
-//! Everything up to and including `plan` is pure: no I/O. `writes` (what reconcilers report)
-//! and `sys` (the raw system calls) sit below the reconcilers. `agent` sits above them all: it
-//! builds them from `kg`'s flags (`agent::build`) and runs the loop that drives them; none of
-//! them imports it.
+//! Everything up to and including `plan` is pure: no I/O. `graph` draws a topology (pure), for
+//! `kgctl graph` and telemetry's `/graph`. Leaves any module may use: `writes` (what reconcilers
+//! report), `sys` (the raw system calls), `files` (files replaced whole) and `http` (the HTTP
+//! server of `telemetry` and `webhook`). On top: `agent` (kg: it builds the others from the
+//! flags and runs the loop that drives them; none of them imports it), `kgctl` (the CLI's
+//! renderings) and `webhook`.
 
 pub mod agent;
 pub mod backend;
 pub mod datapath;
+pub mod files;
+pub mod graph;
+pub mod http;
 pub mod kgctl;
 pub mod mesh;
 pub mod plan;

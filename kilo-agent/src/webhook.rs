@@ -6,7 +6,8 @@
 //! `admission_requests_total{operation,response}`, `http_requests_total{handler,method}`,
 //! `errors_total`) and `/health` are served over plain HTTP on `--listen-metrics`.
 //!
-//! Owns: the review ([`review`], pure), the HTTP handlers and the TLS listener. The certificate
+//! Owns: the review ([`review`], pure), the HTTP handlers and the TLS set-up (served by
+//! [`crate::http`]). The certificate
 //! files are read again when they change (cert-manager renews them in place), at the next
 //! connection.
 use std::{
@@ -16,9 +17,8 @@ use std::{
     time::SystemTime,
 };
 
-use http_body_util::{BodyExt as _, Full, Limited};
-use hyper::{Method, Request, Response, StatusCode, body::Bytes, service::service_fn};
-use hyper_util::rt::TokioIo;
+use http_body_util::{BodyExt as _, Limited};
+use hyper::{Method, Request, Response, StatusCode};
 use kube::core::{
     DynamicObject,
     admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
@@ -30,7 +30,10 @@ use prometheus_client::{
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
 
-use crate::mesh::{MeshPeer, Peer};
+use crate::{
+    http::{self, Body, ServeError, response as respond},
+    mesh::{MeshPeer, Peer},
+};
 
 /// The path the ValidatingWebhookConfiguration calls (Kilo's).
 pub const VALIDATE_PATH: &str = "/validate";
@@ -43,11 +46,8 @@ pub enum WebhookError {
     Malformed(String),
     #[error("{path}: {message}")]
     Certificate { path: PathBuf, message: String },
-    #[error("listening on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Listen(#[from] ServeError),
 }
 
 /// The answer to one review: allowed, or denied with every bad field.
@@ -181,16 +181,6 @@ impl WebhookMetrics {
             .expect("writing to a String");
         out
     }
-}
-
-type Body = Full<Bytes>;
-
-fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header(hyper::header::CONTENT_TYPE, content_type)
-        .body(Full::new(body.into()))
-        .expect("a valid response")
 }
 
 /// Which listener a request came in on: the webhook's (TLS) or the metrics' (plain HTTP).
@@ -346,62 +336,6 @@ impl Certificates {
     }
 }
 
-/// Binds `addr`; Go's `:PORT` (`[::]:PORT`, dual-stack) falls back to IPv4 where IPv6 is off.
-async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, WebhookError> {
-    match tokio::net::TcpListener::bind(addr).await {
-        Err(_) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
-            let v4 = SocketAddr::from(([0, 0, 0, 0], addr.port()));
-            tokio::net::TcpListener::bind(v4).await
-        }
-        other => other,
-    }
-    .map_err(|source| WebhookError::Listen { addr, source })
-}
-
-/// Serves HTTP/1.1 on `listener` for ever, each connection through `accept` (TLS or not).
-async fn serve<S, F, A>(
-    listener: tokio::net::TcpListener,
-    accept: A,
-    metrics: Arc<WebhookMetrics>,
-    port: Port,
-) where
-    A: Fn(tokio::net::TcpStream) -> F + Send + Clone + 'static,
-    F: Future<Output = std::io::Result<S>> + Send,
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    loop {
-        let (stream, from) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (accept, metrics) = (accept.clone(), metrics.clone());
-        tokio::spawn(async move {
-            let stream = match accept(stream).await {
-                Ok(s) => s,
-                Err(e) => {
-                    metrics.errors.inc();
-                    tracing::debug!(%from, error = %e, "TLS handshake failed");
-                    return;
-                }
-            };
-            let service = service_fn(|req| {
-                let metrics = metrics.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, &metrics, port).await) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%from, error = %e, "connection ended");
-            }
-        });
-    }
-}
-
 /// What `kg webhook` listens on.
 pub struct WebhookSettings {
     pub listen: SocketAddr,
@@ -417,26 +351,42 @@ pub async fn start(
 ) -> Result<(SocketAddr, SocketAddr, Vec<tokio::task::JoinHandle<()>>), WebhookError> {
     let certificates = Arc::new(Certificates::load(&settings.cert_file, &settings.key_file)?);
     let metrics = Arc::new(WebhookMetrics::default());
-    let webhook = bind(settings.listen).await?;
-    let scrape = bind(settings.listen_metrics).await?;
+    let webhook = http::bind(settings.listen)?;
+    let scrape = http::bind(settings.listen_metrics)?;
     let addrs = (
         webhook.local_addr().expect("bound"),
         scrape.local_addr().expect("bound"),
     );
+    let handler = |port: Port| {
+        let metrics = metrics.clone();
+        move |req: Request<hyper::body::Incoming>| {
+            let metrics = metrics.clone();
+            async move { handle(req, &metrics, port).await }
+        }
+    };
+    let handshakes = metrics.errors.clone();
     let tls = move |stream| {
         let acceptor = tokio_rustls::TlsAcceptor::from(certificates.current());
-        async move { acceptor.accept(stream).await }
+        let failures = handshakes.clone();
+        async move {
+            // A failed handshake counts as an error of the webhook.
+            acceptor.accept(stream).await.inspect_err(|_| {
+                failures.inc();
+            })
+        }
     };
-    let plain = |stream| async move { Ok(stream) };
     let tasks = vec![
-        tokio::spawn(serve(webhook, tls, metrics.clone(), Port::Webhook)),
-        tokio::spawn(serve(scrape, plain, metrics, Port::Metrics)),
+        tokio::spawn(http::serve(webhook, tls, handler(Port::Webhook))),
+        tokio::spawn(http::serve(scrape, http::plain, handler(Port::Metrics))),
     ];
     Ok((addrs.0, addrs.1, tasks))
 }
 
 #[cfg(test)]
 mod tests {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+
     use super::*;
 
     const KEY: &str = "a2V5NQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";

@@ -8,6 +8,7 @@ use std::{
 
 use ipnet::IpNet;
 use kilo_agent::{
+    graph,
     kgctl::{self, Interface},
     mesh::{self, Granularity, Key, objects},
     plan::{self, Device, Encapsulation, EntryKind, KeepaliveSource, NextHop, Settings},
@@ -161,7 +162,7 @@ fn peer_conf_matches_golden() {
 fn dot_matches_golden() {
     for (g, h, text, t) in each_case() {
         assert_eq!(
-            kgctl::render_dot(&t),
+            graph::render_dot(&t),
             section(&text, "## graph: Topology.Dot()"),
             "{g} from {h}"
         );

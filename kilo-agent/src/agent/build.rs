@@ -16,6 +16,7 @@ use crate::{
     datapath::{
         Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath, logs,
     },
+    http::ServeError,
     mesh::Key,
     plan::{self, Devices},
     reconcile::{
@@ -23,7 +24,7 @@ use crate::{
         netlink::{self, NetlinkKernel},
         wireguard::{WgApi, WgControl, WgError, system_resolver},
     },
-    telemetry::{self, Metrics, ServeError},
+    telemetry::{self, Metrics},
     webhook::{self as peer_webhook, WebhookError, WebhookSettings},
 };
 

@@ -1,12 +1,8 @@
 //! The node's WireGuard private key: read from `--private-key` (default `/var/lib/kilo/key`,
 //! base64 as `wg genkey` writes it), or generated on first start and stored with mode 0600
-//! (written to a temporary file and renamed, so a crash never leaves half a key). The key is never
+//! ([`crate::files::replace`], durable: a crash never leaves half a key). The key is never
 //! logged; only its public half leaves this module's callers.
-use std::{
-    io::Write,
-    os::unix::fs::{OpenOptionsExt, PermissionsExt},
-    path::Path,
-};
+use std::{os::unix::fs::PermissionsExt, path::Path};
 
 use crate::mesh::Key;
 
@@ -74,20 +70,13 @@ pub fn load_or_generate(path: &Path) -> Result<(Key, bool), KeyFileError> {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).map_err(io)?;
             }
-            let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-            let tmp_io = |source| KeyFileError::Io {
-                path: tmp.display().to_string(),
-                source,
-            };
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(tmp_io)?;
-            f.write_all(format!("{key}\n").as_bytes()).map_err(tmp_io)?;
-            f.sync_all().map_err(tmp_io)?;
-            std::fs::rename(&tmp, path).map_err(io)?;
+            crate::files::replace(
+                path,
+                format!("{key}\n").as_bytes(),
+                crate::files::Mode::Exact(0o600),
+                true,
+            )
+            .map_err(io)?;
             tracing::info!(path = %path.display(), public_key = %public_key(&key), "generated a new WireGuard key");
             Ok((key, true))
         }

@@ -65,7 +65,7 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
         wireguard_ip: topology.filter(|t| t.leader).map(|t| t.wireguard_cidr),
         graph: planned
             .topology
-            .map(|t| Graph::new(move || crate::kgctl::render_dot(&t))),
+            .map(|t| Graph::new(move || crate::graph::render_dot(&t))),
         plan: planned.plan,
         errors: planned.errors.iter().map(ToString::to_string).collect(),
         invalid: planned

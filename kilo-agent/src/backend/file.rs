@@ -370,26 +370,8 @@ fn publish_file(
     } else {
         serde_yaml::to_string(&value).map_err(|e| parse(e.to_string()))?
     };
-    let file_name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("node")
-        .to_owned();
-    let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
-    let tmp_io = |source| BackendError::Io {
-        path: tmp.display().to_string(),
-        source,
-    };
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(tmp_io)?;
-        f.write_all(text.as_bytes()).map_err(tmp_io)?;
-        f.sync_all().map_err(tmp_io)?;
-    }
-    if let Err(e) = std::fs::rename(&tmp, &path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
-    }
+    crate::files::replace(&path, text.as_bytes(), crate::files::Mode::Default, false)
+        .map_err(io)?;
     Ok(true)
 }
 

@@ -12,6 +12,7 @@ use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
 use kilo_agent::{
     agent::config::{LogLevel, Shell, go_bool_flag, parse_duration},
+    files, graph,
     kgctl::{self, GranularityArg, OutputFormat, ShowOptions},
     mesh::{self, KubeNode, Peer, Snapshot},
 };
@@ -206,7 +207,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Graph(g) => {
             let dot = kgctl::graph(&cluster)?;
             let out = match g.output.as_str() {
-                "svg" => kgctl::render_svg(&dot)?,
+                "svg" => graph::render_svg(&dot)?,
                 _ => dot,
             };
             // Kilo prints the graph with Println: one extra newline.
@@ -308,10 +309,9 @@ impl Objects {
         let name = peer.metadata.name.clone().unwrap_or_default();
         match self {
             Objects::Dir(dir) => {
-                // Written whole under a hidden name (never read), then renamed into place.
-                let tmp = dir.join(format!(".{name}.yaml.tmp"));
-                std::fs::write(&tmp, serde_yaml::to_string(peer)?)?;
-                std::fs::rename(&tmp, dir.join(format!("{name}.yaml")))?;
+                let yaml = serde_yaml::to_string(peer)?;
+                let path = dir.join(format!("{name}.yaml"));
+                files::replace(&path, yaml.as_bytes(), files::Mode::Default, false)?;
             }
             Objects::Kube(client, _) => {
                 let api = kube::Api::<Peer>::all(client.clone());

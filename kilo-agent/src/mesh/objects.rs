@@ -43,8 +43,16 @@ pub fn parse_object(bytes: &[u8], path: &str) -> Result<Object, ObjectError> {
     if bytes.len() as u64 > MAX_OBJECT_BYTES {
         return Err(too_large(path, bytes.len() as u64));
     }
-    let value: serde_yaml::Value = serde_yaml::from_slice(bytes)
-        .map_err(|e| file_err(path, "content", format!("not YAML or JSON: {e}")))?;
+    let value: serde_yaml::Value = serde_yaml::from_slice(bytes).map_err(|e| not_yaml(path, e))?;
+    object(value, path)
+}
+
+fn not_yaml(path: &str, e: serde_yaml::Error) -> ObjectError {
+    file_err(path, "content", format!("not YAML or JSON: {e}"))
+}
+
+/// The object a parsed document describes.
+fn object(value: serde_yaml::Value, path: &str) -> Result<Object, ObjectError> {
     let kind = value
         .get("kind")
         .and_then(|k| k.as_str())
@@ -117,15 +125,17 @@ pub fn insert(snapshot: &mut Snapshot, obj: Object, path: &str) -> Result<(), Ob
     Ok(())
 }
 
-/// Parses a YAML stream of several objects separated by `---` lines (as `kubectl get -o yaml`
-/// lists or Kilo's test fixture write them); documents without a `kind` (comments only) are skipped.
+/// Parses a YAML stream of several objects (documents separated by `---` lines, as `kubectl get
+/// -o yaml` lists or Kilo's test fixture write them); documents without a `kind` (comments only)
+/// are skipped. An error names the document by its index in the stream: `ORIGIN#N`.
 pub fn parse_stream(text: &str, origin: &str) -> Result<Snapshot, ObjectError> {
+    use serde::Deserialize as _;
     let mut snapshot = Snapshot::default();
-    for (i, doc) in text.split("\n---\n").enumerate() {
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let path = format!("{origin}#{i}");
-        let kinded = doc.lines().any(|l| l.starts_with("kind:"));
-        if kinded {
-            insert(&mut snapshot, parse_object(doc.as_bytes(), &path)?, &path)?;
+        let value = serde_yaml::Value::deserialize(doc).map_err(|e| not_yaml(&path, e))?;
+        if value.get("kind").is_some() {
+            insert(&mut snapshot, object(value, &path)?, &path)?;
         }
     }
     Ok(snapshot)
@@ -216,5 +226,51 @@ mod tests {
         assert_eq!(errs.len(), 2, "{errs:?}");
         let (_, errs) = load_dir(&d.path().join("missing"));
         assert_eq!(errs.len(), 1);
+    }
+
+    #[test]
+    fn a_stream_is_read_document_by_document() {
+        let node = |name: &str| format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {name}}}\n");
+        let peer =
+            "kind: Peer\nmetadata: {name: p}\nspec: {allowedIPs: [10.5.0.1/32], publicKey: x}\n";
+        // A leading `---`, a comment-only document, a separator inside a block scalar.
+        let text = format!(
+            "---\n{}---\n# nothing\n---\n{peer}---\napiVersion: v1\nkind: Node\nmetadata:\n  \
+             name: b\n  annotations:\n    text: |\n      a\n      ---\n      b\n",
+            node("a"),
+        );
+        let s = parse_stream(&text, "s.yaml").unwrap();
+        assert_eq!(s.nodes.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(s.peers.len(), 1);
+        let note = &s.nodes["b"].metadata.annotations.as_ref().unwrap()["text"];
+        assert_eq!(note, "a\n---\nb\n");
+        // Errors name the document and the field.
+        for (text, path, field) in [
+            (
+                format!("{}---\nkind: Pod\nmetadata: {{name: x}}\n", node("a")),
+                "s.yaml#1",
+                "kind",
+            ),
+            (
+                format!("{}---\n{}", node("a"), node("a")),
+                "s.yaml#1",
+                "metadata.name",
+            ),
+            (
+                format!("{}---\nkind: Node\nmetadata: {{}}\n", node("a")),
+                "s.yaml#1",
+                "metadata.name",
+            ),
+            (
+                format!("{}---\n{peer}---\nkind: [\n", node("a")),
+                "s.yaml#2",
+                "content",
+            ),
+        ] {
+            let e = parse_stream(&text, "s.yaml").unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            let named = format!("file \"{path}\": ");
+            assert!(e.to_string().starts_with(&named), "{e}");
+        }
     }
 }

@@ -6,10 +6,9 @@
 //! an `ipam` section gets `ranges` set to the pod CIDRs, one range set per CIDR (so a dual-stack
 //! node gets an IPv4 and an IPv6 address per pod; Kilo writes the first CIDR only), and the rest
 //! of the file keeps its values. Unlike Kilo, a missing or malformed file is an error that names
-//! the file and what is wrong, and nothing is written over it; a write is atomic (a temporary
-//! file renamed over the old one, same mode), so the container runtime never reads half a file.
+//! the file and what is wrong, and nothing is written over it; a write replaces the file whole
+//! ([`crate::files::replace`], same mode, durable), so the container runtime never reads half a file.
 use std::{
-    io::Write as _,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
 };
@@ -152,30 +151,9 @@ pub fn sync(path: &Path, pod_cidrs: &[IpNet]) -> Result<bool, CniError> {
         source,
     };
     let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile_in(dir, path).map_err(io)?;
-    tmp.1.write_all(new.as_bytes()).map_err(io)?;
-    tmp.1
-        .set_permissions(std::fs::Permissions::from_mode(mode))
+    crate::files::replace(path, new.as_bytes(), crate::files::Mode::Exact(mode), true)
         .map_err(io)?;
-    tmp.1.sync_all().map_err(io)?;
-    std::fs::rename(&tmp.0, path).map_err(io)?;
     Ok(true)
-}
-
-/// A new file beside `path`, named after it (removed by the rename that replaces `path`).
-fn tempfile_in(dir: &Path, path: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.kilo-{}", std::process::id()));
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)?;
-    Ok((tmp, file))
 }
 
 #[cfg(test)]
