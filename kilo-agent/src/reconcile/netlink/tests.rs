@@ -1,5 +1,7 @@
 //! The netlink reconciler's change counting, route messages and event filter.
-use super::*;
+use netlink_packet_route::rule::RuleAttribute;
+
+use super::{watch::*, *};
 
 #[test]
 fn changes_count_only_while_subscribed() {
