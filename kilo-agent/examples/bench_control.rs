@@ -40,7 +40,7 @@ use kilo_agent::{
     effects::Writes,
     plan::{DatapathEntry, DatapathPlan, EntryKind},
 };
-use support::report::{self, median};
+use support::{median::median, report};
 
 const CHILD: &str = "KILO_BENCH_CONTROL_CHILD";
 const CHAIN: &str = "KILO-NAT";

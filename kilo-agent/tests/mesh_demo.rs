@@ -79,6 +79,6 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
 
 /// The value of `series` (name and labels) in the demo's output; panics if absent.
 fn metric(exposition: &str, series: &str) -> u64 {
-    support::agent::metric(exposition, series)
+    support::metrics::metric(exposition, series)
         .unwrap_or_else(|| panic!("no {series} in:\n{exposition}"))
 }
