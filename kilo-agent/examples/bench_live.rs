@@ -1322,9 +1322,7 @@ const MODES: [(&str, u32, u64); 2] = [
 ];
 
 fn main() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("bench_live: needs root (network namespaces, BPF, nftables); skipped");
+    if !support::require_root("bench_live") {
         return;
     }
     let quick = report::quick();
