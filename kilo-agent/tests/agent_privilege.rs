@@ -14,7 +14,6 @@ mod support;
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
-    process::Command,
 };
 
 use kilo_agent::agent::caps;
@@ -239,12 +238,11 @@ fn kg_drops_what_start_up_needed_and_keeps_reconciling() {
     let private = private.trim();
     assert_eq!(private.len(), 44, "a base64 key");
     let kgctl = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+        let out = Launch::kgctl()
             .args(["--backend=file", "--backend-dir"])
             .arg(node.objects())
             .args(args)
-            .output()
-            .unwrap();
+            .output();
         assert!(out.status.success(), "kgctl {args:?}: {out:?}");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };

@@ -98,12 +98,11 @@ async fn create(client: &kube::Client, snapshot: &Snapshot) {
 }
 
 fn kgctl(backend: &[String], args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    let out = Launch::kgctl()
         .args(backend)
         .args(args)
         .env_remove("KUBECONFIG")
-        .output()
-        .unwrap();
+        .output();
     assert!(
         out.status.success(),
         "kgctl {backend:?} {args:?}: {}",

@@ -6,11 +6,7 @@ mod support;
 
 use support::eventually;
 
-use std::{
-    path::Path,
-    process::{Command, Output},
-    time::Duration,
-};
+use std::{path::Path, process::Output, time::Duration};
 
 use support::{
     apistub::{Answer, ApiStub, Cert},
@@ -19,11 +15,10 @@ use support::{
 };
 
 fn kgctl(kubeconfig: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    Launch::kgctl()
         .arg(format!("--kubeconfig={}", kubeconfig.display()))
         .args(args)
         .output()
-        .unwrap()
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
@@ -122,14 +117,13 @@ fn kgctl_says_the_credentials_were_refused() {
 #[test]
 fn kgctl_without_any_configuration_says_what_it_looked_for() {
     let home = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    let out = Launch::kgctl()
         .arg("graph")
         .env_remove("KUBECONFIG")
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env_remove("KUBERNETES_SERVICE_PORT")
         .env("HOME", home.path())
-        .output()
-        .unwrap();
+        .output();
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("no Kubernetes configuration"), "{err}");

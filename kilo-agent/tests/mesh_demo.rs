@@ -16,7 +16,8 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         return;
     }
     let prefix = format!("krs-mesh{}", std::process::id());
-    let bin = Path::new(env!("CARGO_BIN_EXE_kg")).parent().unwrap();
+    let kg = support::kg::binary("kg");
+    let bin = kg.parent().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../xtask/scripts/demo.sh");
     let out = Command::new("bash")
         .arg(script)

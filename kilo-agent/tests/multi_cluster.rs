@@ -8,7 +8,7 @@
 //! range answers.
 mod support;
 
-use std::{net::IpAddr, path::Path, process::Command};
+use std::{net::IpAddr, path::Path};
 
 use support::{
     bpffs::{BpfFs, udp_source},
@@ -53,12 +53,11 @@ struct Node {
 }
 
 fn kgctl(cluster: &Cluster, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    Launch::kgctl()
         .arg("--backend=file")
         .arg(format!("--backend-dir={}", cluster.objects().display()))
         .args(args)
         .output()
-        .unwrap()
 }
 
 #[test]

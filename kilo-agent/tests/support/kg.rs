@@ -58,7 +58,7 @@ pub struct Launch {
     ns: Option<String>,
     wrapper: Vec<OsString>,
     args: Vec<OsString>,
-    env: Vec<(OsString, OsString)>,
+    env: Vec<(OsString, Option<OsString>)>,
     log: LogTo,
     stdin: Option<Stdio>,
     stdout: Option<Stdio>,
@@ -114,7 +114,13 @@ impl Launch {
     }
 
     pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Launch {
-        self.env.push((key.into(), value.into()));
+        self.env.push((key.into(), Some(value.into())));
+        self
+    }
+
+    /// Leaves `key` out of its environment.
+    pub fn env_remove(mut self, key: impl Into<OsString>) -> Launch {
+        self.env.push((key.into(), None));
         self
     }
 
@@ -171,15 +177,24 @@ impl Launch {
             },
         };
         cmd.arg(&self.program).args(&self.args);
-        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        self.set_env(&mut cmd);
         cmd
     }
 
     fn direct(&self) -> Command {
         let mut cmd = Command::new(&self.program);
-        cmd.args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(&self.args);
+        self.set_env(&mut cmd);
         cmd
+    }
+
+    fn set_env(&self, cmd: &mut Command) {
+        for (key, value) in &self.env {
+            match value {
+                Some(v) => cmd.env(key, v),
+                None => cmd.env_remove(key),
+            };
+        }
     }
 
     /// Runs it to completion: its exit status, stdout and stderr.
