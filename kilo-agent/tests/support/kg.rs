@@ -161,40 +161,22 @@ impl Launch {
     }
 
     fn command(&self) -> Command {
-        let mut cmd = match &self.ns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).args(&self.wrapper);
-                c
-            }
-            None => match self.wrapper.split_first() {
-                Some((first, rest)) => {
-                    let mut c = Command::new(first);
-                    c.args(rest);
-                    c
-                }
-                None => return self.direct(),
-            },
+        let mut argv: Vec<OsString> = match &self.ns {
+            Some(ns) => ["ip", "netns", "exec", ns].map(OsString::from).into(),
+            None => Vec::new(),
         };
-        cmd.arg(&self.program).args(&self.args);
-        self.set_env(&mut cmd);
-        cmd
-    }
-
-    fn direct(&self) -> Command {
-        let mut cmd = Command::new(&self.program);
-        cmd.args(&self.args);
-        self.set_env(&mut cmd);
-        cmd
-    }
-
-    fn set_env(&self, cmd: &mut Command) {
+        argv.extend(self.wrapper.iter().cloned());
+        argv.push(self.program.clone().into());
+        argv.extend(self.args.iter().cloned());
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]);
         for (key, value) in &self.env {
             match value {
                 Some(v) => cmd.env(key, v),
                 None => cmd.env_remove(key),
             };
         }
+        cmd
     }
 
     /// Runs it to completion: its exit status, stdout and stderr.
