@@ -24,7 +24,7 @@ use std::{
     io::{Read as _, Write as _},
     os::unix::net::UnixStream,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -34,8 +34,11 @@ use kilo_agent::{
 };
 use support::{
     agent::{ENDPOINT_ANNOTATION, peer_yaml},
+    kg::{Kg, Launch},
+    median::median,
+    metrics,
     netns::{NetNs, WgGo, veth},
-    report::{self, median},
+    report,
 };
 
 /// Kilo's reference figures: its agent measured live on this kind of machine (3 agents in
@@ -101,10 +104,10 @@ struct Run {
     peers: u32,
     burst: u32,
     dir: tempfile::TempDir,
-    ns: NetNs,
+    _ns: NetNs,
     _gw: NetNs,
     wg: WgGo,
-    kg: Child,
+    kg: Kg,
     bpffs: PathBuf,
 }
 
@@ -135,10 +138,8 @@ impl Run {
             std::process::id(),
             wg.name
         ));
-        let log = std::fs::File::create(dir.path().join("kg.log")).unwrap();
-        let kg = Command::new("ip")
-            .args(["netns", "exec", &ns.name])
-            .arg(kg)
+        let kg = Launch::program(kg)
+            .netns(&ns.name)
             .args([
                 "--backend=file",
                 &format!("--backend-dir={}", objects.display()),
@@ -155,17 +156,15 @@ impl Run {
                 &format!("--bpffs-dir={}", bpffs.display()),
                 "--log-level=warn",
             ])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start kg");
+            .log_file(dir.path().join("kg.log"))
+            .spawn();
         Run {
             label: label.into(),
             nodes,
             peers,
             burst,
             dir,
-            ns,
+            _ns: ns,
             _gw: gw,
             wg,
             kg,
@@ -205,38 +204,18 @@ impl Run {
             .collect()
     }
 
-    /// kg's metrics exposition (empty while it does not answer).
-    fn metrics(&self) -> String {
-        self.ns.run(|| {
-            let Ok(mut s) = std::net::TcpStream::connect("127.0.0.1:1107") else {
-                return String::new();
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-            let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: kg\r\nConnection: close\r\n\r\n");
-            let mut out = String::new();
-            let _ = s.read_to_string(&mut out);
-            out
-        })
-    }
-
-    /// (reconciles, writes) so far.
+    /// (reconciles, writes) so far (none while kg does not answer).
     fn counts(&self) -> (u64, BTreeMap<String, u64>) {
-        let m = self.metrics();
-        let reconciles = support::agent::metric(&m, "kilo_reconciles_total").unwrap_or(0);
-        let writes = m
-            .lines()
-            .filter_map(|l| {
-                let rest = l.strip_prefix("kilo_writes_total{kind=\"")?;
-                let (kind, v) = rest.split_once("\"} ")?;
-                Some((kind.to_owned(), v.trim().parse().ok()?))
-            })
-            .collect();
-        (reconciles, writes)
+        let m = self.kg.metrics().unwrap_or_default();
+        let reconciles = metrics::metric(&m, "kilo_reconciles_total").unwrap_or(0);
+        (
+            reconciles,
+            metrics::by_label(&m, "kilo_writes_total", "kind"),
+        )
     }
 
     fn pid(&self) -> u32 {
-        // `ip netns exec` execs kg: the child is kg.
-        self.kg.id()
+        self.kg.pid()
     }
 
     /// Scheduled CPU time of all of kg's threads, in ns (`None` when /proc does not tell).
@@ -315,17 +294,16 @@ impl Run {
 
 impl Drop for Run {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.kg.id() as i32, libc::SIGTERM) };
+        // SIGTERM, and SIGKILL if kg has not cleaned up within 10 s.
+        self.kg.signal(libc::SIGTERM);
         let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.kg.try_wait() {
-                break;
-            }
+        while start.elapsed() < Duration::from_secs(10) && self.kg.try_wait().is_none() {
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.kg.kill();
-        let _ = self.kg.wait();
+        if self.kg.try_wait().is_none() {
+            self.kg.signal(libc::SIGKILL);
+        }
+        self.kg.wait();
         let _ = std::fs::remove_dir_all(&self.bpffs);
     }
 }
@@ -450,13 +428,7 @@ fn main() {
         return;
     }
     let quick = report::quick();
-    let kg = std::env::var_os("KILO_BENCH_KG").map_or_else(
-        || {
-            let exe = std::env::current_exe().unwrap();
-            exe.parent().unwrap().parent().unwrap().join("kg")
-        },
-        PathBuf::from,
-    );
+    let kg = support::kg::binary("kg");
     assert!(
         kg.exists(),
         "no kg at {} (build it: cargo build --release --bins)",

@@ -15,7 +15,7 @@
 mod support;
 
 use std::{
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -24,7 +24,8 @@ use kube::{Api, api::PostParams};
 use support::{
     apiserver::{self, ApiServer},
     bpffs::BpfFs,
-    mesh::{DemoMesh, Kg},
+    kg::{Kg, Launch},
+    mesh::DemoMesh,
     report,
 };
 
@@ -72,44 +73,29 @@ fn device_keys(name: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Node `i`'s kg on the kubernetes backend (the mesh's usual flags otherwise), logging to
-/// `kg-n<i>.log`; SIGTERM on drop, so it cleans up before the mesh goes.
-struct Agent(std::process::Child);
-
 fn log(mesh: &DemoMesh, i: usize) -> std::path::PathBuf {
     mesh.work.path().join(format!("kg-n{i}.log"))
 }
 
-impl Agent {
-    fn start(mesh: &DemoMesh, i: usize, bpffs: &BpfFs, kubeconfig: &str) -> Agent {
-        let flags = Kg::flags(mesh, i, bpffs)
-            .into_iter()
-            .filter(|f| !f.starts_with("--backend"));
-        let child = Command::new("ip")
-            .args(["netns", "exec", &mesh.ns(&format!("n{i}"))])
-            .arg(Kg::binary())
-            .args(flags)
-            .args(["--backend=kubernetes", kubeconfig])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log(mesh, i)).expect("kg's log"))
-            .spawn()
-            .expect("start kg");
-        Agent(child)
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        // SAFETY: a signal to our own child (`ip netns exec` execs kg).
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
+/// Node `i`'s kg on the kubernetes backend (the mesh's usual flags otherwise), logging to
+/// `kg-n<i>.log`; SIGTERM on drop, so it cleans up before the mesh goes.
+fn start_agent(mesh: &DemoMesh, i: usize, bpffs: &BpfFs, kubeconfig: &str) -> Kg {
+    let flags = mesh
+        .kg_flags(i, bpffs)
+        .into_iter()
+        .filter(|f| !f.starts_with("--backend"));
+    Launch::kg()
+        .netns(&mesh.ns(&format!("n{i}")))
+        .args(flags)
+        .args(["--backend=kubernetes", kubeconfig])
+        .log_file(log(mesh, i))
+        .spawn()
 }
 
 /// Node `i`'s kg reports itself a leader (`kilo_leader 1`), once it answers.
 fn leader(mesh: &DemoMesh, i: usize) -> Option<bool> {
     let m = mesh.metrics(i)?;
-    Some(support::agent::metric(&m, "kilo_leader")? == 1)
+    Some(support::metrics::metric(&m, "kilo_leader")? == 1)
 }
 
 fn main() {
@@ -144,8 +130,8 @@ fn main() {
     }
     let bpffs = BpfFs::new();
     let kubeconfig = format!("--kubeconfig={}", server.kubeconfig().display());
-    let mut kg: Vec<Agent> = (1..=3)
-        .map(|i| Agent::start(&mesh, i, &bpffs, &kubeconfig))
+    let mut kg: Vec<Kg> = (1..=3)
+        .map(|i| start_agent(&mesh, i, &bpffs, &kubeconfig))
         .collect();
     // The leaders, once every kg answers and the mesh settled.
     let start = Instant::now();
@@ -154,9 +140,7 @@ fn main() {
         if states.iter().all(Option::is_some) && start.elapsed() > Duration::from_secs(5) {
             break (1..=3).filter(|i| states[i - 1] == Some(true)).collect();
         }
-        let exited = kg
-            .iter_mut()
-            .any(|k| k.0.try_wait().ok().flatten().is_some());
+        let exited = kg.iter_mut().any(|k| k.try_wait().is_some());
         assert!(
             start.elapsed() < Duration::from_secs(120) && !exited,
             "kg exited or did not answer within 120 s:\n{}",
@@ -256,14 +240,14 @@ fn main() {
              it)."
         ),
     );
-    let median = report::median(&from_send);
+    let median = support::median::median(&from_send);
     report::target(
         TARGET,
         &format!(
             "{median:.1} ms median, {:.1} ms worst from the create request (from its response: \
              {:.1} ms median) (Kilo: {KILO_S} s)",
             worst(&from_send),
-            report::median(&from_response)
+            support::median::median(&from_response)
         ),
         if from_send.len() == CHANGES as usize {
             report::State::of(median < TARGET_MS)
@@ -275,6 +259,6 @@ fn main() {
         "one change to every leader's device: {median:.1} ms median, {:.1} ms worst (from the \
          request; from the response {:.1} ms median)",
         worst(&from_send),
-        report::median(&from_response)
+        support::median::median(&from_response)
     );
 }

@@ -40,7 +40,7 @@ use kilo_agent::{
     plan::{DatapathEntry, DatapathPlan, EntryKind},
     writes::{READ_BACK_EVERY, Writes},
 };
-use support::report::{self, median};
+use support::{median::median, report};
 
 const CHILD: &str = "KILO_BENCH_CONTROL_CHILD";
 const CHAIN: &str = "KILO-NAT";

@@ -12,10 +12,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use support::{
-    arg, packets,
-    report::{self, median},
-};
+use support::{arg, median::median, packets, report};
 
 use std::{
     collections::BTreeMap,

@@ -36,9 +36,10 @@ use kilo_agent::{
 };
 use kilo_common::{KILO_REALM, PROG_DECAP, PROG_ENCAP};
 use support::{
+    median::median,
     netns::{NetNs, veth},
     packets::{ETH_P_IP, eth, ip, time, v4},
-    report::{self, median},
+    report,
 };
 
 struct Lab {

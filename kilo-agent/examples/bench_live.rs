@@ -44,7 +44,7 @@
 //! under that run's rules, and the part-2 runs start from an empty table. Cases are
 //! interleaved round by round; the report shows medians and ranges, and the differences and
 //! ratios per round (paired) with a distribution-free 95% confidence interval of their median
-//! (order statistics: `report::median_ci`); a target whose interval straddles its limit is not
+//! (order statistics: `median::median_ci`); a target whose interval straddles its limit is not
 //! judged.
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -1031,7 +1031,7 @@ const FLOW_RATIO_HALF_WIDTH: f64 = 0.03;
 /// Whether the confidence interval of the median ratio lies within
 /// [`FLOW_RATIO_HALF_WIDTH`] of it.
 fn flow_ratio_narrow(r: &[f64]) -> bool {
-    let (med, lo, hi) = report::median_ci(r);
+    let (med, lo, hi) = support::median::median_ci(r);
     med - lo <= FLOW_RATIO_HALF_WIDTH * med && hi - med <= FLOW_RATIO_HALF_WIDTH * med
 }
 
@@ -1058,13 +1058,13 @@ fn own_cost<'a>(
 
 /// Whether the confidence interval of the median of `v` is narrower than `width`.
 fn narrower(v: &[f64], width: f64) -> bool {
-    let (_, lo, hi) = report::median_ci(v);
+    let (_, lo, hi) = support::median::median_ci(v);
     hi - lo < width
 }
 
 /// "from LO to HI" of the median's confidence interval, or why there is none.
 fn interval_text(v: &[f64], digits: usize) -> String {
-    let (_, lo, hi) = report::median_ci(v);
+    let (_, lo, hi) = support::median::median_ci(v);
     if lo.is_finite() {
         format!("from {lo:.digits$} to {hi:.digits$}")
     } else {
@@ -1163,14 +1163,14 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
             mode,
             &interval_text(d, 1),
         );
-        let (med, lo, hi) = report::median_ci(d);
+        let (med, lo, hi) = support::median::median_ci(d);
         states.push(report::State::interval(lo, hi, |v| v <= OWN_COST_TARGET_NS));
         let stats = own_cost(prog, modes)
             .into_iter()
             .find(|(l, m, _)| l == label && m == mode)
             .map_or_else(
                 || "BPF stats off".to_owned(),
-                |(_, _, s)| format!("BPF stats {:+.1}", report::median(&s)),
+                |(_, _, s)| format!("BPF stats {:+.1}", support::median::median(&s)),
             );
         parts.push(format!(
             "{label}, {mode}: {med:+.1} ns ({}; {stats})",
@@ -1212,7 +1212,7 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
         let whole = paired(&p1[&(fast, m)], &p1[&(nf, m)], true);
         let f: Vec<f64> = paired(&p1[&(fast, m)], &p1[&(sink, m)], false);
         let n: Vec<f64> = paired(&p1[&(nf, m)], &p1[&(sink, m)], false);
-        worst = worst.max(report::median(&whole));
+        worst = worst.max(support::median::median(&whole));
         report::cell(id, "fast path / netfilter without a program", mode, &whole);
         report::cell(
             id,
@@ -1283,7 +1283,7 @@ fn report_part2(
         for (i, &n) in ns_list.iter().enumerate() {
             // flows/s ours / NAT-all = NAT-all ns / ours ns.
             let r = paired(&p2[&(i, m, false)], &p2[&(i, m, true)], true);
-            let (med, lo, hi) = report::median_ci(&r);
+            let (med, lo, hi) = support::median::median_ci(&r);
             worst = worst.min(med);
             states.push(report::State::interval(lo, hi, |v| v >= 0.95));
             parts.push(format!("{mode} N={n}: {med:.3} ({})", interval_text(&r, 3)));
@@ -1321,9 +1321,7 @@ const MODES: [(&str, u32, u64); 2] = [
 ];
 
 fn main() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("bench_live: needs root (network namespaces, BPF, nftables); skipped");
+    if !support::require_root("bench_live") {
         return;
     }
     let quick = report::quick();

@@ -123,7 +123,7 @@ fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (f64, Vec<f64>, T) {
         ms.push(t.elapsed().as_secs_f64() * 1e3);
         last = Some(out);
     }
-    (report::median(&ms), ms, last.expect("runs > 0"))
+    (support::median::median(&ms), ms, last.expect("runs > 0"))
 }
 
 fn main() {

@@ -55,7 +55,7 @@ fn agent(dir: &std::path::Path, clean_up: bool, metrics: Metrics) -> FakeAgent {
 }
 
 fn metric(m: &Metrics, name: &str) -> u64 {
-    support::agent::metric(&m.encode(), name).unwrap_or(0)
+    support::metrics::metric(&m.encode(), name).unwrap_or(0)
 }
 
 async fn until(what: &str, mut f: impl FnMut() -> bool) {
@@ -130,19 +130,19 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
     // The datapath metrics read the maps at scrape time, labelled with the plan's owners.
     let text = a.metrics.encode();
     let entries = r#"kilo_datapath_map_entries{map="mesh_destination"}"#;
-    assert_eq!(support::agent::metric(&text, entries), Some(21), "{text}");
+    assert_eq!(support::metrics::metric(&text, entries), Some(21), "{text}");
     let capacity = r#"kilo_datapath_map_capacity{map="mesh_destination"}"#;
-    assert_eq!(support::agent::metric(&text, capacity), Some(1 << 16));
+    assert_eq!(support::metrics::metric(&text, capacity), Some(1 << 16));
     // Every reconcile was timed; each but the first (the start) was triggered by the backend.
-    let reconciles = support::agent::metric(&text, "kilo_reconciles_total").unwrap();
-    let timed = support::agent::metric(&text, "kilo_reconcile_duration_seconds_count");
+    let reconciles = support::metrics::metric(&text, "kilo_reconciles_total").unwrap();
+    let timed = support::metrics::metric(&text, "kilo_reconcile_duration_seconds_count");
     assert_eq!(timed, Some(reconciles), "{text}");
     let backend = r#"kilo_reconcile_triggers_total{cause="backend"}"#;
-    let triggers = support::agent::metric(&text, backend).unwrap();
+    let triggers = support::metrics::metric(&text, backend).unwrap();
     assert!(triggers >= reconciles - 1 && triggers >= burst, "{text}");
     for (cause, n) in [("start", 1), ("kernel", 0), ("resync", 0)] {
         let series = format!("kilo_reconcile_triggers_total{{cause=\"{cause}\"}}");
-        assert_eq!(support::agent::metric(&text, &series), Some(n), "{text}");
+        assert_eq!(support::metrics::metric(&text, &series), Some(n), "{text}");
     }
     let mut maps = a.reconciler.datapath().maps();
     let p1: ipnet::IpNet = "10.200.0.1/32".parse().unwrap();
@@ -154,7 +154,11 @@ fn bursts_coalesce_and_clean_up_false_leaves_everything() {
     a.reconciler.datapath().set_maps(maps);
     let text = a.metrics.encode();
     let p1_packets = r#"kilo_datapath_entry_packets_total{role="mesh_destination",cidr="10.200.0.1/32",kind="peer",owner="p1"}"#;
-    assert_eq!(support::agent::metric(&text, p1_packets), Some(5), "{text}");
+    assert_eq!(
+        support::metrics::metric(&text, p1_packets),
+        Some(5),
+        "{text}"
+    );
     let mine = std::fs::read_to_string(dir.path().join("me.yaml")).unwrap();
     assert!(mine.contains(ANNOTATION_KEY), "{mine}");
     assert_eq!(a.stats.last_problems, Vec::<String>::new());

@@ -3,22 +3,20 @@
 //! in-process) under its seccomp filter, and on SIGTERM removes its annotations and exits 0.
 mod support;
 
-use std::{
-    os::unix::fs::PermissionsExt,
-    process::{Command, Stdio},
-};
+use std::os::unix::fs::PermissionsExt;
 
 use support::{
     agent::peer_yaml,
     eventually,
+    kg::Launch,
     netns::{NetNs, veth},
 };
 
 /// `kg version` and `kgctl version` print the version, as Kilo's do.
 #[test]
 fn version_subcommands() {
-    for bin in [env!("CARGO_BIN_EXE_kg"), env!("CARGO_BIN_EXE_kgctl")] {
-        let out = Command::new(bin).arg("version").output().unwrap();
+    for (bin, launch) in [("kg", Launch::kg()), ("kgctl", Launch::kgctl())] {
+        let out = launch.arg("version").output();
         assert!(out.status.success(), "{bin}: {out:?}");
         assert_eq!(
             String::from_utf8(out.stdout).unwrap(),
@@ -55,8 +53,8 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     )
     .unwrap();
     let key = dir.path().join("state/key");
-    let mut kg = Command::new("ip")
-        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+    let mut kg = Launch::kg()
+        .netns(&ns.name)
         .args([
             "--backend=file",
             &format!("--backend-dir={}", objects.display()),
@@ -76,17 +74,7 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
             "--datapath-counter-slots=64",
             "--datapath-max-entries=4096",
         ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Drained as it comes: a full pipe would block kg's logging.
-    let mut stderr = kg.stderr.take().unwrap();
-    let drained = std::thread::spawn(move || {
-        let mut out = String::new();
-        std::io::Read::read_to_string(&mut stderr, &mut out).unwrap();
-        out
-    });
+        .spawn();
     let mine = objects.join("kgtest.yaml");
     eventually("kg publishes its node", || {
         std::fs::read_to_string(&mine).is_ok_and(|s| s.contains("kilo.squat.ai/key"))
@@ -154,12 +142,7 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     assert!(!get("/graph?format=png").status.success());
 
     // SIGTERM (to kg itself, the child of `ip netns exec`, which execs it).
-    let pid = kg.id();
-    // SAFETY: sending a signal to our own child.
-    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
-    let status = kg.wait().unwrap();
-    let log = drained.join().unwrap();
-    assert!(status.success(), "kg exited with {status}:\n{log}");
+    let log = kg.stop();
     // The loader's relocation chatter stays out at --log-level=debug.
     assert!(!log.contains("aya_obj"), "{log}");
     // The default --log-format is JSON, one object per line, as Kilo logs.

@@ -60,7 +60,7 @@ fn eventually_or(what: &str, f: &mut dyn FnMut() -> bool, show: impl Fn() -> Str
 
 /// The value of one sample in the text exposition (0 when absent).
 fn metric(text: &str, name: &str) -> u64 {
-    support::agent::metric(text, name).unwrap_or(0)
+    support::metrics::metric(text, name).unwrap_or(0)
 }
 
 fn snapshot(ns: &NetNs) -> String {

@@ -14,7 +14,6 @@ mod support;
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
 };
 
 use kilo_agent::agent::caps;
@@ -22,18 +21,9 @@ use support::{
     agent::peer_yaml,
     bpffs::BpfFs,
     eventually,
+    kg::{Kg, Launch},
     netns::{NetNs, WgGo, veth},
 };
-
-/// kg, killed on drop.
-struct Kg(Child);
-
-impl Drop for Kg {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 struct Node {
     ns: NetNs,
@@ -94,12 +84,14 @@ impl Node {
     /// Starts kg with `caps` (setpriv's syntax: `+net_admin,+bpf`) as its bounding set, hence
     /// (as root) its permitted and effective sets.
     fn start(&self, run: usize, caps: &str) -> Kg {
-        let log = std::fs::File::create(self.log(run)).unwrap();
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.ns.name, "setpriv", "--inh-caps=-all"])
-            .arg(format!("--bounding-set=-all,{caps}"))
-            .arg("--")
-            .arg(env!("CARGO_BIN_EXE_kg"))
+        Launch::kg()
+            .netns(&self.ns.name)
+            .wrap([
+                "setpriv".to_string(),
+                "--inh-caps=-all".into(),
+                format!("--bounding-set=-all,{caps}"),
+                "--".into(),
+            ])
             .args([
                 "--backend=file",
                 &format!("--backend-dir={}", self.objects().display()),
@@ -120,11 +112,9 @@ impl Node {
                 "--log-level=debug",
                 "--resync-period=1s",
             ])
-            .stdout(Stdio::null())
-            .stderr(log)
+            .log_file(self.log(run))
+            .kill_on_drop()
             .spawn()
-            .unwrap();
-        Kg(child)
     }
 
     fn read_log(&self, run: usize) -> String {
@@ -184,7 +174,7 @@ fn kg_drops_what_start_up_needed_and_keeps_reconciling() {
         log.contains("capabilities dropped") && log.contains("reconciled")
     });
     let keep = steady_state();
-    let pid = kg.0.id();
+    let pid = kg.pid();
     for field in ["CapEff", "CapPrm", "CapBnd"] {
         let sets = thread_sets(pid, field);
         assert!(sets.len() > 1, "kg runs several threads: {sets:?}");
@@ -248,12 +238,11 @@ fn kg_drops_what_start_up_needed_and_keeps_reconciling() {
     let private = private.trim();
     assert_eq!(private.len(), 44, "a base64 key");
     let kgctl = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+        let out = Launch::kgctl()
             .args(["--backend=file", "--backend-dir"])
             .arg(node.objects())
             .args(args)
-            .output()
-            .unwrap();
+            .output();
         assert!(out.status.success(), "kgctl {args:?}: {out:?}");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
@@ -292,7 +281,7 @@ fn kg_drops_what_start_up_needed_and_keeps_reconciling() {
     assert!(!log.contains("capability missing"), "{log}");
     assert!(log.contains("link_update=3"), "{log}");
     assert!(!log.contains("could not apply"), "{log}");
-    for (thread, set) in thread_sets(kg.0.id(), "CapEff") {
+    for (thread, set) in thread_sets(kg.pid(), "CapEff") {
         assert_eq!(set, keep, "CapEff of thread {thread}");
     }
 }
@@ -307,7 +296,7 @@ fn kg_names_the_capability_it_misses() {
     let mut kg = node.start(1, "+net_admin,+bpf");
     let mut status = None;
     eventually("kg exits", || {
-        status = kg.0.try_wait().unwrap();
+        status = kg.try_wait();
         status.is_some()
     });
     let status = status.unwrap();

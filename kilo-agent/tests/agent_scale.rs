@@ -128,7 +128,7 @@ fn ten_thousand_peers_and_a_huge_file_converge_and_the_loop_keeps_serving() {
         },
         metrics.clone(),
     );
-    let metric = |name: &str| support::agent::metric(&metrics.encode(), name).unwrap_or(0);
+    let metric = |name: &str| support::metrics::metric(&metrics.encode(), name).unwrap_or(0);
     let peers_added = r#"kilo_writes_total{kind="wireguard_peer_add"}"#;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let start = std::time::Instant::now();
@@ -193,7 +193,7 @@ fn ten_thousand_peers_and_a_huge_file_converge_and_the_loop_keeps_serving() {
         .lines()
         .find_map(|l| l.strip_prefix("kilo_reconcile_duration_seconds_sum "))
         .unwrap_or("?");
-    let count = support::agent::metric(&text, "kilo_reconcile_duration_seconds_count");
+    let count = support::metrics::metric(&text, "kilo_reconcile_duration_seconds_count");
     eprintln!(
         "scale: {PEERS} peers + one of {BIG_PEER_IPS} allowed IPs converged in {:.2} s \
          (from start, files already written); reconciles {count:?}, total reconcile time \

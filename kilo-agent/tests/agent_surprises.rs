@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use support::{
     eventually,
-    kg::{Kg, peer_cidr, peer_key},
+    kg::{Solo, peer_cidr, peer_key},
     reliability::{Record, record},
 };
 
@@ -24,15 +24,15 @@ const WINDOW: Duration = Duration::from_secs(8);
 /// debounce would cost 80.
 const BOUND: u64 = WINDOW.as_secs() / RESYNC.as_secs() + 3 + 4;
 
-fn start(tag: &str, peers: u8, extra: &[&str]) -> Kg {
+fn start(tag: &str, peers: u8, extra: &[&str]) -> Solo {
     let mut args = vec![format!("--resync-period={}s", RESYNC.as_secs())];
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Kg::start(env!("CARGO_BIN_EXE_kg"), tag, peers, &args)
+    Solo::start(tag, peers, &args)
 }
 
 /// Reconciles during `WINDOW`, checked against `BOUND`.
-fn bounded(kg: &Kg, what: &str) -> u64 {
+fn bounded(kg: &Solo, what: &str) -> u64 {
     let before = kg.reconciles();
     std::thread::sleep(WINDOW);
     let n = kg.reconciles() - before;
@@ -156,8 +156,7 @@ fn a_wireguard_device_started_after_kg_is_configured() {
     if !support::require_root("a_wireguard_device_started_after_kg_is_configured") {
         return;
     }
-    let mut kg = Kg::start_before_device(
-        env!("CARGO_BIN_EXE_kg"),
+    let mut kg = Solo::start_before_device(
         "wl",
         2,
         &[&format!("--resync-period={}s", RESYNC.as_secs())],
@@ -194,7 +193,8 @@ fn our_routes_deleted_or_altered_are_restored_and_a_foreign_one_is_left_alone() 
     let wg = kg.wg.name.clone();
     let writes = |kind: &str| {
         let text = kg.get("/metrics").1;
-        support::agent::metric(&text, &format!("kilo_writes_total{{kind=\"{kind}\"}}")).unwrap_or(0)
+        support::metrics::metric(&text, &format!("kilo_writes_total{{kind=\"{kind}\"}}"))
+            .unwrap_or(0)
     };
     // Deleted: restored, on the notification.
     let added = writes("route_add");

@@ -21,7 +21,6 @@ mod support;
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
-    process::Command,
     sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
@@ -30,7 +29,9 @@ use kilo_agent::{agent::key::public_key, mesh::Key};
 use support::{
     bpffs::BpfFs,
     eventually,
-    mesh::{DemoMesh, Kg, metric_sum},
+    kg::{Kg, Launch},
+    mesh::DemoMesh,
+    metrics::metric_sum,
     reliability,
     traffic::{Ping, Stream},
 };
@@ -127,7 +128,7 @@ fn tries(short: u32, soak: u32) -> u32 {
 /// Starts kg on the three nodes and waits until pods ping across locations.
 fn start_agents(mesh: &DemoMesh, bpffs: &BpfFs, extra: &[&str]) -> Vec<Option<Kg>> {
     let kg = (1..=3)
-        .map(|i| Some(Kg::start(mesh, i, bpffs, extra)))
+        .map(|i| Some(mesh.start_kg(i, bpffs, extra)))
         .collect();
     eventually("pods reach each other across locations", || {
         mesh.pings("pod1", "10.42.3.2") && mesh.pings("pod2", "10.42.3.2")
@@ -137,13 +138,11 @@ fn start_agents(mesh: &DemoMesh, bpffs: &BpfFs, extra: &[&str]) -> Vec<Option<Kg
 
 /// What `kg --dry-run` beside node `i` would change (empty once converged).
 fn dry_run(mesh: &DemoMesh, i: usize, bpffs: &BpfFs) -> String {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &mesh.ns(&format!("n{i}"))])
-        .arg(Kg::binary())
-        .args(Kg::flags(mesh, i, bpffs))
+    let out = Launch::kg()
+        .netns(&mesh.ns(&format!("n{i}")))
+        .args(mesh.kg_flags(i, bpffs))
         .arg("--dry-run")
-        .output()
-        .unwrap();
+        .output();
     assert!(
         out.status.success(),
         "kg --dry-run: {}",
@@ -325,7 +324,7 @@ fn agent_killed_during_a_large_reconcile_loses_no_packet() {
             "try {t}: no traffic with kg down"
         );
         // Back: the kernel converges to the plan.
-        kg[0] = Some(Kg::start(&mesh, 1, &bpffs, &[]));
+        kg[0] = Some(mesh.start_kg(1, &bpffs, &[]));
         eventually("n1 converges after its restart", || {
             dry_run(&mesh, 1, &bpffs).is_empty()
         });
@@ -335,7 +334,7 @@ fn agent_killed_during_a_large_reconcile_loses_no_packet() {
 
     // An idle restart: kg adopts what is there and writes nothing.
     kg[0].take().unwrap().kill();
-    kg[0] = Some(Kg::start(&mesh, 1, &bpffs, &[]));
+    kg[0] = Some(mesh.start_kg(1, &bpffs, &[]));
     let mut metrics = String::new();
     let start = Instant::now();
     while metric_sum(&metrics, "kilo_reconciles_total") == 0 {
@@ -442,7 +441,7 @@ fn lose_leader(tag: &str, flags: &[&str], window: Option<Duration>) -> Loss {
     let pinged = ping.stop();
     let leader = mesh.metrics(2).unwrap_or_default();
     assert_eq!(
-        support::agent::metric(&leader, "kilo_leader"),
+        support::metrics::metric(&leader, "kilo_leader"),
         Some(1),
         "n2 leads east"
     );

@@ -6,46 +6,16 @@
 //! SIGTERM removes its Peer and its routes.
 mod support;
 
-use std::{
-    path::Path,
-    process::{Child, Command, Stdio},
-};
+use std::path::Path;
 
 use support::{
     eventually,
+    kg::{Kg, Launch},
     netns::{NetNs, WgGo, veth},
 };
 
-/// A child process stopped with SIGTERM (and reaped) on drop.
-struct Proc(Child);
-
-impl Proc {
-    fn term(&mut self) -> std::process::ExitStatus {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        self.0.wait().unwrap()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            self.term();
-        }
-    }
-}
-
-fn spawn(ns: &NetNs, bin: &str, args: &[String], log: &Path) -> Proc {
-    let log = std::fs::File::create(log).unwrap();
-    Proc(
-        Command::new("ip")
-            .args(["netns", "exec", &ns.name, bin])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    )
+fn spawn(ns: &NetNs, launch: Launch, args: &[String], log: &Path) -> Kg {
+    launch.netns(&ns.name).args(args).log_file(log).spawn()
 }
 
 #[test]
@@ -102,7 +72,7 @@ fn laptop_connects_reaches_both_locations_and_leaves() {
         .map(String::from)
         .to_vec();
         let log = work.path().join(format!("kg-n{i}.log"));
-        kgs.push(spawn(&n, env!("CARGO_BIN_EXE_kg"), &args, &log));
+        kgs.push(spawn(&n, Launch::kg(), &args, &log));
         nodes.push((n, pod, wg, bpffs));
     }
 
@@ -128,7 +98,7 @@ fn laptop_connects_reaches_both_locations_and_leaves() {
     .map(String::from)
     .to_vec();
     let connect_log = work.path().join("connect.log");
-    let mut connect = spawn(&laptop, env!("CARGO_BIN_EXE_kgctl"), &args, &connect_log);
+    let mut connect = spawn(&laptop, Launch::kgctl(), &args, &connect_log);
     let logs = || {
         let mut all = String::new();
         for f in ["kg-n1.log", "kg-n3.log", "connect.log"] {
@@ -177,7 +147,7 @@ fn laptop_connects_reaches_both_locations_and_leaves() {
     }
     assert!(laptop.sh("ip addr").contains("10.5.0.9/32"));
 
-    let status = connect.term();
+    let status = connect.terminate();
     assert!(
         status.success(),
         "kgctl connect exited with {status}\n{}",
@@ -187,7 +157,7 @@ fn laptop_connects_reaches_both_locations_and_leaves() {
     let routes = laptop.sh("ip route");
     assert!(!routes.contains("10.42."), "routes left behind: {routes}");
     for mut kg in kgs {
-        assert!(kg.term().success(), "{}", logs());
+        assert!(kg.terminate().success(), "{}", logs());
     }
     for (_, _, _, bpffs) in &nodes {
         let _ = std::fs::remove_dir_all(bpffs);

@@ -11,7 +11,7 @@ use support::eventually;
 
 use std::{
     path::PathBuf,
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -25,6 +25,7 @@ use kube::{Api, api::PostParams};
 use support::{
     apiserver::ApiServer,
     bpffs::BpfFs,
+    kg::{Kg, Launch},
     mesh::DemoMesh,
     netns::{NetNs, WgGo, veth},
 };
@@ -97,12 +98,11 @@ async fn create(client: &kube::Client, snapshot: &Snapshot) {
 }
 
 fn kgctl(backend: &[String], args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    let out = Launch::kgctl()
         .args(backend)
         .args(args)
         .env_remove("KUBECONFIG")
-        .output()
-        .unwrap();
+        .output();
     assert!(
         out.status.success(),
         "kgctl {backend:?} {args:?}: {}",
@@ -325,20 +325,7 @@ struct Lab {
     server: ApiServer,
     wg: WgGo,
     dir: tempfile::TempDir,
-    kg: std::process::Child,
-    log: std::thread::JoinHandle<String>,
-}
-
-impl Drop for Lab {
-    /// On a failure, kg's log says why.
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let _ = self.kg.kill();
-            let _ = self.kg.wait();
-            let log = std::mem::replace(&mut self.log, std::thread::spawn(String::new));
-            eprintln!("--- kg:\n{}", log.join().unwrap_or_default());
-        }
-    }
+    kg: Kg,
 }
 
 impl Lab {
@@ -369,8 +356,8 @@ impl Lab {
             manifest("overlays/kubeadm/cni-conf.json"),
         )
         .unwrap();
-        let mut kg = Command::new("ip")
-            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+        let kg = Launch::kg()
+            .netns(&ns.name)
             .args([
                 format!("--kubeconfig={}", server.kubeconfig().display()),
                 "--hostname=kgtest".into(),
@@ -386,16 +373,8 @@ impl Lab {
                 "--log-format=text".into(),
             ])
             .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = kg.stderr.take().unwrap();
-        let log = std::thread::spawn(move || {
-            let mut s = String::new();
-            std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
-            s
-        });
+            .kill_on_drop()
+            .spawn();
         Lab {
             ns,
             _gw: gw,
@@ -403,7 +382,6 @@ impl Lab {
             wg,
             dir,
             kg,
-            log,
         }
     }
 
@@ -467,13 +445,7 @@ impl Lab {
 
     /// SIGTERM, then kg's log; kg must exit 0 without panicking.
     fn stop(mut self) -> (String, Self) {
-        // SAFETY: a signal to our own child.
-        unsafe { libc::kill(self.kg.id() as i32, libc::SIGTERM) };
-        let status = self.kg.wait().unwrap();
-        let log = std::mem::replace(&mut self.log, std::thread::spawn(String::new))
-            .join()
-            .unwrap();
-        assert!(status.success(), "kg: {status}\n{log}");
+        let log = self.kg.stop();
         assert!(!log.contains("panicked"), "{log}");
         (log, self)
     }
@@ -734,16 +706,13 @@ fn the_webhook_refuses_what_the_agents_would_skip() {
         .local_addr()
         .unwrap()
         .port();
-    let mut webhook = Command::new(env!("CARGO_BIN_EXE_kg"))
+    let mut webhook = Launch::kg()
         .args(["--log-format=text", "webhook"])
         .arg(format!("--cert-file={}", cert_file.display()))
         .arg(format!("--key-file={}", key_file.display()))
         .arg(format!("--listen=127.0.0.1:{port}"))
         .arg("--listen-metrics=127.0.0.1:0")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .spawn();
     eventually("the webhook listens", || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
@@ -807,11 +776,8 @@ fn the_webhook_refuses_what_the_agents_would_skip() {
             .await;
         (refusal, admitted.map(|_| ()))
     });
-    // SAFETY: a signal to our own child.
-    unsafe { libc::kill(webhook.id() as i32, libc::SIGTERM) };
-    let status = webhook.wait().unwrap();
-    let mut log = String::new();
-    std::io::Read::read_to_string(&mut webhook.stderr.take().unwrap(), &mut log).unwrap();
+    let status = webhook.terminate();
+    let log = webhook.log();
     let (refusal, admitted) = outcome;
     assert!(
         refusal
@@ -830,71 +796,39 @@ const OUTAGE: Duration = Duration::from_secs(30);
 /// How soon after the API server's return the changes made meanwhile must be applied.
 const CATCH_UP: Duration = Duration::from_secs(10);
 
-/// `kg` on node `i` of a [`DemoMesh`], logging to a file; killed on drop if still running.
-struct MeshKg {
-    child: std::process::Child,
-    log: PathBuf,
+/// `kg` on node `i` of a [`DemoMesh`] on the API server at `kubeconfig`, logging to a file;
+/// killed on drop if still running.
+fn mesh_kg(mesh: &DemoMesh, i: usize, kubeconfig: &std::path::Path, bpffs: &BpfFs) -> Kg {
+    let work = mesh.work.path();
+    let conflist = work.join(format!("n{i}.conflist"));
+    std::fs::write(&conflist, manifest("overlays/kubeadm/cni-conf.json")).unwrap();
+    Launch::kg()
+        .netns(&mesh.ns(&format!("n{i}")))
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .arg(format!("--hostname=n{i}"))
+        .arg(format!("--cni-path={}", conflist.display()))
+        .arg("--create-interface=false")
+        .arg(format!("--interface={}", mesh.wg(i)))
+        .arg("--encapsulate=never")
+        .arg(format!(
+            "--private-key={}",
+            work.join(format!("n{i}.key")).display()
+        ))
+        .arg(format!(
+            "--bpffs-dir={}",
+            bpffs.pin_dir(&format!("n{i}")).display()
+        ))
+        .args(["--listen=127.0.0.1:1107", "--log-format=text"])
+        .log_file(work.join(format!("kg-n{i}.log")))
+        .kill_on_drop()
+        .spawn()
 }
 
-impl MeshKg {
-    fn start(mesh: &DemoMesh, i: usize, kubeconfig: &std::path::Path, bpffs: &BpfFs) -> MeshKg {
-        let work = mesh.work.path();
-        let conflist = work.join(format!("n{i}.conflist"));
-        std::fs::write(&conflist, manifest("overlays/kubeadm/cni-conf.json")).unwrap();
-        let log = work.join(format!("kg-n{i}.log"));
-        let child = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &mesh.ns(&format!("n{i}")),
-                env!("CARGO_BIN_EXE_kg"),
-            ])
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .arg(format!("--hostname=n{i}"))
-            .arg(format!("--cni-path={}", conflist.display()))
-            .arg("--create-interface=false")
-            .arg(format!("--interface={}", mesh.wg(i)))
-            .arg("--encapsulate=never")
-            .arg(format!(
-                "--private-key={}",
-                work.join(format!("n{i}.key")).display()
-            ))
-            .arg(format!(
-                "--bpffs-dir={}",
-                bpffs.pin_dir(&format!("n{i}")).display()
-            ))
-            .args(["--listen=127.0.0.1:1107", "--log-format=text"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        MeshKg { child, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM; returns the log once kg exited 0 without panicking.
-    fn stop(&mut self) -> String {
-        // SAFETY: a signal to our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        let log = self.log();
-        assert!(status.success(), "kg: {status}\n{log}");
-        assert!(!log.contains("panicked"), "{log}");
-        log
-    }
-}
-
-impl Drop for MeshKg {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- {}:\n{}", self.log.display(), self.log());
-        }
-    }
+/// SIGTERM; the log once kg exited 0 without panicking.
+fn stop(kg: &mut Kg) -> String {
+    let log = kg.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    log
 }
 
 /// The demo's three-node mesh with its Node objects in the API server: each kg publishes its
@@ -956,7 +890,7 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     let bpffs = BpfFs::new();
     let mut kg = Vec::new();
     for (i, name) in [(1, "n1"), (2, "n2"), (3, "n3")] {
-        kg.push(MeshKg::start(&mesh, i, &kubeconfig, &bpffs));
+        kg.push(mesh_kg(&mesh, i, &kubeconfig, &bpffs));
         eventually(&format!("{name} publishes its node"), || {
             annotations(&server, name).contains_key("kilo.squat.ai/key")
         });
@@ -1071,7 +1005,7 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     // SIGTERM with the API server unreachable: the node is cleaned up all the same, and kg
     // says which annotations stay behind.
     server.stop();
-    let log = kg[0].stop();
+    let log = stop(&mut kg[0]);
     assert!(
         log.contains("could not remove this node's annotations"),
         "{log}"
@@ -1082,5 +1016,5 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     let addresses = mesh.sh("n1", &format!("ip addr show dev {}", mesh.wg(1)));
     assert!(!addresses.contains("10.4.0.1"), "{addresses}");
     assert!(!bpffs.pin_dir("n1").exists(), "the datapath's pins stay");
-    kg[1].stop();
+    stop(&mut kg[1]);
 }

@@ -6,23 +6,19 @@ mod support;
 
 use support::eventually;
 
-use std::{
-    path::Path,
-    process::{Command, Output, Stdio},
-    time::{Duration, Instant},
-};
+use std::{path::Path, process::Output, time::Duration};
 
 use support::{
     apistub::{Answer, ApiStub, Cert},
+    kg::{Kg, Launch},
     netns::NetNs,
 };
 
 fn kgctl(kubeconfig: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    Launch::kgctl()
         .arg(format!("--kubeconfig={}", kubeconfig.display()))
         .args(args)
         .output()
-        .unwrap()
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
@@ -121,111 +117,43 @@ fn kgctl_says_the_credentials_were_refused() {
 #[test]
 fn kgctl_without_any_configuration_says_what_it_looked_for() {
     let home = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    let out = Launch::kgctl()
         .arg("graph")
         .env_remove("KUBECONFIG")
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env_remove("KUBERNETES_SERVICE_PORT")
         .env("HOME", home.path())
-        .output()
-        .unwrap();
+        .output();
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("no Kubernetes configuration"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// `kg --backend kubernetes` in a namespace, with a stub API server in the same namespace.
-struct Kg {
-    child: std::process::Child,
-    log: std::sync::mpsc::Receiver<String>,
-    seen: String,
+/// `kg --backend kubernetes` in a namespace, with a stub API server in the same namespace;
+/// without CAP_NET_ADMIN: kg says it is missing, and still talks to the API server.
+fn start_kg(ns: &NetNs, dir: &Path, kubeconfig: &Path) -> Kg {
+    Launch::kg()
+        .netns(&ns.name)
+        .wrap(["setpriv", "--bounding-set=-net_admin"])
+        .args([
+            "--backend=kubernetes",
+            &format!("--kubeconfig={}", kubeconfig.display()),
+            "--hostname=kgtest",
+            &format!("--private-key={}", dir.join("key").display()),
+            "--listen=127.0.0.1:1107",
+            "--datapath=false",
+            "--cni=false",
+            "--log-format=text",
+        ])
+        .spawn()
 }
 
-impl Kg {
-    fn start(ns: &NetNs, dir: &Path, kubeconfig: &Path) -> Self {
-        // Without CAP_NET_ADMIN: kg says it is missing, and still talks to the API server.
-        let mut child = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns.name,
-                "setpriv",
-                "--bounding-set=-net_admin",
-            ])
-            .arg(env!("CARGO_BIN_EXE_kg"))
-            .args([
-                "--backend=kubernetes",
-                &format!("--kubeconfig={}", kubeconfig.display()),
-                "--hostname=kgtest",
-                &format!("--private-key={}", dir.join("key").display()),
-                "--listen=127.0.0.1:1107",
-                "--datapath=false",
-                "--cni=false",
-                "--log-format=text",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, log) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            use std::io::BufRead as _;
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(Result::ok)
-            {
-                let _ = tx.send(line);
-            }
-        });
-        Kg {
-            child,
-            log,
-            seen: String::new(),
-        }
-    }
-
-    /// Waits until the log has a line containing every one of `words`.
-    fn wait_for_log(&mut self, words: &[&str]) -> String {
-        let start = Instant::now();
-        loop {
-            if let Some(line) = self
-                .seen
-                .lines()
-                .find(|l| words.iter().all(|w| l.contains(w)))
-            {
-                return line.to_string();
-            }
-            assert!(
-                self.child.try_wait().unwrap().is_none(),
-                "kg exited:\n{}",
-                self.seen
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no log line with {words:?}:\n{}",
-                self.seen
-            );
-            if let Ok(line) = self.log.recv_timeout(Duration::from_millis(100)) {
-                self.seen.push_str(&line);
-                self.seen.push('\n');
-            }
-        }
-    }
-
-    fn stop(mut self) -> String {
-        // SAFETY: a signal to our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        while let Ok(line) = self.log.recv_timeout(Duration::from_millis(500)) {
-            self.seen.push_str(&line);
-            self.seen.push('\n');
-        }
-        assert!(status.success(), "kg exited with {status}:\n{}", self.seen);
-        assert!(!self.seen.contains("panicked"), "{}", self.seen);
-        self.seen
-    }
+/// SIGTERM; the log once kg exited 0 without panicking.
+fn stop(mut kg: Kg) -> String {
+    let log = kg.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    log
 }
 
 /// kg lists Nodes and Peers over TLS and over HTTP; with an untrusted certificate it stays up,
@@ -246,9 +174,9 @@ fn kg_connects_over_tls_and_http_and_waits_out_a_bad_certificate() {
             "kc",
             &stub.kubeconfig(tls.then_some(&cert), "s3cret"),
         );
-        let mut kg = Kg::start(&ns, dir.path(), &kc);
-        kg.wait_for_log(&["capability missing", "CAP_NET_ADMIN"]);
-        kg.wait_for_log(&["Kubernetes API server", &stub.url()]);
+        let mut kg = start_kg(&ns, dir.path(), &kc);
+        kg.wait_for_line(&["capability missing", "CAP_NET_ADMIN"]);
+        kg.wait_for_line(&["Kubernetes API server", &stub.url()]);
         for resource in [
             "GET /api/v1/nodes",
             "GET /apis/kilo.squat.ai/v1alpha1/peers",
@@ -257,20 +185,20 @@ fn kg_connects_over_tls_and_http_and_waits_out_a_bad_certificate() {
                 stub.seen().iter().any(|r| r.starts_with(resource))
             });
         }
-        kg.stop();
+        stop(kg);
     }
 
     let stub = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
     let stub = ApiStub::serve(stub, Some(&cert), Answer::Lists, Some(&ns));
     let kc = write(dir.path(), "kc", &stub.kubeconfig(Some(&other), "s3cret"));
-    let mut kg = Kg::start(&ns, dir.path(), &kc);
+    let mut kg = start_kg(&ns, dir.path(), &kc);
     // One line for the server it cannot reach, naming the certificate, whichever request
     // (discovery, the lists) fails first.
-    let line = kg.wait_for_log(&["Kubernetes API server unreachable", "certificate"]);
+    let line = kg.wait_for_line(&["Kubernetes API server unreachable", "certificate"]);
     assert!(line.contains("error="), "{line}");
     // Still running after the first failure: it retries rather than exits.
     std::thread::sleep(Duration::from_millis(500));
-    let log = kg.stop();
+    let log = stop(kg);
     assert!(stub.seen().is_empty(), "{:?}", stub.seen());
     assert!(!log.contains("s3cret"), "token logged");
 }

@@ -16,26 +16,17 @@ mod support;
 
 use std::{
     path::PathBuf,
-    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use support::{
     bpffs::BpfFs,
+    kg::{Kg, Launch},
+    metrics::metric_sum,
     netns::{NetNs, WgGo, veth},
 };
 
 const NODES: usize = 3;
-
-/// A child process, killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// What one agent's `/metrics` says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +41,7 @@ struct Mesh {
     nodes: Vec<NetNs>,
     _under: NetNs,
     wireguard: Vec<WgGo>,
-    kg: Vec<Option<Proc>>,
+    kg: Vec<Option<Kg>>,
     objects: PathBuf,
     work: tempfile::TempDir,
     bpffs: BpfFs,
@@ -100,18 +91,8 @@ impl Mesh {
 
     /// Starts `kg` on node `i` (0-based), logging to `kg-n<i+1>.log`.
     fn start(&mut self, i: usize) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path(i))
-            .unwrap();
-        let child = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.nodes[i].name,
-                env!("CARGO_BIN_EXE_kg"),
-            ])
+        let kg = Launch::kg()
+            .netns(&self.nodes[i].name)
             .args([
                 "--backend=file",
                 &format!("--backend-dir={}", self.objects.display()),
@@ -134,11 +115,10 @@ impl Mesh {
                 &format!("--check-in-period={}s", self.period),
                 "--log-format=text",
             ])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.kg[i] = Some(Proc(child));
+            .append_log(self.log_path(i))
+            .kill_on_drop()
+            .spawn();
+        self.kg[i] = Some(kg);
     }
 
     fn log_path(&self, i: usize) -> PathBuf {
@@ -173,17 +153,12 @@ impl Mesh {
             return None;
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        let sum = |prefix: &str| -> u64 {
-            text.lines()
-                .filter(|l| l.starts_with(prefix))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-                .sum()
-        };
+        let sum = |name: &str| metric_sum(&text, name);
         Some(Seen {
-            nodes: sum("kilo_nodes "),
-            leader: sum("kilo_leader "),
-            writes: sum("kilo_writes_total{"),
-            errors: sum("kilo_errors_total{"),
+            nodes: sum("kilo_nodes"),
+            leader: sum("kilo_leader"),
+            writes: sum("kilo_writes_total"),
+            errors: sum("kilo_errors_total"),
         })
     }
 
@@ -242,21 +217,16 @@ impl Mesh {
     }
 
     fn kill(&mut self, i: usize) {
-        let mut kg = self.kg[i].take().unwrap();
-        // SAFETY: signalling our own child (`ip netns exec` execs kg, so this is kg).
-        assert_eq!(unsafe { libc::kill(kg.0.id() as i32, libc::SIGKILL) }, 0);
-        let _ = kg.0.wait();
+        self.kg[i].take().unwrap().kill();
     }
 
     /// SIGTERM to every agent (they clean up), then waits for them.
     fn stop(&mut self) {
         for kg in self.kg.iter_mut().flatten() {
-            // SAFETY: as above.
-            unsafe { libc::kill(kg.0.id() as i32, libc::SIGTERM) };
+            kg.signal(libc::SIGTERM);
         }
         for mut kg in self.kg.drain(..).flatten() {
-            let _ = kg.0.wait();
-            std::mem::forget(kg);
+            kg.wait();
         }
     }
 }

@@ -16,7 +16,8 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         return;
     }
     let prefix = format!("krs-mesh{}", std::process::id());
-    let bin = Path::new(env!("CARGO_BIN_EXE_kg")).parent().unwrap();
+    let kg = support::kg::binary("kg");
+    let bin = kg.parent().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../xtask/scripts/demo.sh");
     let out = Command::new("bash")
         .arg(script)
@@ -79,6 +80,6 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
 
 /// The value of `series` (name and labels) in the demo's output; panics if absent.
 fn metric(exposition: &str, series: &str) -> u64 {
-    support::agent::metric(exposition, series)
+    support::metrics::metric(exposition, series)
         .unwrap_or_else(|| panic!("no {series} in:\n{exposition}"))
 }

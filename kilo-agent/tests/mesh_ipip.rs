@@ -18,7 +18,6 @@ mod support;
 use std::{
     io::{Read, Write},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
-    process::{Child, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -29,6 +28,7 @@ use std::{
 
 use support::{
     bpffs::{BpfFs, Listener},
+    kg::{Kg, Launch},
     netns::{NetNs, WgGo, veth},
     packets::udp_to,
 };
@@ -51,7 +51,7 @@ struct Node {
     ns: NetNs,
     pod: NetNs,
     _wg: WgGo,
-    kg: Option<Child>,
+    kg: Option<Kg>,
 }
 
 struct Mesh {
@@ -127,9 +127,8 @@ impl Mesh {
                 &cni,
             )
             .unwrap();
-            let log = std::fs::File::create(work.path().join(format!("{}.log", s.name))).unwrap();
-            let kg = Command::new("ip")
-                .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kg")])
+            let kg = Launch::kg()
+                .netns(&ns.name)
                 .args([
                     "--backend=file".to_string(),
                     format!("--backend-dir={}", objects.display()),
@@ -147,10 +146,8 @@ impl Mesh {
                     "--log-format=text".into(),
                 ])
                 .args(flags)
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap();
+                .log_file(work.path().join(format!("{}.log", s.name)))
+                .spawn();
             nodes.push(Node {
                 name: s.name,
                 ns,
@@ -206,10 +203,9 @@ impl Mesh {
 
     /// A value from node `i`'s `/metrics` (0 when absent).
     fn metric(&self, i: usize, series: &str) -> u64 {
-        let out = self.nodes[i]
-            .ns
-            .sh("busybox wget -q -O - http://127.0.0.1:1107/metrics");
-        support::agent::metric(&out, series).unwrap_or(0)
+        let kg = self.nodes[i].kg.as_ref().expect("kg runs");
+        let text = kg.metrics().expect("kg's /metrics");
+        support::metrics::metric(&text, series).unwrap_or(0)
     }
 
     /// The flags of node `i`'s pinned config map.
@@ -227,13 +223,12 @@ impl Mesh {
     fn stop(&mut self) {
         for n in &self.nodes {
             if let Some(kg) = &n.kg {
-                // SAFETY: signalling our own child (`ip netns exec` execs kg, so this is kg).
-                unsafe { libc::kill(kg.id() as i32, libc::SIGTERM) };
+                kg.signal(libc::SIGTERM);
             }
         }
         for n in &mut self.nodes {
             if let Some(mut kg) = n.kg.take() {
-                let _ = kg.wait();
+                kg.wait();
             }
         }
     }

@@ -8,12 +8,12 @@
 //! range answers.
 mod support;
 
-use std::{net::IpAddr, path::Path, process::Command};
+use std::{net::IpAddr, path::Path};
 
 use support::{
     bpffs::{BpfFs, udp_source},
     eventually,
-    mesh::Kg,
+    kg::Launch,
     netns::{NetNs, WgGo, veth},
 };
 
@@ -53,12 +53,11 @@ struct Node {
 }
 
 fn kgctl(cluster: &Cluster, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kgctl"))
+    Launch::kgctl()
         .arg("--backend=file")
         .arg(format!("--backend-dir={}", cluster.objects().display()))
         .args(args)
         .output()
-        .unwrap()
 }
 
 #[test]
@@ -143,16 +142,18 @@ fn two_clusters_joined_as_peers_reach_each_others_pods_and_services() {
                 "--listen=127.0.0.1:1107".into(),
                 "--log-format=text".into(),
             ];
-            kgs.push(Kg::spawn(
-                &n.ns.name,
-                &flags,
-                work.path().join(format!("kg-{name}.log")),
-            ));
+            kgs.push(
+                Launch::kg()
+                    .netns(&n.ns.name)
+                    .args(flags)
+                    .append_log(work.path().join(format!("kg-{name}.log")))
+                    .spawn(),
+            );
         }
     }
     let logs = || {
         kgs.iter()
-            .map(|k| format!("--- {}\n{}", k.log.display(), k.log()))
+            .map(|k| format!("--- {}\n{}", k.log_path().display(), k.log()))
             .collect::<String>()
     };
 

@@ -12,12 +12,13 @@ use std::{
     net::TcpStream,
     os::unix::fs::PermissionsExt as _,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
 };
 
 use support::{
     agent::peer_yaml,
     eventually,
+    kg::{Kg, Launch},
     netns::{NetNs, WgGo, sh, veth},
 };
 
@@ -27,43 +28,10 @@ const POD_PINGS: u64 = 5;
 const LAPTOP_PINGS: u64 = 4;
 const PAYLOAD: u64 = 1000;
 
-/// A process this test started, stopped by its PID on every path (SIGTERM, then wait).
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        // SAFETY: a signal to our own child.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
-}
-
-/// On a failure, prints the logs of kg and Prometheus (before their directory goes).
-struct Logs<'a>(&'a Path);
-
-impl Drop for Logs<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for name in ["kg.log", "prometheus.log"] {
-                let log = std::fs::read_to_string(self.0.join(name)).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(30).collect();
-                eprintln!("--- {name} (last lines, newest first)\n{}", tail.join("\n"));
-            }
-        }
-    }
-}
-
-/// Starts `cmd` in `ns` (`ip netns exec` execs it, so the PID is the command's).
-fn start_in(ns: &NetNs, cmd: &[&str], log: &Path) -> Running {
-    let log = std::fs::File::create(log).unwrap();
-    let child = Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .args(cmd)
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {cmd:?}: {e}"));
-    Running(child)
+/// Starts `program` in `ns` with `args`, logging to `log` (printed on a failure); SIGTERM on
+/// every path.
+fn start_in(ns: &NetNs, program: Launch, args: &[&str], log: &Path) -> Kg {
+    program.netns(&ns.name).args(args).log_file(log).spawn()
 }
 
 /// One HTTP/1.0 GET on the namespace's loopback; the body, or `None` on any failure.
@@ -141,7 +109,6 @@ fn prometheus_scrapes_kg_while_traffic_flows() {
     let laptop_wg = WgGo::start(&inet);
 
     let dir = tempfile::tempdir().unwrap();
-    let _logs = Logs(dir.path());
     let (node_private, node_public) = wg_key();
     let (laptop_private, laptop_public) = wg_key();
     let key = dir.path().join("key");
@@ -165,8 +132,8 @@ fn prometheus_scrapes_kg_while_traffic_flows() {
     let pins = format!("/sys/fs/bpf/krs-prom-{}", std::process::id());
     let kg = start_in(
         &node,
+        Launch::kg(),
         &[
-            env!("CARGO_BIN_EXE_kg"),
             "--backend=file",
             &format!("--backend-dir={}", objects.display()),
             "--hostname=pnode",
@@ -189,8 +156,8 @@ fn prometheus_scrapes_kg_while_traffic_flows() {
     .unwrap();
     let prometheus = start_in(
         &node,
+        Launch::program("prometheus"),
         &[
-            "prometheus",
             &format!("--config.file={}", config.display()),
             &format!("--storage.tsdb.path={}", dir.path().join("tsdb").display()),
             "--web.listen-address=127.0.0.1:9090",

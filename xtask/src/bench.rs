@@ -42,6 +42,11 @@ use serde_json::Value;
 
 use crate::{cargo, output, root_dir, run};
 
+#[path = "../../kilo-agent/tests/support/median.rs"]
+#[allow(dead_code)]
+mod median;
+pub use median::median;
+
 /// The options of `cargo xtask bench`.
 #[derive(Debug, Default)]
 struct Options {
@@ -343,17 +348,6 @@ fn sorted(v: &[f64]) -> Vec<f64> {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v
-}
-
-/// The median of `v` (the mean of the middle two of an even count), as the examples'
-/// `report::median`: that one lives in kilo-agent's test support, which xtask cannot depend on.
-pub fn median(v: &[f64]) -> f64 {
-    let v = sorted(v);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// A number with as many digits as it deserves.

@@ -26,7 +26,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install (idempotently) the pinned toolchains, bpf-linker and the Debian packages the tests use.
+    /// Install (idempotently) everything the tasks use: the pinned toolchains, bpf-linker, the
+    /// Debian packages, the test kube-apiserver and cargo-fuzz. Each task installs its own part.
     Setup,
     /// Build the eBPF object (release, bpfel-unknown-none).
     BuildEbpf,
@@ -84,7 +85,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup(),
         Task::BuildEbpf => {
-            setup()?;
+            setup_build()?;
             build_ebpf()
         }
         Task::Test { args } => {
@@ -92,7 +93,7 @@ fn main() -> Result<()> {
             test(&args)
         }
         Task::Demo => {
-            setup()?;
+            setup_mesh()?;
             demo()
         }
         Task::Image { check_arm64_tests } => {
@@ -100,11 +101,12 @@ fn main() -> Result<()> {
             image::image(check_arm64_tests)
         }
         Task::Fuzz { target, seconds } => {
-            setup()?;
+            setup_build()?;
+            install_cargo_fuzz()?;
             fuzz(target.as_deref(), seconds)
         }
         Task::Bench { args } => {
-            setup()?;
+            setup_tests()?;
             bench::bench(&args)
         }
         Task::E2e { keep, down } => {
@@ -112,7 +114,7 @@ fn main() -> Result<()> {
             e2e::e2e(keep, down)
         }
         Task::Soak { args } => {
-            setup()?;
+            setup_tests()?;
             soak::soak(&args)
         }
     }
@@ -164,13 +166,29 @@ fn cargo() -> Command {
     cmd
 }
 
+/// Everything: what the tests need, and cargo-fuzz (`cargo xtask test` fuzzes too).
 fn setup() -> Result<()> {
+    setup_tests()?;
+    install_cargo_fuzz()
+}
+
+/// What building kg needs: the toolchains and bpf-linker (the eBPF object is embedded).
+fn setup_build() -> Result<()> {
     install_toolchains()?;
-    install_bpf_linker()?;
-    install_debian_packages(pins::DEBIAN_PACKAGES)?;
-    install_kube_apiserver()?;
-    install_cargo_fuzz()?;
-    Ok(())
+    install_bpf_linker()
+}
+
+/// What the demo's mesh needs: the build, and the tools its scripts run.
+fn setup_mesh() -> Result<()> {
+    setup_build()?;
+    install_debian_packages(pins::DEMO_PACKAGES)
+}
+
+/// What the tests and benchmarks run: the mesh's tools and the rest, and the test API server.
+fn setup_tests() -> Result<()> {
+    setup_mesh()?;
+    install_debian_packages(pins::TEST_PACKAGES)?;
+    install_kube_apiserver()
 }
 
 fn cargo_fuzz_dir() -> PathBuf {

@@ -8,21 +8,26 @@ pub const NIGHTLY: &str = "nightly-2026-10-30";
 pub const BPF_LINKER: &str = "0.13.0";
 /// The LLVM major of NIGHTLY, which bpf-linker must be built for.
 pub const BPF_LINKER_LLVM: &str = "llvm-23";
-/// Debian packages the tests and benchmarks use (iptables and ipset: Kilo's side of
-/// `bench_control`).
-pub const DEBIAN_PACKAGES: &[&str] = &[
+/// Debian packages the demo's mesh uses (`xtask/scripts/mesh.sh` and `demo.sh`): `ip`,
+/// wireguard-go and `wg`, busybox's ping and wget, python3's UDP sender and metrics read.
+pub const DEMO_PACKAGES: &[&str] = &[
     "iproute2",
-    "iptables",
-    "ipset",
     "wireguard-go",
     "wireguard-tools",
+    "busybox",
+    "python3",
+];
+/// Debian packages the tests and benchmarks use beyond [`DEMO_PACKAGES`] (iptables and ipset:
+/// Kilo's side of `bench_control`; etcd for the test API server; prometheus and promtool: the
+/// telemetry test scrapes kg with a real Prometheus).
+pub const TEST_PACKAGES: &[&str] = &[
+    "iptables",
+    "ipset",
     "nftables",
     "bpftool",
-    "busybox",
     "iperf3",
     "socat",
     "etcd-server",
-    // prometheus and promtool: the telemetry test scrapes kg with a real Prometheus.
     "prometheus",
 ];
 /// The Debian source version of `kubernetes` that kube-apiserver is built from for the tests

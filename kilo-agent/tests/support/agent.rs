@@ -137,10 +137,3 @@ pub fn peer_yaml(name: &str, key: impl std::fmt::Display, cidr: &str) -> String 
         "apiVersion: kilo.squat.ai/v1alpha1\nkind: Peer\nmetadata:\n  name: {name}\nspec:\n  allowedIPs: [{cidr}]\n  publicKey: \"{key}\"\n"
     )
 }
-
-/// The value of the first sample of `series` (name and labels, exactly) in a text exposition.
-pub fn metric(exposition: &str, series: &str) -> Option<u64> {
-    exposition
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}

@@ -1,15 +1,16 @@
 //! The demo's mesh (`xtask/scripts/mesh.sh up`) for tests that start `kg` themselves: three
 //! nodes in two locations, a pod behind a bridge on each, wireguard-go devices, an "internet"
 //! host at 192.168.50.100, the Node objects in `objects/`. Removed (wireguard-go ended by PID,
-//! namespaces deleted) on drop. [`Kg`] runs the real agent on one of its nodes, on the file
-//! backend.
+//! namespaces deleted) on drop. [`DemoMesh::start_kg`] runs the real agent on one of its nodes,
+//! on the file backend.
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output},
 };
 
 use super::{
     bpffs::BpfFs,
+    kg::{Kg, Launch},
     netns::{run_in, try_sh},
 };
 
@@ -133,75 +134,29 @@ impl Drop for DemoMesh {
     }
 }
 
-/// The sum of every sample of the metric family `name` (all its label sets) in an exposition.
-pub fn metric_sum(exposition: &str, name: &str) -> u64 {
-    exposition
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// The real `kg` on node `i` of a [`DemoMesh`], on the file backend (`objects/`), without
-/// encapsulation or CNI, metrics on 127.0.0.1:1107 in the node's namespace, logging (appended
-/// across restarts) to `kg-n<i>.log`. Killed on drop if still running.
-pub struct Kg {
-    child: Child,
-    pub log: PathBuf,
-}
-
-impl Kg {
-    /// Starts it with the mesh's usual flags and `extra` (later flags win).
-    pub fn start(mesh: &DemoMesh, i: usize, bpffs: &BpfFs, extra: &[&str]) -> Kg {
-        let mut flags = Kg::flags(mesh, i, bpffs);
-        flags.extend(extra.iter().map(|f| f.to_string()));
-        Kg::spawn(
-            &mesh.ns(&format!("n{i}")),
-            &flags,
-            mesh.work.path().join(format!("kg-n{i}.log")),
-        )
-    }
-
-    /// Starts it in namespace `ns` with exactly `flags`, logging (appended) to `log`: for
-    /// meshes other than the demo's.
-    pub fn spawn(ns: &str, flags: &[String], log: PathBuf) -> Kg {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        let child = Command::new("ip")
-            .args(["netns", "exec", ns])
-            .arg(Kg::binary())
-            .args(flags)
-            .stdout(Stdio::null())
-            .stderr(file)
+impl DemoMesh {
+    /// The real `kg` on node `i`, on the file backend (`objects/`), without encapsulation or
+    /// CNI, metrics on 127.0.0.1:1107 in the node's namespace, logging (appended across
+    /// restarts) to `kg-n<i>.log`: the flags of [`DemoMesh::kg_flags`], then `extra` (later
+    /// flags win). SIGTERM on drop, so it cleans up before the mesh goes.
+    pub fn start_kg(&self, i: usize, bpffs: &BpfFs, extra: &[&str]) -> Kg {
+        Launch::kg()
+            .netns(&self.ns(&format!("n{i}")))
+            .args(self.kg_flags(i, bpffs))
+            .args(extra)
+            .append_log(self.work.path().join(format!("kg-n{i}.log")))
             .spawn()
-            .unwrap();
-        Kg { child, log }
     }
 
-    /// The `kg` of this build: cargo names it to integration tests; the examples that share
-    /// these helpers find it beside their own directory (`target/<profile>/`).
-    pub fn binary() -> PathBuf {
-        option_env!("CARGO_BIN_EXE_kg").map_or_else(
-            || {
-                let exe = std::env::current_exe().unwrap();
-                exe.parent().unwrap().parent().unwrap().join("kg")
-            },
-            PathBuf::from,
-        )
-    }
-
-    /// The flags [`Kg::start`] gives node `i`'s kg (also for a `--dry-run` beside it).
-    pub fn flags(mesh: &DemoMesh, i: usize, bpffs: &BpfFs) -> Vec<String> {
-        let work = mesh.work.path();
+    /// The flags [`DemoMesh::start_kg`] gives node `i`'s kg (also for a `--dry-run` beside it).
+    pub fn kg_flags(&self, i: usize, bpffs: &BpfFs) -> Vec<String> {
+        let work = self.work.path();
         vec![
             "--backend=file".into(),
-            format!("--backend-dir={}", mesh.objects().display()),
+            format!("--backend-dir={}", self.objects().display()),
             format!("--hostname=n{i}"),
             "--create-interface=false".into(),
-            format!("--interface={}", mesh.wg(i)),
+            format!("--interface={}", self.wg(i)),
             "--encapsulate=never".into(),
             // Not Kilo as the CNI here: the host's /etc/cni stays untouched.
             "--cni=false".into(),
@@ -210,32 +165,5 @@ impl Kg {
             "--listen=127.0.0.1:1107".into(),
             "--log-format=text".into(),
         ]
-    }
-
-    pub fn id(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// SIGKILL (no clean-up: routes, WireGuard peers and pinned datapath stay), then reaps it.
-    pub fn kill(mut self) {
-        // SAFETY: a signal to our own child (`ip netns exec` execs kg, so this is kg).
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        let _ = self.child.wait();
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Kg {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        // SIGTERM first: kg removes its routes, maps and pins before the mesh goes.
-        // SAFETY: as above.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
     }
 }

@@ -1,5 +1,7 @@
-//! Helpers shared by the integration tests: root checks, CPU affinity and throwaway network
-//! namespaces.
+//! The test kit, shared by the integration tests and the benchmarks (`examples/bench_*.rs`
+//! include it by path): root checks, CPU affinity, throwaway network namespaces, the one kg
+//! launcher (`kg`), the one metrics reader (`metrics`), the demo's mesh (`mesh`), the one
+//! median (`median`).
 #![allow(dead_code)]
 
 pub mod agent;
@@ -7,7 +9,9 @@ pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
 pub mod kg;
+pub mod median;
 pub mod mesh;
+pub mod metrics;
 pub mod netns;
 pub mod packets;
 pub mod reliability;
