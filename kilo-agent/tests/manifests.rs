@@ -392,7 +392,12 @@ fn every_overlay_has_its_distributions_paths_and_its_modes_flags() {
             }
         }
         let wireguard_go = r.containers.iter().any(|c| c == "wireguard");
-        assert_eq!(wireguard_go, o.mode == USERSPACE, "{name}: {:?}", r.containers);
+        assert_eq!(
+            wireguard_go,
+            o.mode == USERSPACE,
+            "{name}: {:?}",
+            r.containers
+        );
     }
 }
 
