@@ -15,7 +15,7 @@
 //! FILE gets `cargo xtask bench`'s JSON lines (see `bench.rs`): one table, one cell per figure
 //! with every repetition's value.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io::{Read as _, Write as _},
     net::Ipv4Addr,
     os::unix::net::UnixStream,
@@ -58,8 +58,8 @@ const LEFT_BEHIND: &[(&str, &str)] = &[
         "find /sys/fs/bpf/kilo -type f",
     ),
     (
-        "kg's TC programs, attached",
-        "bpftool net show | grep -E 'tcx/|clsact/'",
+        "kg's TC programs, attached through the pinned links",
+        "for l in /sys/fs/bpf/kilo/links/*; do bpftool link show pinned \"$l\"; done | grep prog",
     ),
     ("the node's key in /var/lib/kilo", "ls /var/lib/kilo/key"),
     (
@@ -782,23 +782,29 @@ impl Cluster {
                 gap as f64 * 0.2
             );
         }
+        let mut anew = Vec::new();
         for (node, before) in &pins {
             let after = self.pinned_ids(node)?;
-            if &after != before {
-                bail!("{node}: pinned maps or links reloaded: before {before:?}, after {after:?}");
+            let changed: Vec<&String> = after.iter().filter(|p| !before.contains(p)).collect();
+            if !changed.is_empty() || after.len() != before.len() {
+                anew.push(format!(
+                    "{node}: pinned anew {changed:?} (before: {before:?})"
+                ));
             }
         }
         for pod in &new {
             let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+            let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
             let metrics = self.metrics(name)?;
-            for kind in ["map_insert", "link_attach"] {
+            for kind in ["map_insert", "link_attach", "link_detach"] {
                 let n = metric(&metrics, &format!("kilo_writes_total{{kind=\"{kind}\"}}"));
                 if n.unwrap_or(0.0) != 0.0 {
-                    bail!(
-                        "{name}: kilo_writes_total{{kind=\"{kind}\"}} {n:?} after adopting the pins"
-                    );
+                    anew.push(format!("{node}: {name} counts {kind} {n:?}"));
                 }
             }
+        }
+        if !anew.is_empty() {
+            bail!("the datapath not (all) adopted:\n  {}", anew.join("\n  "));
         }
         let maps: usize = pins.values().map(|ids| ids.len()).sum();
         Ok(format!(
@@ -919,28 +925,22 @@ impl Cluster {
         let mut full = args.as_array().cloned().unwrap_or_default();
         full.push(json!("--mesh-granularity=full"));
         self.set_kg_args(i, &Value::Array(full))?;
-        let wireguard_ips = |node: &str| -> Result<usize> {
-            let n = self.json(&["get", "node", node])?;
-            Ok(usize::from(
-                n["metadata"]["annotations"]["kilo.squat.ai/wireguard-ip"]
-                    .as_str()
-                    .is_some_and(|ip| !ip.is_empty()),
-            ))
-        };
-        // In full granularity every node is a leader, with a WireGuard IP.
-        wait_for(
-            Duration::from_secs(60),
-            "every node with a WireGuard IP",
-            || {
-                let mut n = 0;
-                for (node, _) in NODES {
-                    n += wireguard_ips(node)?;
+        // Every node leads a segment of its own in full granularity, one per location else.
+        let locations = NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len();
+        let leading = |want: usize| {
+            wait_for(Duration::from_secs(90), &format!("{want} leaders"), || {
+                let leaders = self.leaders()?;
+                if leaders.len() == want {
+                    Ok(Some(()))
+                } else {
+                    bail!("leaders {leaders:?}")
                 }
-                Ok((n == NODES.len()).then_some(()))
-            },
-        )?;
+            })
+        };
+        leading(NODES.len())?;
         let in_full = self.adjacency(Duration::from_secs(90))?;
         self.set_kg_args(i, &args)?;
+        leading(locations)?;
         let back = self.adjacency(Duration::from_secs(90))?;
         Ok(format!("full: {in_full}; location again: {back}"))
     }
@@ -1487,7 +1487,7 @@ fn bench_records(peers: &[f64], joins: &[f64]) -> Vec<Value> {
              wireguard-go start in that time). {} nodes in {} locations on this machine's 2 \
              shared cores; the nodes join one after another.",
             NODES.len(),
-            NODES.iter().map(|(_, l)| l).collect::<std::collections::BTreeSet<_>>().len(),
+            NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len(),
         )}),
         json!({"type": "meta", "key": "Kubernetes", "value": crate::pins::KUBE_APISERVER}),
         json!({"type": "meta", "key": "repetitions", "value": format!(
