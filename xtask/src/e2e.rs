@@ -1483,8 +1483,8 @@ fn bench_records(peers: &[f64], joins: &[f64]) -> Vec<Value> {
             "From the API server's audit timestamp of the create (ResponseComplete) to: every \
              leader's wireguard-go listing the Peer's key (UAPI polled every 20 ms); a ping from \
              a probe pod in another location answered by a pod the scheduler put on the new node \
-             (created as it registered; the node's own containerd, kubelet, kube-proxy, kg and \
-             wireguard-go start in that time). {} nodes in {} locations on this machine's 2 \
+             (created as it registered; kube-proxy, kg's and wireguard-go's pods, the CNI \
+             configuration kg writes and the pod itself start in that time). {} nodes in {} locations on this machine's 2 \
              shared cores; the nodes join one after another.",
             NODES.len(),
             NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len(),
