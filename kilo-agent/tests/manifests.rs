@@ -160,8 +160,8 @@ fn kubectl() -> Option<PathBuf> {
         .then(|| PathBuf::from("kubectl"))
 }
 
-/// The overlay's DaemonSet as `kubectl kustomize` renders it.
-fn kustomize(kubectl: &Path, dir: &Path) -> Value {
+/// The overlay's DaemonSets as `kubectl kustomize` renders them.
+fn kustomize(kubectl: &Path, dir: &Path) -> Vec<Value> {
     let out = Command::new(kubectl)
         .arg("kustomize")
         .arg(dir)
@@ -175,12 +175,13 @@ fn kustomize(kubectl: &Path, dir: &Path) -> Value {
     );
     serde_yaml::Deserializer::from_slice(&out.stdout)
         .map(|d| Value::deserialize(d).unwrap())
-        .find(|v| v["kind"] == "DaemonSet")
-        .unwrap_or_else(|| panic!("no DaemonSet rendered from {}", dir.display()))
+        .filter(|v| v["kind"] == "DaemonSet")
+        .collect()
 }
 
-/// What the checks read from a DaemonSet: kg's args, the env names, hostPath volumes by name
-/// and container names.
+/// What the checks read from the DaemonSets: kg's args, the env names and hostPath volumes by
+/// name (of kg's DaemonSet), and the container names (of every DaemonSet: the userspace
+/// overlays run wireguard-go in one of its own).
 #[derive(Debug, PartialEq)]
 struct Rendered {
     args: Vec<String>,
@@ -207,7 +208,11 @@ fn named(v: &Value) -> impl Iterator<Item = (&str, &Value)> {
 }
 
 impl Rendered {
-    fn from_daemonset(ds: &Value) -> Self {
+    fn from_daemonsets(all: &[Value]) -> Self {
+        let ds = all
+            .iter()
+            .find(|d| d["metadata"]["name"] == "kilo")
+            .expect("kg's DaemonSet");
         let spec = &ds["spec"]["template"]["spec"];
         let kilo = named(&spec["containers"])
             .find(|(n, _)| *n == "kilo")
@@ -215,13 +220,19 @@ impl Rendered {
             .expect("a kilo container");
         let mut env: Vec<String> = named(&kilo["env"]).map(|(n, _)| n.to_string()).collect();
         env.sort();
+        let mut containers: Vec<String> = all
+            .iter()
+            .flat_map(|d| named(&d["spec"]["template"]["spec"]["containers"]))
+            .map(|(n, _)| n.into())
+            .collect();
+        containers.sort();
         Rendered {
             args: strings(&kilo["args"]),
             env,
             host_paths: named(&spec["volumes"])
                 .filter_map(|(n, v)| Some((n.to_string(), v["hostPath"]["path"].as_str()?.into())))
                 .collect(),
-            containers: named(&spec["containers"]).map(|(n, _)| n.into()).collect(),
+            containers,
         }
     }
 
@@ -254,12 +265,13 @@ impl Rendered {
                 if doc["kind"] != "DaemonSet" {
                     continue;
                 }
+                let kg = doc["metadata"]["name"] == "kilo";
                 let spec = &doc["spec"]["template"]["spec"];
                 for (name, c) in named(&spec["containers"]) {
                     if !rendered.containers.iter().any(|n| n == name) {
                         rendered.containers.push(name.into());
                     }
-                    if name == "kilo" {
+                    if kg && name == "kilo" {
                         if !c["args"].is_null() {
                             rendered.args = strings(&c["args"]);
                         }
@@ -270,7 +282,7 @@ impl Rendered {
                         }
                     }
                 }
-                for (name, v) in named(&spec["volumes"]) {
+                for (name, v) in named(&spec["volumes"]).filter(|_| kg) {
                     rendered.host_paths.remove(name);
                     if let Some(p) = v["hostPath"]["path"].as_str() {
                         rendered.host_paths.insert(name.into(), p.into());
@@ -279,6 +291,7 @@ impl Rendered {
             }
         }
         rendered.env.sort();
+        rendered.containers.sort();
         rendered
     }
 }
@@ -310,7 +323,7 @@ fn every_overlay_has_its_distributions_paths_and_its_modes_flags() {
         let merged = Rendered::merged(&dir);
         let r = match &kubectl {
             Some(k) => {
-                let r = Rendered::from_daemonset(&kustomize(k, &dir));
+                let r = Rendered::from_daemonsets(&kustomize(k, &dir));
                 assert_eq!(
                     r, merged,
                     "{}: kubectl's rendering and the merge here",
@@ -384,8 +397,13 @@ fn every_overlay_has_its_distributions_paths_and_its_modes_flags() {
                 assert!(!path.starts_with(foreign), "{name}: {path}");
             }
         }
-        let sidecar = r.containers.iter().any(|c| c == "wireguard");
-        assert_eq!(sidecar, o.mode == USERSPACE, "{name}: {:?}", r.containers);
+        let wireguard_go = r.containers.iter().any(|c| c == "wireguard");
+        assert_eq!(
+            wireguard_go,
+            o.mode == USERSPACE,
+            "{name}: {:?}",
+            r.containers
+        );
     }
 }
 

@@ -7,6 +7,7 @@
 #     cp  .254  etcd (loopback), kube-apiserver, kube-controller-manager, kube-scheduler
 #     nI  .I    node I: its default route is on this side
 #     ext .100  a host outside the cluster (a WireGuard Peer in the checks)
+#   (and, for the allowed-location-ips check, a host at .200 of one location's LAN)
 #   one LAN per location 172.20.L.0/24 (bridge `lan-LOCATION`): node I at 172.20.L.I, the
 #     private address kg finds (same-location traffic, IPIP)
 #
@@ -25,6 +26,8 @@
 #   e2e-cluster.sh pod-routes WORK                 (cp reaches each node's pod CIDR through it)
 #   e2e-cluster.sh stop-node WORK NODE             (its containers, kubelet, kube-proxy, containerd)
 #   e2e-cluster.sh ext-wireguard WORK IFACE        (a wireguard-go device on the host `ext`)
+#   e2e-cluster.sh lan-host WORK NAME LOCATION     (a host on the location's LAN at .200; prints
+#                                                   its address)
 # `up` starts everything in the background (PIDs in WORK/pids) and waits until every node is
 # registered (NotReady until a CNI configuration appears: kg's DaemonSet installs it). `down`
 # ends every process it started (by PID), the pods' containers, cgroups, mounts and namespaces.
@@ -129,6 +132,9 @@ omitStages: [RequestReceived]
 rules:
 - level: Metadata
   resources: [{group: kilo.squat.ai, resources: [peers]}]
+- level: Metadata
+  verbs: [create]
+  resources: [{group: "", resources: [nodes]}]
 - level: None
 YAML
   spawn kube-apiserver nsenter --net="/run/netns/$P-cp" "$BIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 \
@@ -442,6 +448,14 @@ case "$cmd" in
       env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 wireguard-go --foreground "$1"
     echo "$1" >"$WORK/ext-wireguard"
     for _ in $(seq 1 50); do [ -S "/run/wireguard/$1.sock" ] && break; sleep 0.1; done
+    ;;
+  lan-host)
+    li=$(location_index "$2")
+    new_ns "$1"
+    veth "$1" eth0 under "$1"
+    in_ns under ip link set "$1" master "lan-$2"
+    in_ns "$1" ip addr add "172.20.$li.200/24" dev eth0
+    echo "172.20.$li.200"
     ;;
   node-exec)
     node=$1

@@ -1,4 +1,5 @@
-//! `cargo xtask e2e [--keep | --down]`: kg deployed by kubelet on a real cluster on this machine.
+//! `cargo xtask e2e [--keep | --down | --bench FILE]`: kg deployed by kubelet on a real cluster on
+//! this machine.
 //!
 //! It builds or takes from the cache what the cluster needs (the Kubernetes binaries from
 //! Debian's source package, containerd and the CNI plugins from Debian, the project image and
@@ -7,9 +8,18 @@
 //! would (the userspace overlay, images renamed only), then runs each check as a step that
 //! reports PASS or FAIL. The cluster is removed at the end (every process it started, by PID,
 //! with the containers, cgroups, mounts and namespaces), unless `--keep`.
+//!
+//! `--bench FILE` measures instead of checking, on the same cluster: the time from a Peer's
+//! creation (the API server's audit timestamp) to every leader's WireGuard device carrying it,
+//! and from a node's registration (same) to a pod on it answering a pod in another location.
+//! FILE gets `cargo xtask bench`'s JSON lines (see `bench.rs`): one table, one cell per figure
+//! with every repetition's value.
 use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::{Read as _, Write as _},
     net::Ipv4Addr,
-    path::PathBuf,
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -34,10 +44,54 @@ const NODES: &[(&str, &str)] = &[
 /// A busybox HTTP server whose one CGI script answers with the client's address.
 const ECHO_SERVER: &str = r"mkdir -p /www/cgi-bin && printf '#!/bin/sh\necho Content-Type: text/plain\necho\necho $REMOTE_ADDR\n' >/www/cgi-bin/ip && chmod +x /www/cgi-bin/ip && exec httpd -f -p 8080 -h /www";
 
+/// What `kubectl delete -k` leaves on a node with `--clean-up=false`, as the README lists it
+/// (besides the `kilo.squat.ai/*` annotations), each with a command that prints it.
+const LEFT_BEHIND: &[(&str, &str)] = &[
+    ("kg's routes (protocol 107)", "ip route show proto 107"),
+    ("kg's rules", "ip rule | grep -v -E '^(0|32766|32767):'"),
+    (
+        "the nftables table inet kilo",
+        "nft list tables | grep 'inet kilo'",
+    ),
+    (
+        "the pins under /sys/fs/bpf/kilo",
+        "find /sys/fs/bpf/kilo -type f",
+    ),
+    (
+        "kg's TC programs, attached through the pinned links",
+        "for l in /sys/fs/bpf/kilo/links/*; do bpftool link show pinned \"$l\"; done | grep prog",
+    ),
+    ("the node's key in /var/lib/kilo", "ls /var/lib/kilo/key"),
+    (
+        "the CNI configuration",
+        "ls /etc/cni/net.d/10-kilo.conflist",
+    ),
+];
+
+/// What `kubectl delete -k` removes from a node (wireguard-go's pod takes its device along).
+const GONE: &[(&str, &str)] = &[
+    (
+        "the WireGuard link kilo0",
+        "ip -o link show kilo0 2>/dev/null",
+    ),
+    (
+        "wireguard-go's UAPI socket",
+        "ls /run/wireguard/kilo0.sock 2>/dev/null",
+    ),
+];
+
 /// The capabilities the DaemonSet's kilo container adds (after `drop: [ALL]`).
 const KILO_CAPS: &[(&str, u32)] = &[("NET_ADMIN", 12), ("PERFMON", 38), ("BPF", 39)];
 
-pub fn e2e(keep: bool, down: bool) -> Result<()> {
+/// kg's pins (`--clean-up=false` leaves them, see `deleted`).
+const PIN_DIR: &str = "/sys/fs/bpf/kilo";
+
+/// How many times `--bench` measures each figure.
+const BENCH_REPETITIONS: usize = 5;
+/// Nodes joined one after the other for the node figure (then stopped and deleted).
+const BENCH_NODES: &[(&str, &str)] = &[("n6", "east"), ("n7", "west"), ("n8", "east")];
+
+pub fn e2e(keep: bool, down: bool, bench: Option<&Path>) -> Result<()> {
     if !is_root() {
         bail!("the e2e cluster runs kubelets, containerd and network namespaces: run it as root");
     }
@@ -75,6 +129,11 @@ pub fn e2e(keep: bool, down: bool) -> Result<()> {
     eprintln!("e2e: cluster up after {:?}", start.elapsed());
 
     let mut report = Report::default();
+    if let Some(out) = bench {
+        let measured = cluster.bench(report, out);
+        drop(cluster);
+        return measured;
+    }
     cluster.checks(&mut report);
     eprintln!("e2e: checks done after {:?}", start.elapsed());
     drop(cluster);
@@ -139,7 +198,17 @@ impl Report {
 }
 
 /// Polls `f` every second until it returns `Some`, or fails with its last error after `limit`.
-fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+fn wait_for<T>(limit: Duration, what: &str, f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    poll(limit, Duration::from_secs(1), what, f)
+}
+
+/// [`wait_for`], polling every `every`.
+fn poll<T>(
+    limit: Duration,
+    every: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
     let start = Instant::now();
     let mut last = String::from("not yet");
     loop {
@@ -151,13 +220,12 @@ fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Result<Option
         if start.elapsed() > limit {
             bail!("{what}: not within {limit:?} (last: {last})");
         }
-        std::thread::sleep(Duration::from_secs(1));
+        std::thread::sleep(every);
     }
 }
 
 /// `cmd`'s standard output, `input` its standard input; fails when it does.
 fn output_in(cmd: &mut Command, input: &str) -> Result<String> {
-    use std::io::Write as _;
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -268,21 +336,10 @@ impl Cluster {
         if !report.step("kubectl apply -k xtask/e2e", || self.deploy()) {
             return;
         }
-        if !report.step("DaemonSet rolled out on every node", || {
-            wait_for(Duration::from_secs(300), "DaemonSet kilo ready", || {
-                let ds = self.json(&["-n", "kube-system", "get", "daemonset", "kilo"])?;
-                let s = &ds["status"];
-                let want = NODES.len() as u64;
-                let ok = [
-                    "desiredNumberScheduled",
-                    "numberReady",
-                    "updatedNumberScheduled",
-                ]
-                .iter()
-                .all(|k| s[k].as_u64() == Some(want));
-                Ok(ok.then(|| format!("{want}/{want} ready: {s}")))
-            })
-        }) {
+        if !report.step(
+            "the DaemonSets (kg, wireguard-go) rolled out on every node",
+            || self.rolled_out(),
+        ) {
             self.dump_state();
             return;
         }
@@ -345,6 +402,10 @@ impl Cluster {
             self.adjacency(Duration::ZERO)
         });
         report.step(
+            "full granularity (kg's args patched, rolled out): every pod reaches every other, and again back in location granularity",
+            || self.full_granularity(),
+        );
+        report.step(
             "a ClusterIP Service's endpoint in another location sees the client pod's address",
             || self.service_across_locations(),
         );
@@ -353,83 +414,93 @@ impl Cluster {
             || self.peer(),
         );
         report.step(
+            "allowed-location-ips on a location's leader: a LAN host there reached from the other locations' pods, then withdrawn",
+            || self.allowed_location_ips(),
+        );
+        report.step(
             "the deployed webhook refuses a Peer with a malformed CIDR, naming the field",
             || self.webhook(),
         );
         report.step(
-            "a rolling update of the DaemonSet under pod-to-pod traffic loses no packet",
+            "a rolling update of kg's DaemonSet under pod-to-pod traffic loses no packet; the new kg adopts the pinned datapath",
             || self.rolling_update(),
         );
         report.step(
-            "a node deleted with kubectl leaves the others' routes",
+            "a node deleted with kubectl leaves the others' routes and WireGuard peers",
             || self.node_deleted(),
         );
-        report.step("kubectl delete -k leaves every node as before kg", || {
-            self.deleted()
-        });
+        report.step(
+            "kubectl delete -k leaves on each node exactly what the README lists",
+            || self.deleted(),
+        );
     }
 
-    /// After `kubectl delete -k`, what kg's pods left on each remaining node: routes (kg's
-    /// protocol 107), rules, the WireGuard link, the nftables table, bpffs pins, TC filters on
-    /// the pod bridge and the Node annotations.
+    /// After `kubectl delete -k`, on each remaining node: what the README says stays
+    /// ([`LEFT_BEHIND`], and kg's annotations) is there, and nothing of [`GONE`] is.
     fn deleted(&self) -> Result<String> {
         self.kubectl(&["delete", "-k", "xtask/e2e"])?;
-        wait_for(Duration::from_secs(120), "kg's pods gone", || {
-            Ok(self.kilo_pods()?.is_empty().then_some(()))
-        })?;
-        let mut left = Vec::new();
+        wait_for(
+            Duration::from_secs(120),
+            "kg's and wireguard-go's pods gone",
+            || {
+                let pods = self.json(&[
+                    "-n",
+                    "kube-system",
+                    "get",
+                    "pods",
+                    "-l",
+                    "app.kubernetes.io/part-of=kilo",
+                ])?;
+                Ok(pods["items"]
+                    .as_array()
+                    .is_none_or(Vec::is_empty)
+                    .then_some(()))
+            },
+        )?;
+        let mut wrong = Vec::new();
         for (node, _) in &NODES[..NODES.len() - 1] {
-            let probes: [(&str, &[&str]); 6] = [
-                ("routes", &["ip", "route", "show", "proto", "107"]),
-                (
-                    "rules",
-                    &["sh", "-c", "ip rule | grep -v -E '^(0|32766|32767):'"],
-                ),
-                (
-                    "link kilo0",
-                    &["sh", "-c", "ip -o link show kilo0 2>/dev/null"],
-                ),
-                ("nftables", &["sh", "-c", "nft list tables | grep kilo"]),
-                // (progs.debug and maps.debug come with every bpffs mount)
-                (
-                    "bpffs pins",
-                    &[
-                        "find",
-                        "/sys/fs/bpf",
-                        "-mindepth",
-                        "1",
-                        "!",
-                        "-name",
-                        "*.debug",
-                    ],
-                ),
-                (
-                    "TC filters",
-                    &["tc", "filter", "show", "dev", "kube-bridge", "ingress"],
-                ),
-            ];
-            for (what, cmd) in probes {
-                let out = self.node_exec(node, cmd).unwrap_or_default();
-                if !out.trim().is_empty() {
-                    left.push(format!("{node} {what}: {}", out.trim().replace('\n', "; ")));
+            let show = |cmd: &str| {
+                self.node_exec(node, &["sh", "-c", cmd])
+                    .unwrap_or_default()
+                    .trim()
+                    .replace('\n', "; ")
+            };
+            for (what, cmd) in LEFT_BEHIND {
+                if show(cmd).is_empty() {
+                    wrong.push(format!("{node}: {what} gone, the README says it stays"));
+                }
+            }
+            for (what, cmd) in GONE {
+                let out = show(cmd);
+                if !out.is_empty() {
+                    wrong.push(format!("{node}: {what} left: {out}"));
                 }
             }
             let n = self.json(&["get", "node", node])?;
-            let ours: Vec<&String> = n["metadata"]["annotations"]
+            let ours = n["metadata"]["annotations"]
                 .as_object()
                 .into_iter()
                 .flatten()
-                .map(|(k, _)| k)
-                .filter(|k| k.starts_with("kilo.squat.ai/"))
-                .collect();
-            if !ours.is_empty() {
-                left.push(format!("{node} annotations: {ours:?}"));
+                .filter(|(k, _)| k.starts_with("kilo.squat.ai/"))
+                .count();
+            if ours == 0 {
+                wrong.push(format!(
+                    "{node}: no kilo.squat.ai/ annotation, the README says they stay"
+                ));
             }
         }
-        if !left.is_empty() {
-            bail!("left behind:\n  {}", left.join("\n  "));
+        if !wrong.is_empty() {
+            bail!("not as the README says:\n  {}", wrong.join("\n  "));
         }
-        Ok("no route, rule, link, table, pin, filter or annotation of kg's".into())
+        let listed: Vec<&str> = LEFT_BEHIND.iter().map(|(what, _)| *what).collect();
+        Ok(format!(
+            "left: {}, kg's annotations; gone: {}",
+            listed.join(", "),
+            GONE.iter()
+                .map(|(what, _)| *what)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
     }
 
     /// A pod in the last node's location serves its client's address (busybox httpd's CGI
@@ -624,8 +695,10 @@ impl Cluster {
         Ok(format!("ext ({ADDRESS}) reached {}", reached.join(", ")))
     }
 
-    /// A changed pod annotation rolls the DaemonSet while one probe pod pings another in a
-    /// different location five times a second.
+    /// A changed pod annotation rolls kg's DaemonSet while one probe pod pings another in a
+    /// different location five times a second. wireguard-go's pods (and so the devices) stay;
+    /// each new kg adopts the pinned datapath: the same maps and links in the kernel (their IDs),
+    /// and its own writes count no map entry inserted and no program attached anew.
     fn rolling_update(&self) -> Result<String> {
         let pods = self.probe_ips()?;
         let (from, _) = &pods[0];
@@ -634,11 +707,16 @@ impl Cluster {
             .rev()
             .find(|(n, _)| n != from)
             .context("two probe pods")?;
-        let old: Vec<String> = self
-            .kilo_pods()?
-            .iter()
-            .filter_map(|p| p["metadata"]["uid"].as_str().map(str::to_owned))
-            .collect();
+        let old = uids(&self.kilo_pods()?);
+        let wireguard = uids(&self.wireguard_pods()?);
+        let mut pins = BTreeMap::new();
+        for (node, _) in NODES {
+            let ids = self.pinned_ids(node)?;
+            if ids.is_empty() {
+                bail!("{node}: nothing pinned under {PIN_DIR}");
+            }
+            pins.insert(*node, ids);
+        }
         let mut ping = Command::new(self.work.join("kubectl"))
             .args(["exec", from, "--", "sh", "-c"])
             .arg(format!("ping -i 0.2 {ip} >/tmp/ping.log 2>&1"))
@@ -663,16 +741,7 @@ impl Cluster {
                 "-p",
                 &patch,
             ])
-            .and_then(|_| {
-                self.kubectl(&[
-                    "-n",
-                    "kube-system",
-                    "rollout",
-                    "status",
-                    "daemonset/kilo",
-                    "--timeout=300s",
-                ])
-            });
+            .and_then(|_| self.rollout("kilo"));
         std::thread::sleep(Duration::from_secs(3));
         let _ = self.kubectl(&["exec", from, "--", "killall", "-INT", "ping"]);
         let _ = ping.wait();
@@ -688,17 +757,13 @@ impl Cluster {
             .filter_map(|w| w.parse().ok())
             .collect();
         let (sent, received) = (nums[0], nums[1]);
-        let replaced = self
-            .kilo_pods()?
-            .iter()
-            .filter(|p| {
-                p["metadata"]["uid"]
-                    .as_str()
-                    .is_some_and(|u| !old.iter().any(|o| o == u))
-            })
-            .count();
+        let new = self.kilo_pods()?;
+        let replaced = uids(&new).iter().filter(|u| !old.contains(u)).count();
         if replaced != NODES.len() {
             bail!("{replaced} of {} kg pods replaced", NODES.len());
+        }
+        if uids(&self.wireguard_pods()?) != wireguard {
+            bail!("wireguard-go's pods were replaced too");
         }
         if sent < 10 || received != sent {
             // The longest run of unanswered pings, in seconds (one every 0.2 s).
@@ -717,16 +782,54 @@ impl Cluster {
                 gap as f64 * 0.2
             );
         }
+        let mut anew = Vec::new();
+        for (node, before) in &pins {
+            let after = self.pinned_ids(node)?;
+            let changed: Vec<&String> = after.iter().filter(|p| !before.contains(p)).collect();
+            if !changed.is_empty() || after.len() != before.len() {
+                anew.push(format!(
+                    "{node}: pinned anew {changed:?} (before: {before:?})"
+                ));
+            }
+        }
+        for pod in &new {
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+            let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
+            let metrics = self.metrics(name)?;
+            for kind in ["map_insert", "link_attach", "link_detach"] {
+                let n = metric(&metrics, &format!("kilo_writes_total{{kind=\"{kind}\"}}"));
+                if n.unwrap_or(0.0) != 0.0 {
+                    anew.push(format!("{node}: {name} counts {kind} {n:?}"));
+                }
+            }
+        }
+        if !anew.is_empty() {
+            bail!("the datapath not (all) adopted:\n  {}", anew.join("\n  "));
+        }
+        let maps: usize = pins.values().map(|ids| ids.len()).sum();
         Ok(format!(
-            "{replaced} pods replaced; {from} -> {to}: {summary}"
+            "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {summary}; the {maps} pinned maps and links kept their IDs, no map entry inserted nor program attached anew"
         ))
     }
 
     /// The last node goes away (its kubelet, containers and containerd stopped) and is deleted:
-    /// no other node keeps a route to its pod CIDR.
+    /// no other node keeps a route to its pod CIDR, nor its public key among its WireGuard peers.
     fn node_deleted(&self) -> Result<String> {
         let (gone, _) = NODES[NODES.len() - 1];
         let cidr = self.pod_cidr(gone)?;
+        let key =
+            self.json(&["get", "node", gone])?["metadata"]["annotations"]["kilo.squat.ai/key"]
+                .as_str()
+                .with_context(|| format!("{gone} has no kilo.squat.ai/key"))?
+                .to_owned();
+        let peers = |node: &str| self.node_exec(node, &["wg", "show", "kilo0", "peers"]);
+        let carried = NODES[..NODES.len() - 1]
+            .iter()
+            .filter(|(node, _)| peers(node).is_ok_and(|p| p.contains(&key)))
+            .count();
+        if carried == 0 {
+            bail!("no node has {gone}'s key {key} among its peers before it goes");
+        }
         run(Command::new("bash")
             .arg(&self.script)
             .args(["stop-node", WORK, gone]))?;
@@ -734,14 +837,397 @@ impl Cluster {
         for (node, _) in &NODES[..NODES.len() - 1] {
             wait_for(
                 Duration::from_secs(60),
-                &format!("{node}: no route to {cidr}"),
+                &format!("{node}: no route to {cidr}, no peer {key}"),
                 || {
                     let routes = self.node_exec(node, &["ip", "route", "show", &cidr])?;
-                    Ok(routes.trim().is_empty().then_some(()))
+                    Ok((routes.trim().is_empty() && !peers(node)?.contains(&key)).then_some(()))
                 },
             )?;
         }
-        Ok(format!("{gone} ({cidr}) gone from the others' routes"))
+        Ok(format!(
+            "{gone} ({cidr}, its key a peer of {carried} nodes) gone from the others' routes and peers"
+        ))
+    }
+
+    /// kg's and wireguard-go's DaemonSets, each ready and up to date on every node.
+    fn rolled_out(&self) -> Result<String> {
+        let mut seen = Vec::new();
+        for name in ["kilo", "kilo-wireguard"] {
+            seen.push(wait_for(
+                Duration::from_secs(300),
+                &format!("DaemonSet {name} ready"),
+                || {
+                    let ds = self.json(&["-n", "kube-system", "get", "daemonset", name])?;
+                    let s = &ds["status"];
+                    let want = NODES.len() as u64;
+                    let ok = [
+                        "desiredNumberScheduled",
+                        "numberReady",
+                        "updatedNumberScheduled",
+                    ]
+                    .iter()
+                    .all(|k| s[k].as_u64() == Some(want));
+                    Ok(ok.then(|| format!("{name} {want}/{want} ready")))
+                },
+            )?);
+        }
+        Ok(seen.join(", "))
+    }
+
+    fn rollout(&self, daemonset: &str) -> Result<String> {
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            &format!("daemonset/{daemonset}"),
+            "--timeout=300s",
+        ])
+    }
+
+    /// kg's container's index in its DaemonSet, and its args.
+    fn kg_args(&self) -> Result<(usize, Value)> {
+        let ds = self.json(&["-n", "kube-system", "get", "daemonset", "kilo"])?;
+        let containers = ds["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .context("kg's DaemonSet has no containers")?;
+        let i = containers
+            .iter()
+            .position(|c| c["name"] == "kilo")
+            .context("no kilo container")?;
+        Ok((i, containers[i]["args"].clone()))
+    }
+
+    /// Replaces kg's args in its DaemonSet (as a user would, with kubectl patch) and waits for
+    /// the rollout.
+    fn set_kg_args(&self, i: usize, args: &Value) -> Result<()> {
+        let patch = json!([{
+            "op": "replace", "path": format!("/spec/template/spec/containers/{i}/args"), "value": args,
+        }]);
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "patch",
+            "daemonset",
+            "kilo",
+            "--type=json",
+            "-p",
+            &patch.to_string(),
+        ])?;
+        self.rollout("kilo")?;
+        Ok(())
+    }
+
+    /// Kilo's e2e in full granularity: `--mesh-granularity=full` added to kg's args, every pod
+    /// reaches every other; then the args as the overlay has them, and again.
+    fn full_granularity(&self) -> Result<String> {
+        let (i, args) = self.kg_args()?;
+        let mut full = args.as_array().cloned().unwrap_or_default();
+        full.push(json!("--mesh-granularity=full"));
+        self.set_kg_args(i, &Value::Array(full))?;
+        // Every node leads a segment of its own in full granularity, one per location else.
+        let locations = NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len();
+        let leading = |want: usize| {
+            wait_for(Duration::from_secs(90), &format!("{want} leaders"), || {
+                let leaders = self.leaders()?;
+                if leaders.len() == want {
+                    Ok(Some(()))
+                } else {
+                    bail!("leaders {leaders:?}")
+                }
+            })
+        };
+        leading(NODES.len())?;
+        let in_full = self.adjacency(Duration::from_secs(90))?;
+        self.set_kg_args(i, &args)?;
+        leading(locations)?;
+        let back = self.adjacency(Duration::from_secs(90))?;
+        Ok(format!("full: {in_full}; location again: {back}"))
+    }
+
+    /// A host on the first location's LAN, outside the cluster, named in
+    /// `kilo.squat.ai/allowed-location-ips` of that location's leader: the pods of the other
+    /// locations reach it (through the mesh, masqueraded by the leader) only while the
+    /// annotation is there.
+    fn allowed_location_ips(&self) -> Result<String> {
+        const ANNOTATION: &str = "kilo.squat.ai/allowed-location-ips";
+        let (_, loc) = NODES[0];
+        let leaders = self.leaders()?;
+        let (leader, _) = NODES
+            .iter()
+            .find(|(n, l)| *l == loc && leaders.iter().any(|x| x == n))
+            .with_context(|| format!("no leader in {loc} among {leaders:?}"))?;
+        let host = output(
+            Command::new("bash")
+                .arg(&self.script)
+                .args(["lan-host", WORK, "lanhost", loc]),
+        )?
+        .trim()
+        .to_owned();
+        let clients: Vec<String> = NODES
+            .iter()
+            .filter(|(_, l)| *l != loc)
+            .map(|(n, _)| format!("probe-{n}"))
+            .collect();
+        let reaches = |pod: &str| -> Result<bool> {
+            let script = format!("ping -c 1 -W 2 {host} >/dev/null && echo yes || echo no");
+            Ok(self
+                .kubectl(&["exec", pod, "--", "sh", "-c", &script])?
+                .trim()
+                == "yes")
+        };
+        for pod in &clients {
+            if reaches(pod)? {
+                bail!("{pod} reaches {host} before the annotation");
+            }
+        }
+        self.kubectl(&[
+            "annotate",
+            "node",
+            leader,
+            &format!("{ANNOTATION}={host}/32"),
+        ])?;
+        for pod in &clients {
+            wait_for(Duration::from_secs(60), &format!("{pod} -> {host}"), || {
+                Ok(reaches(pod)?.then_some(()))
+            })?;
+        }
+        self.kubectl(&["annotate", "node", leader, &format!("{ANNOTATION}-")])?;
+        for pod in &clients {
+            wait_for(
+                Duration::from_secs(60),
+                &format!("{pod} no longer reaching {host}"),
+                || Ok((!reaches(pod)?).then_some(())),
+            )?;
+        }
+        for (node, _) in NODES {
+            let routes = self.node_exec(node, &["ip", "route", "show", "proto", "107"])?;
+            if let Some(r) = routes.lines().find(|r| r.starts_with(&format!("{host} "))) {
+                bail!("{node} still routes {host}: {r}");
+            }
+        }
+        Ok(format!(
+            "{host} on {loc}'s LAN, named by its leader {leader}: reached from {}, then not, and no route to it left",
+            clients.join(", ")
+        ))
+    }
+
+    /// The nodes whose kg says it leads its location (`kilo_leader 1`).
+    fn leaders(&self) -> Result<Vec<String>> {
+        let mut leaders = Vec::new();
+        for pod in self.kilo_pods()? {
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+            if metric(&self.metrics(name)?, "kilo_leader") == Some(1.0) {
+                leaders.push(
+                    pod["spec"]["nodeName"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                );
+            }
+        }
+        leaders.sort();
+        Ok(leaders)
+    }
+
+    /// A kg pod's /metrics, through the API server's pod proxy.
+    fn metrics(&self, pod: &str) -> Result<String> {
+        self.kubectl(&[
+            "get",
+            "--raw",
+            &format!("/api/v1/namespaces/kube-system/pods/{pod}:1107/proxy/metrics"),
+        ])
+    }
+
+    fn wireguard_pods(&self) -> Result<Vec<Value>> {
+        let pods = self.json(&[
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=kilo-wireguard",
+        ])?;
+        Ok(pods["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// `PATH ID` per map and link pinned under [`PIN_DIR`] on `node` (the kernel's IDs: a map
+    /// or link made anew gets a new one).
+    fn pinned_ids(&self, node: &str) -> Result<Vec<String>> {
+        let script = format!(
+            r#"for f in $(find {PIN_DIR}/maps {PIN_DIR}/links -type f 2>/dev/null | sort); do
+                 case $f in */maps/*) t=map ;; *) t=link ;; esac
+                 echo "$f $(bpftool -j $t show pinned "$f" | grep -o '"id":[0-9]*' | head -n 1)"
+               done"#
+        );
+        Ok(self
+            .node_exec(node, &["sh", "-c", &script])?
+            .lines()
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// `--bench`: kg deployed as for the checks, then both figures measured; their records
+    /// written to `out` (JSON lines, `cargo xtask bench`'s format).
+    fn bench(&self, mut report: Report, out: &Path) -> Result<()> {
+        let ready = report.step("kubectl apply -k xtask/e2e", || self.deploy())
+            && report.step("the DaemonSets rolled out", || self.rolled_out())
+            && report.step("test pods", || self.test_pods())
+            && report.step("every test pod reaches every other", || {
+                self.adjacency(Duration::from_secs(120))
+            });
+        if !ready {
+            self.dump_state();
+            return report.finish();
+        }
+        let (mut peers, mut joins) = (Vec::new(), Vec::new());
+        report.step(
+            "Peer created (audit) -> on every leader's WireGuard device",
+            || {
+                peers = self.bench_peers()?;
+                Ok(spread(&peers))
+            },
+        );
+        report.step(
+            "node registered (audit) -> a pod on it answers a pod in another location",
+            || {
+                joins = self.bench_nodes()?;
+                Ok(spread(&joins))
+            },
+        );
+        let records = bench_records(&peers, &joins);
+        let text: String = records.iter().map(|r| format!("{r}\n")).collect();
+        if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("e2e: figures in {}", out.display());
+        report.finish()
+    }
+
+    /// Seconds from each Peer's creation (the audit log's ResponseComplete of the create) to
+    /// the moment every leader's wireguard-go answers its UAPI `get` with the Peer's key
+    /// (polled every 20 ms, on each node's socket).
+    fn bench_peers(&self) -> Result<Vec<f64>> {
+        let leaders = self.leaders()?;
+        if leaders.is_empty() {
+            bail!("no leader");
+        }
+        let mut samples = Vec::new();
+        for i in 0..BENCH_REPETITIONS {
+            let mut key = [0u8; 32];
+            std::fs::File::open("/dev/urandom")?.read_exact(&mut key)?;
+            let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+            let name = format!("bench-{i}");
+            self.apply(&json!({
+                "apiVersion": "kilo.squat.ai/v1alpha1", "kind": "Peer", "metadata": {"name": name},
+                "spec": {"allowedIPs": [format!("10.6.0.{}/32", i + 1)], "publicKey": base64(&key)},
+            }))?;
+            let mut pending = leaders.clone();
+            poll(
+                Duration::from_secs(120),
+                Duration::from_millis(20),
+                &format!("{name} on {leaders:?}"),
+                || {
+                    pending.retain(|node| {
+                        let socket = self
+                            .work
+                            .join(format!("nodes/{node}/run/wireguard/kilo0.sock"));
+                        !uapi_get(&socket)
+                            .is_ok_and(|dev| dev.contains(&format!("public_key={hex}\n")))
+                    });
+                    Ok(pending.is_empty().then_some(()))
+                },
+            )?;
+            let seen = now();
+            samples.push(seen - self.audit_created("peers", &name)?);
+            self.kubectl(&["delete", "peer", &name])?;
+        }
+        Ok(samples)
+    }
+
+    /// Seconds from each node's registration (the audit log's ResponseComplete of the Node's
+    /// create) to a pod on it, placed there by the scheduler (created as the node registers),
+    /// answering a ping from a probe pod in another location (pinging in a loop). Each node
+    /// is stopped and deleted after.
+    fn bench_nodes(&self) -> Result<Vec<f64>> {
+        let mut samples = Vec::new();
+        for (node, loc) in BENCH_NODES {
+            run(Command::new("bash").arg(&self.script).args([
+                "add-node",
+                WORK,
+                &format!("{node}:{loc}"),
+            ]))?;
+            let name = format!("join-{node}");
+            let mut pod = busybox_pod(&name, "join", node, &["sleep", "86400"]);
+            let spec = pod["spec"].as_object_mut().expect("a pod spec");
+            spec.remove("nodeName");
+            spec.insert(
+                "nodeSelector".into(),
+                json!({"kubernetes.io/hostname": node}),
+            );
+            self.apply(&pod)?;
+            let ip = poll(
+                Duration::from_secs(300),
+                Duration::from_millis(300),
+                &name,
+                || {
+                    let p = self.json(&["get", "pod", &name])?;
+                    Ok(p["status"]["podIP"].as_str().map(str::to_owned))
+                },
+            )?;
+            let (from, _) = NODES
+                .iter()
+                .find(|(_, l)| l != loc)
+                .context("another location")?;
+            let wait = format!("until ping -c 1 -W 1 {ip} >/dev/null 2>&1; do sleep 0.1; done");
+            self.kubectl(&[
+                "exec",
+                &format!("probe-{from}"),
+                "--",
+                "timeout",
+                "300",
+                "sh",
+                "-c",
+                &wait,
+            ])?;
+            let seen = now();
+            samples.push(seen - self.audit_created("nodes", node)?);
+            self.kubectl(&["delete", "pod", &name, "--wait=false"])?;
+            run(Command::new("bash")
+                .arg(&self.script)
+                .args(["stop-node", WORK, node]))?;
+            self.kubectl(&["delete", "node", node])?;
+        }
+        Ok(samples)
+    }
+
+    /// When the API server completed the create of `resource` `name` (seconds since the epoch),
+    /// from its audit log.
+    fn audit_created(&self, resource: &str, name: &str) -> Result<f64> {
+        let log = self.work.join("logs/audit.log");
+        wait_for(
+            Duration::from_secs(10),
+            &format!("the audit event of {resource}/{name}'s create"),
+            || {
+                let text = std::fs::read_to_string(&log)?;
+                let event = text.lines().rev().find_map(|l| {
+                    let e: Value = serde_json::from_str(l).ok()?;
+                    let ours = e["verb"] == "create"
+                        && e["stage"] == "ResponseComplete"
+                        && e["objectRef"]["resource"] == resource
+                        && e["objectRef"]["name"] == name
+                        && e["responseStatus"]["code"] == 201;
+                    ours.then_some(e)
+                });
+                let Some(e) = event else { return Ok(None) };
+                let at: jiff::Timestamp = e["stageTimestamp"]
+                    .as_str()
+                    .context("stageTimestamp")?
+                    .parse()?;
+                Ok(Some(at.as_nanosecond() as f64 / 1e9))
+            },
+        )
     }
 
     fn pod_cidr(&self, node: &str) -> Result<String> {
@@ -906,7 +1392,7 @@ impl Cluster {
                 "describe",
                 "pods",
                 "-l",
-                "app.kubernetes.io/name=kilo",
+                "app.kubernetes.io/part-of=kilo",
             ][..],
         ] {
             match self.kubectl(args) {
@@ -932,6 +1418,98 @@ fn busybox_pod(name: &str, app: &str, node: &str, command: &[&str]) -> Value {
             }],
         },
     })
+}
+
+/// A wireguard-go device's state as its UAPI socket gives it (`get=1`).
+fn uapi_get(socket: &Path) -> Result<String> {
+    let mut conn = UnixStream::connect(socket)?;
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    conn.write_all(b"get=1\n\n")?;
+    let mut state = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !state.ends_with(b"\n\n") {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        state.extend_from_slice(&buf[..n]);
+    }
+    Ok(String::from_utf8_lossy(&state).into_owned())
+}
+
+/// Seconds since the epoch.
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+/// Median and worst of `samples`, in seconds.
+fn spread(samples: &[f64]) -> String {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let worst = sorted.last().copied().unwrap_or(f64::NAN);
+    format!(
+        "median {median:.2} s, worst {worst:.2} s over {} ({})",
+        sorted.len(),
+        samples
+            .iter()
+            .map(|s| format!("{s:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    )
+}
+
+/// `--bench`'s records in `cargo xtask bench`'s format: one table, a cell per figure.
+fn bench_records(peers: &[f64], joins: &[f64]) -> Vec<Value> {
+    const TABLE: &str = "e2e";
+    let cell = |row: &str, values: &[f64]| json!({"type": "cell", "table": TABLE, "row": row, "col": "seconds", "values": values});
+    vec![
+        json!({
+            "type": "table", "table": TABLE, "unit": "s",
+            "title": "Control-plane latency on the e2e cluster (userspace WireGuard)",
+        }),
+        cell(
+            "a Peer created -> on every leader's WireGuard device",
+            peers,
+        ),
+        cell(
+            "a node registered -> its pod answers a pod in another location",
+            joins,
+        ),
+        json!({"type": "note", "table": TABLE, "text": format!(
+            "From the API server's audit timestamp of the create (ResponseComplete) to: every \
+             leader's wireguard-go listing the Peer's key (UAPI polled every 20 ms); a ping from \
+             a probe pod in another location answered by a pod the scheduler put on the new node \
+             (created as it registered; kube-proxy, kg's and wireguard-go's pods, the CNI \
+             configuration kg writes and the pod itself start in that time). {} nodes in {} locations on this machine's 2 \
+             shared cores; the nodes join one after another.",
+            NODES.len(),
+            NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len(),
+        )}),
+        json!({"type": "meta", "key": "Kubernetes", "value": crate::pins::KUBE_APISERVER}),
+        json!({"type": "meta", "key": "repetitions", "value": format!(
+            "{BENCH_REPETITIONS} Peers, {} nodes", BENCH_NODES.len()
+        )}),
+    ]
+}
+
+fn uids(pods: &[Value]) -> Vec<String> {
+    let mut uids: Vec<String> = pods
+        .iter()
+        .filter_map(|p| p["metadata"]["uid"].as_str().map(str::to_owned))
+        .collect();
+    uids.sort();
+    uids
+}
+
+/// The value of the sample `series` (name and labels, as exposed) in Prometheus' text format.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn ready_nodes(nodes: &Value) -> Vec<String> {

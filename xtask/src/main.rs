@@ -31,7 +31,8 @@ enum Task {
     Setup,
     /// Build the eBPF object (release, bpfel-unknown-none).
     BuildEbpf,
-    /// Run every test tier: formatting, clippy, pure, datapath, node (root tiers skip elsewhere).
+    /// Run every test tier: formatting, clippy, pure, datapath, node (root tiers skip elsewhere);
+    /// without a filter, also fuzzing and the e2e cluster.
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
@@ -64,7 +65,7 @@ enum Task {
     },
     /// Start a Kubernetes cluster on this machine (a control plane and kubelet nodes in network
     /// namespaces), deploy kg with `kubectl apply -k` as a user would and check it (see
-    /// xtask/src/e2e.rs): `e2e [--keep]`. Needs root.
+    /// xtask/src/e2e.rs): `e2e [--keep | --down | --bench FILE]`. Needs root.
     E2e {
         /// Leave the cluster running after the checks (`e2e --down` removes it).
         #[arg(long)]
@@ -72,6 +73,10 @@ enum Task {
         /// Only remove a cluster left by `--keep` or by an interrupted run.
         #[arg(long, conflicts_with = "keep")]
         down: bool,
+        /// Measure instead of checking: a Peer's and a node's time to take effect, written to
+        /// FILE as `cargo xtask bench` records (JSON lines).
+        #[arg(long, value_name = "FILE", conflicts_with = "down")]
+        bench: Option<PathBuf>,
     },
     /// Run the reliability tests' long versions (faults under traffic) and write RELIABILITY.md
     /// (see xtask/src/soak.rs): `soak [--no-run] [--out DIR] [-- TEST ARGS]`. Needs root.
@@ -109,9 +114,9 @@ fn main() -> Result<()> {
             setup_tests()?;
             bench::bench(&args)
         }
-        Task::E2e { keep, down } => {
+        Task::E2e { keep, down, bench } => {
             setup()?;
-            e2e::e2e(keep, down)
+            e2e::e2e(keep, down, bench.as_deref())
         }
         Task::Soak { args } => {
             setup_tests()?;
@@ -449,6 +454,8 @@ fn test(args: &[String]) -> Result<()> {
         .args(args))?;
     if args.is_empty() {
         fuzz(None, FUZZ_SECONDS_IN_TESTS)?;
+        // kg as users deploy it, on a real cluster (its binaries built once and cached).
+        e2e::e2e(false, false, None)?;
     }
     Ok(())
 }
