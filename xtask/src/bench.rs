@@ -1,5 +1,6 @@
 //! `cargo xtask bench [WHAT] [--quick] [--debug] [--no-run] [--out DIR] [-- ARGS]`: runs the benchmark
-//! examples (`kilo-agent/examples/bench_<what>.rs`, every one by default) and renders what they
+//! examples (`kilo-agent/examples/bench_<what>.rs`, every one by default, and `e2e`: the figures
+//! `cargo xtask e2e --bench` measures on a real cluster, not with `--quick`) and renders what they
 //! measured into `DIR/BENCHMARKS.md` (DIR defaults to the repository root), SVG plots in
 //! `DIR/docs/bench/`, and the summary table between the `bench-summary` markers of
 //! `DIR/README.md` when there is one. With WHAT, only that benchmark runs and, without `--out`,
@@ -89,9 +90,14 @@ fn benchmarks() -> Result<Vec<String>> {
                 .map(str::to_owned)
         })
         .collect();
+    // The e2e cluster's figures (`cargo xtask e2e --bench`): root only, not in `--quick`.
+    all.push(E2E.into());
     all.sort();
     Ok(all)
 }
+
+/// The benchmark measured on the e2e cluster rather than by an example.
+const E2E: &str = "e2e";
 
 /// What one benchmark produced.
 struct Ran {
@@ -107,6 +113,7 @@ pub fn bench(args: &[String]) -> Result<()> {
     let chosen = match &o.what {
         Some(w) if all.contains(w) => vec![w.clone()],
         Some(w) => bail!("no benchmark {w:?}; have {all:?}"),
+        None if o.quick => all.into_iter().filter(|w| w != E2E).collect(),
         None => all,
     };
     let profile = if o.debug { "debug" } else { "release" };
@@ -128,6 +135,9 @@ pub fn bench(args: &[String]) -> Result<()> {
         let json = results.join(format!("{what}.jsonl"));
         if o.no_run {
             let records = read_records(&json)?;
+            if records.is_empty() && what == E2E {
+                continue;
+            }
             let ok = !records.is_empty();
             ran.push(Ran {
                 what: what.clone(),
@@ -138,6 +148,20 @@ pub fn bench(args: &[String]) -> Result<()> {
             continue;
         }
         let _ = std::fs::remove_file(&json);
+        if what == E2E {
+            let t = Instant::now();
+            let done = crate::e2e::e2e(false, false, Some(&json));
+            if let Err(e) = &done {
+                eprintln!("e2e: {e:#}");
+            }
+            ran.push(Ran {
+                what: what.clone(),
+                seconds: t.elapsed().as_secs_f64(),
+                ok: done.is_ok(),
+                records: read_records(&json)?,
+            });
+            continue;
+        }
         let mut cmd = Command::new(bin.join("examples").join(format!("bench_{what}")));
         cmd.current_dir(root_dir())
             .env("KILO_BENCH_JSON", &json)
@@ -387,13 +411,22 @@ fn cell_text(c: Option<&Cell>) -> String {
     }
 }
 
-/// The first paragraph of an example's `//!` doc.
+/// The first paragraph of an example's `//!` doc (for the e2e figures, the `--bench` paragraph
+/// of `xtask/src/e2e.rs`).
 fn intro(what: &str) -> String {
-    let src = read(
-        &root_dir()
-            .join(format!("kilo-agent/examples/bench_{what}.rs"))
-            .to_string_lossy(),
-    );
+    let path = match what {
+        E2E => root_dir().join("xtask/src/e2e.rs"),
+        _ => root_dir().join(format!("kilo-agent/examples/bench_{what}.rs")),
+    };
+    let src = read(&path.to_string_lossy());
+    let src = match what {
+        E2E => src
+            .lines()
+            .skip_while(|l| !l.starts_with("//! `--bench FILE`"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => src,
+    };
     src.lines()
         .map_while(|l| l.strip_prefix("//!"))
         .map(str::trim)

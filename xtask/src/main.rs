@@ -102,7 +102,7 @@ fn main() -> Result<()> {
             demo()
         }
         Task::Image { check_arm64_tests } => {
-            setup()?;
+            setup_tests()?;
             image::image(check_arm64_tests)
         }
         Task::Fuzz { target, seconds } => {
@@ -171,8 +171,14 @@ fn cargo() -> Command {
     cmd
 }
 
-/// Everything: what the tests need, and cargo-fuzz (`cargo xtask test` fuzzes too).
+/// Everything: what the tests need, the e2e cluster and cargo-fuzz (`cargo xtask test` runs
+/// them all).
 fn setup() -> Result<()> {
+    setup_mesh()?;
+    if is_root() {
+        // One Go build gives the e2e cluster's binaries and the tests' kube-apiserver.
+        install_kube_cluster()?;
+    }
     setup_tests()?;
     install_cargo_fuzz()
 }
