@@ -1,10 +1,9 @@
 //! The program's aya-log records as `tracing` events (target `kilo_ebpf`). The program logs
 //! only on rare paths and only when the config map's level asks for it (off by default), so the
 //! fast path never pays for logging; the level can change at run time without a reload.
-use std::os::fd::AsRawFd;
-
 use aya_log::EbpfLogger;
-use tokio::io::unix::AsyncFd;
+
+use crate::sys;
 
 /// A `log::Log` that re-emits every record as a `tracing` event.
 #[derive(Debug, Clone, Copy, Default)]
@@ -34,17 +33,7 @@ pub type ProgramLogger<L = TracingLog> = EbpfLogger<L>;
 
 /// Forwards records as they arrive until the ring buffer can no longer be polled.
 pub async fn forward<L: log::Log + Send + 'static>(logger: ProgramLogger<L>) {
-    struct Fd<L>(ProgramLogger<L>);
-    impl<L> AsRawFd for Fd<L> {
-        fn as_raw_fd(&self) -> std::os::fd::RawFd {
-            self.0.as_raw_fd()
-        }
-    }
-    // SAFETY: the ring buffer's fd is owned by the logger, which the AsyncFd owns: it stays open
-    // and the same for the AsyncFd's whole life.
-    let registered =
-        unsafe { AsyncFd::register_with_interest(Fd(logger), tokio::io::Interest::READABLE) };
-    let Ok(mut fd) = registered else {
+    let Ok(mut fd) = sys::poll::readable(logger) else {
         tracing::warn!("datapath: cannot poll the program's log buffer; its logs are dropped");
         return;
     };

@@ -1,11 +1,12 @@
 //! Every raw system call the agent makes itself, so that no other module uses `unsafe`: the
-//! BPF batch lookup ([`bpf`]), the mapped counters ([`mmap`]), capabilities ([`caps`]) and the
-//! synchronous netlink requests ([`netlink`]). Each is hand-written only where no crate offers
-//! the call (the reason is in each module's doc).
+//! BPF batch lookup ([`bpf`]), the mapped counters ([`mmap`]), capabilities ([`caps`]), the
+//! synchronous netlink requests ([`netlink`]) and the program's log buffer polled ([`poll`]).
+//! Each is hand-written only where no crate offers the call (the reason is in each module's doc).
 pub mod bpf;
 pub mod caps;
 pub mod mmap;
 pub mod netlink;
+pub mod poll;
 
 /// Values as the kernel stores them in maps: plain data, for which every bit pattern is a value.
 ///
