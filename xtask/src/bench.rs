@@ -138,11 +138,12 @@ pub fn bench(args: &[String]) -> Result<()> {
             if records.is_empty() && what == E2E {
                 continue;
             }
-            let ok = !records.is_empty();
+            // The benchmark's last run, as it recorded itself (see `record_run`).
+            let run = records.iter().rev().find(|r| str_of(r, "type") == "run");
             ran.push(Ran {
                 what: what.clone(),
-                seconds: 0.0,
-                ok,
+                seconds: run.and_then(|r| r["seconds"].as_f64()).unwrap_or(0.0),
+                ok: run.map_or(!records.is_empty(), |r| r["ok"].as_bool() == Some(true)),
                 records,
             });
             continue;
@@ -154,10 +155,12 @@ pub fn bench(args: &[String]) -> Result<()> {
             if let Err(e) = &done {
                 eprintln!("e2e: {e:#}");
             }
+            let (seconds, ok) = (t.elapsed().as_secs_f64(), done.is_ok());
+            record_run(&json, seconds, ok)?;
             ran.push(Ran {
                 what: what.clone(),
-                seconds: t.elapsed().as_secs_f64(),
-                ok: done.is_ok(),
+                seconds,
+                ok,
                 records: read_records(&json)?,
             });
             continue;
@@ -177,6 +180,7 @@ pub fn bench(args: &[String]) -> Result<()> {
             .with_context(|| format!("starting bench_{what}"))?;
         let seconds = t.elapsed().as_secs_f64();
         eprintln!("bench_{what}: {status} after {seconds:.0} s");
+        record_run(&json, seconds, status.success())?;
         let records = read_records(&json)?;
         ran.push(Ran {
             what: what.clone(),
@@ -188,12 +192,12 @@ pub fn bench(args: &[String]) -> Result<()> {
     match (&o.out, &o.what) {
         (None, Some(_)) => {
             // One benchmark: its section on stdout (plots under target/bench), no report.
-            print!("{}", render(&results, &started, o.quick, &ran)?);
+            print!("{}", render(&results, &started, o.quick, o.no_run, &ran)?);
         }
         (out, _) => {
             let out = out.clone().unwrap_or_else(root_dir);
             std::fs::create_dir_all(&out)?;
-            let report = render(&out, &started, o.quick, &ran)?;
+            let report = render(&out, &started, o.quick, o.no_run, &ran)?;
             std::fs::write(out.join("BENCHMARKS.md"), report)?;
             update_readme(&out, &started, o.quick, &ran)?;
             eprintln!("report: {}", out.join("BENCHMARKS.md").display());
@@ -207,6 +211,23 @@ pub fn bench(args: &[String]) -> Result<()> {
     if !failed.is_empty() {
         bail!("benchmarks failed: {failed:?}");
     }
+    Ok(())
+}
+
+/// Appends to a benchmark's results how long it ran and whether it succeeded, so that
+/// `--no-run` renders them again as they were.
+fn record_run(json: &Path, seconds: f64, ok: bool) -> Result<()> {
+    use std::io::Write as _;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(json)
+        .with_context(|| format!("opening {}", json.display()))?;
+    writeln!(
+        f,
+        "{}",
+        serde_json::json!({"type": "run", "seconds": seconds, "ok": ok})
+    )?;
     Ok(())
 }
 
@@ -447,13 +468,18 @@ fn slug(s: &str) -> String {
         .collect()
 }
 
-fn render(out: &Path, start: &Start, quick: bool, ran: &[Ran]) -> Result<String> {
+fn render(out: &Path, start: &Start, quick: bool, no_run: bool, ran: &[Ran]) -> Result<String> {
     let mut md = String::new();
-    let mode = if quick {
-        "quick (`cargo xtask bench --quick`: small sizes, few repetitions; a check that the \
-         machinery works, not figures to quote)"
-    } else {
-        "full (`cargo xtask bench`)"
+    let mode = match (quick, no_run) {
+        (true, _) => {
+            "quick (`cargo xtask bench --quick`: small sizes, few repetitions; a check that the \
+             machinery works, not figures to quote)"
+        }
+        (false, false) => "full (`cargo xtask bench`)",
+        (false, true) => {
+            "full, rendered again with `--no-run` from each benchmark's last run (`cargo xtask \
+             bench WHAT` runs one); the date and load averages are the rendering's"
+        }
     };
     let _ = writeln!(md, "# Benchmarks\n");
     let _ = writeln!(
@@ -505,11 +531,11 @@ fn render(out: &Path, start: &Start, quick: bool, ran: &[Ran]) -> Result<String>
     let _ = writeln!(md, "{}", targets_table(&parsed, true, quick));
     let plots = out.join("docs/bench");
     for (r, (tables, meta, _)) in ran.iter().zip(&parsed) {
-        let _ = writeln!(
-            md,
-            "## {} (`bench_{}`, {:.0} s)\n",
-            r.what, r.what, r.seconds
-        );
+        let source = match r.what.as_str() {
+            E2E => "cargo xtask e2e --bench".to_owned(),
+            what => format!("bench_{what}"),
+        };
+        let _ = writeln!(md, "## {} (`{source}`, {:.0} s)\n", r.what, r.seconds);
         let _ = writeln!(md, "{}\n", intro(&r.what));
         if !r.ok {
             let _ = writeln!(
