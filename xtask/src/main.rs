@@ -56,7 +56,7 @@ enum Task {
         #[arg(long, default_value_t = 300)]
         seconds: u32,
     },
-    /// Run the benchmarks and write BENCHMARKS.md and docs/bench/*.svg (see xtask/src/bench.rs):
+    /// Run the benchmarks and write BENCHMARKS.md and docs/bench/*.svg (see xtask/src/bench/):
     /// `bench [WHAT] [--quick] [--debug] [--out DIR] [-- ARGS]`.
     Bench {
         /// A benchmark (default: all) and options.
@@ -65,7 +65,7 @@ enum Task {
     },
     /// Start a Kubernetes cluster on this machine (a control plane and kubelet nodes in network
     /// namespaces), deploy kg with `kubectl apply -k` as a user would and check it (see
-    /// xtask/src/e2e.rs): `e2e [--keep | --down | --bench FILE]`. Needs root.
+    /// xtask/src/e2e/): `e2e [--keep | --down | --bench FILE]`. Needs root.
     E2e {
         /// Leave the cluster running after the checks (`e2e --down` removes it).
         #[arg(long)]
