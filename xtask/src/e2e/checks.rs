@@ -123,17 +123,9 @@ impl Cluster {
             Duration::from_secs(120),
             "kg's and wireguard-go's pods gone",
             || {
-                let pods = self.json(&[
-                    "-n",
-                    "kube-system",
-                    "get",
-                    "pods",
-                    "-l",
-                    "app.kubernetes.io/part-of=kilo",
-                ])?;
-                Ok(pods["items"]
-                    .as_array()
-                    .is_none_or(Vec::is_empty)
+                Ok(self
+                    .pods("app.kubernetes.io/part-of=kilo")?
+                    .is_empty()
                     .then_some(()))
             },
         )?;

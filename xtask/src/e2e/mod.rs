@@ -310,16 +310,14 @@ impl Cluster {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    fn kilo_pods(&self) -> Result<Vec<Value>> {
-        let pods = self.json(&[
-            "-n",
-            "kube-system",
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=kilo",
-        ])?;
+    /// kube-system's pods with `selector`.
+    fn pods(&self, selector: &str) -> Result<Vec<Value>> {
+        let pods = self.json(&["-n", "kube-system", "get", "pods", "-l", selector])?;
         Ok(pods["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    fn kilo_pods(&self) -> Result<Vec<Value>> {
+        self.pods("app.kubernetes.io/name=kilo")
     }
 
     /// kg's and wireguard-go's DaemonSets, each ready and up to date on every node.
@@ -419,15 +417,7 @@ impl Cluster {
     }
 
     fn wireguard_pods(&self) -> Result<Vec<Value>> {
-        let pods = self.json(&[
-            "-n",
-            "kube-system",
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=kilo-wireguard",
-        ])?;
-        Ok(pods["items"].as_array().cloned().unwrap_or_default())
+        self.pods("app.kubernetes.io/name=kilo-wireguard")
     }
 
     /// `PATH ID` per map and link pinned under [`PIN_DIR`] on `node` (the kernel's IDs: a map
