@@ -50,7 +50,7 @@ pub use reconciler::{
     DatapathReconciler, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError,
     EntryStats, MapUsage, NoDatapath, stats,
 };
-pub use sync::{Counters, EntryCounter, MapSync, read_counters, sync_maps};
+pub use sync::{Counters, EntryCounter, MapSync};
 
 /// What an entry stands for (Kilo's rule it replaces): a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -163,15 +163,6 @@ impl MapSync {
     }
 }
 
-/// Makes the maps equal to `plan` after reading them all back (see [`MapSync::sync`]).
-pub fn sync_maps<'a, M: DatapathMaps + ?Sized>(
-    maps: &mut M,
-    plan: impl Into<Plans<'a>>,
-    resolver: &dyn Resolver,
-) -> Result<Writes, DatapathError> {
-    MapSync::default().sync(maps, plan, resolver)
-}
-
 fn read_back<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Record, DatapathError> {
     let tries = Trie::ALL
         .into_iter()
@@ -377,7 +368,7 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
 }
 
 /// Reads every counter (sums over CPUs), reading the entries back from the maps.
-pub fn read_counters<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Counters, DatapathError> {
+fn read_counters<M: DatapathMaps + ?Sized>(maps: &M) -> Result<Counters, DatapathError> {
     counters_of(maps, &read_back(maps)?.tries)
 }
 

@@ -26,14 +26,6 @@ impl<T: Pod> Mapped<T> {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     fn at(&self, index: usize) -> *mut T {
         assert!(
             index < self.len,

@@ -10,6 +10,15 @@ use crate::{
     writes::READ_BACK_EVERY,
 };
 
+/// Makes the maps equal to `plan` after reading them all back, as a first sync does.
+fn sync_maps<'a>(
+    maps: &mut FakeMaps,
+    plan: impl Into<Plans<'a>>,
+    resolver: &dyn Resolver,
+) -> Result<Writes, DatapathError> {
+    MapSync::default().sync(maps, plan, resolver)
+}
+
 fn entry(kind: EntryKind, owner: &str) -> DatapathEntry {
     DatapathEntry {
         kind,
