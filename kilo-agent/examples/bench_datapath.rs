@@ -1,6 +1,6 @@
 //! The datapath: per-packet cost of the TC program with BPF_PROG_TEST_RUN at 10, 1,000 and
-//! 100,000 entries (mesh hit, masquerade, no match; IPv4 and IPv6) beside the empty program
-//! (kilo-ebpf's bench object), and the cost of `sync`: 10,000 entries from empty, 1-entry
+//! 100,000 entries (mesh hit, masquerade, no match; IPv4 and IPv6) beside the empty program and
+//! the same lookups alone (kilo-ebpf's bench object), and the cost of `sync`: 10,000 entries from empty, 1-entry
 //! changes into 10,000 (time and map writes), and the CPU time of an idle resync at 10,000
 //! entries.
 //!
@@ -75,6 +75,20 @@ fn plan(n: usize) -> DatapathPlan {
             "192.168.50.0/24".parse().unwrap(),
             entry(EntryKind::AllowedLocation, 0),
         )]),
+    }
+}
+
+/// The first cases of the table, timed also with the lookups alone (`kilo_lookups`).
+const FLOOR_CASES: usize = 4;
+
+/// The row of a case timed with the lookups alone.
+fn floor_name(case: &str) -> &'static str {
+    match case {
+        "mesh hit (v4)" => "lookups only: mesh hit (v4)",
+        "mesh hit (v6)" => "lookups only: mesh hit (v6)",
+        "masquerade (v4)" => "lookups only: masquerade (v4)",
+        "masquerade (v6)" => "lookups only: masquerade (v6)",
+        _ => unreachable!("no floor row for {case}"),
     }
 }
 
@@ -162,6 +176,8 @@ fn main() {
         let p = plan(n);
         let w = dp.sync(&p, &NoResolver).expect("sync");
         assert_eq!(w.get("map_insert"), p.mesh_destinations.len() as u64 + 3);
+        let floor = support::lookups(&mut dp);
+        let lookups = support::baseline(&floor, kilo_common::PROG_LOOKUPS);
         let prog = dp.program(Framing::L2);
         let col = format!("{n}");
         // Cases interleaved round by round, the empty program with them.
@@ -178,12 +194,21 @@ fn main() {
                     .or_default()
                     .push(time(prog, pkt, repeat));
             }
+            for (name, pkt) in &cases[..FLOOR_CASES] {
+                samples
+                    .entry(floor_name(name))
+                    .or_default()
+                    .push(time(lookups, pkt, repeat));
+            }
         }
         report::cell(id, "empty program", &col, &samples["empty program"]);
         noop_all.extend_from_slice(&samples["empty program"]);
         for (name, _) in cases {
             report::cell(id, name, &col, &samples[name]);
             results.insert((n, name), median(&samples[name]));
+        }
+        for (name, _) in &cases[..FLOOR_CASES] {
+            report::cell(id, floor_name(name), &col, &samples[floor_name(name)]);
         }
         eprintln!("{n} entries: done");
     }
@@ -192,7 +217,9 @@ fn main() {
         "Entries: cluster-shaped mesh destinations (per node a pod /24, an internal /32, an IPv6 \
          /64) plus a NAT source per family and a masquerade destination. The kernel's LPM trie \
          walks at most the prefix's length in nodes, so the cost grows with the trie's depth, \
-         not with the number of entries.",
+         not with the number of entries. \"lookups only\": kilo-ebpf's bench object making the \
+         same lookups in copies of the same tries (the destination; on a miss, the source) and \
+         nothing else: the floor the LPM tries set; ours minus it is the program's own work.",
     );
     report::plot(id, "entries", "ns per packet", true, false);
     let noop = median(&noop_all);

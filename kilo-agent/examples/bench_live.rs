@@ -1,6 +1,7 @@
 //! The datapath live, in a pod -> router -> receiver chain of network namespaces: the program's
 //! own cost for mesh and masquerade traffic (the router's softirq time per packet against the
-//! empty program, paired per round, with the BPF-stats run time beside it), the fast path
+//! empty program and against the lookups alone, paired per round, with the BPF-stats run time
+//! beside it), the fast path
 //! against netfilter, and new connections per second against NAT-everything at N = 10 to
 //! 100,000 mesh entries; the targets are judged on confidence intervals.
 //!
@@ -39,7 +40,9 @@
 //! adds rounds at each N until the interval of the ratio is within 3% of it. Part 2 compares
 //! with NAT-all without a program, so it runs with the stats off: their clock reads would be
 //! charged to ours alone.
-//! The empty program is kilo-ebpf's bench object (`kilo_noop`), which the agent never loads.
+//! The empty program is kilo-ebpf's bench object (`kilo_noop`), which the agent never loads;
+//! the same object's `kilo_lookups`, with copies of our tries, makes only our LPM-trie lookups
+//! (the floor the design's tries set), and splits ours - empty into the lookups and the rest.
 //! Conntrack is flushed (ctnetlink) before every run, so each run's first frame sets up NAT
 //! under that run's rules, and the part-2 runs start from an empty table. Cases are
 //! interleaved round by round; the report shows medians and ranges, and the differences and
@@ -70,6 +73,7 @@ use kilo_agent::{
 };
 use std::collections::BTreeMap;
 
+use kilo_common::PROG_LOOKUPS;
 use support::{arg, netns::sh, report};
 
 const SENDER_CPU: usize = 0;
@@ -597,6 +601,8 @@ enum Prog {
     /// Dropped by an nftables netdev-ingress rule at the router's ingress (calibration).
     Sink,
     Empty,
+    /// The lookups alone (`kilo_lookups`), in copies of our tries.
+    Lookups,
     Ours,
     OursFast,
 }
@@ -615,7 +621,9 @@ struct Router {
     ns: String,
     dp: Datapath,
     noop: aya::Ebpf,
-    noop_link: Option<SchedClassifierLink>,
+    lookups: Option<aya::Ebpf>,
+    /// The attached baseline's link (the empty program or the lookups alone).
+    baseline_link: Option<SchedClassifierLink>,
     prog: Prog,
     nf: Nf,
 }
@@ -637,7 +645,8 @@ impl Router {
             ns: ns.to_owned(),
             dp,
             noop,
-            noop_link: None,
+            lookups: None,
+            baseline_link: None,
             prog: Prog::None,
             nf: Nf::Off,
         }
@@ -647,6 +656,7 @@ impl Router {
     fn prog_stats(&self) -> Option<(u64, u64)> {
         let prog = match self.prog {
             Prog::Empty => support::noop_program(&self.noop),
+            Prog::Lookups => support::baseline(self.lookups.as_ref()?, PROG_LOOKUPS),
             Prog::Ours | Prog::OursFast => self.dp.program(Framing::L2),
             Prog::None | Prog::Sink => return None,
         };
@@ -694,7 +704,7 @@ impl Router {
                         self.ns
                     ));
                 }
-                Prog::Empty => self.noop_link = None,
+                Prog::Empty | Prog::Lookups => self.baseline_link = None,
                 Prog::Ours | Prog::OursFast => {
                     self.dp.detach("pod0").expect("detach ours");
                 }
@@ -704,13 +714,15 @@ impl Router {
                 Prog::Sink => {
                     sh(&drop_at_ingress(&self.ns, "pod0"));
                 }
-                Prog::Empty => {
-                    let p: &mut SchedClassifier = self
-                        .noop
-                        .program_mut(kilo_common::PROG_NOOP)
-                        .unwrap()
-                        .try_into()
-                        .unwrap();
+                Prog::Empty | Prog::Lookups => {
+                    let (ebpf, name) = if prog == Prog::Empty {
+                        (&mut self.noop, kilo_common::PROG_NOOP)
+                    } else {
+                        let lookups = self.lookups.as_mut().expect("lookups loaded");
+                        (lookups, PROG_LOOKUPS)
+                    };
+                    let p: &mut SchedClassifier =
+                        ebpf.program_mut(name).unwrap().try_into().unwrap();
                     let id = p
                         .attach(
                             ifindex("pod0").unwrap(),
@@ -720,7 +732,7 @@ impl Router {
                             },
                         )
                         .expect("attach a baseline program");
-                    self.noop_link = Some(p.take_link(id).unwrap());
+                    self.baseline_link = Some(p.take_link(id).unwrap());
                 }
                 Prog::Ours | Prog::OursFast => {
                     self.dp.attach("pod0").expect("attach ours");
@@ -856,7 +868,7 @@ struct Case {
     decision: Option<Decision>,
 }
 
-const CASES: [Case; 11] = [
+const CASES: [Case; 14] = [
     Case {
         name: "sink: dropped at router ingress",
         prog: Prog::Sink,
@@ -879,6 +891,13 @@ const CASES: [Case; 11] = [
         decision: None,
     },
     Case {
+        name: "forward, lookups only",
+        prog: Prog::Lookups,
+        nf: Nf::Off,
+        dst: MESH_DST,
+        decision: None,
+    },
+    Case {
         name: "forward, ours (mesh hit)",
         prog: Prog::Ours,
         nf: Nf::Off,
@@ -895,6 +914,13 @@ const CASES: [Case; 11] = [
     Case {
         name: "mesh + conntrack, empty program",
         prog: Prog::Empty,
+        nf: Nf::Kilo,
+        dst: MESH_DST,
+        decision: None,
+    },
+    Case {
+        name: "mesh + conntrack, lookups only",
+        prog: Prog::Lookups,
         nf: Nf::Kilo,
         dst: MESH_DST,
         decision: None,
@@ -923,6 +949,13 @@ const CASES: [Case; 11] = [
     Case {
         name: "NAT all, empty program",
         prog: Prog::Empty,
+        nf: Nf::NatAll,
+        dst: INET_DST,
+        decision: None,
+    },
+    Case {
+        name: "NAT all, lookups only",
+        prog: Prog::Lookups,
         nf: Nf::NatAll,
         dst: INET_DST,
         decision: None,
@@ -1005,22 +1038,26 @@ impl Part1 {
     }
 }
 
-/// The program's own cost is judged on these (label, ours, the empty program) pairs of cases.
-const OWN_COST: [(&str, &str, &str); 3] = [
+/// The program's own cost is judged on these (label, ours, the empty program) pairs of cases;
+/// the last case of each is the lookups alone under the same rules, which splits the difference.
+const OWN_COST: [(&str, &str, &str, &str); 3] = [
     (
         "mesh hit",
         "forward, ours (mesh hit)",
         "forward, empty program",
+        "forward, lookups only",
     ),
     (
         "mesh + conntrack",
         "mesh + conntrack, ours",
         "mesh + conntrack, empty program",
+        "mesh + conntrack, lookups only",
     ),
     (
         "masquerade",
         "masquerade, ours (mark + rule)",
         "NAT all, empty program",
+        "NAT all, lookups only",
     ),
 ];
 
@@ -1043,8 +1080,41 @@ fn own_cost<'a>(
     samples: &Samples,
     modes: &[(&'a str, u32, u64)],
 ) -> Vec<(&'static str, &'a str, Vec<f64>)> {
+    differences(samples, modes, |(label, ours, empty, _)| {
+        (label, ours, empty)
+    })
+}
+
+/// The split of every [`OWN_COST`] difference: (label, mode, lookups only - empty, ours -
+/// lookups only) per round.
+fn own_cost_split<'a>(
+    samples: &Samples,
+    modes: &[(&'a str, u32, u64)],
+) -> Vec<(&'static str, &'a str, Vec<f64>, Vec<f64>)> {
+    let floor = differences(samples, modes, |(label, _, empty, lookups)| {
+        (label, lookups, empty)
+    });
+    let rest = differences(samples, modes, |(label, ours, _, lookups)| {
+        (label, ours, lookups)
+    });
+    floor
+        .into_iter()
+        .zip(rest)
+        .map(|((label, mode, f), (_, _, r))| (label, mode, f, r))
+        .collect()
+}
+
+/// (label, mode, a - b per round) of the (label, a, b) `pick` takes from each [`OWN_COST`] row.
+fn differences<'a>(
+    samples: &Samples,
+    modes: &[(&'a str, u32, u64)],
+    pick: impl Fn(
+        (&'static str, &'static str, &'static str, &'static str),
+    ) -> (&'static str, &'static str, &'static str),
+) -> Vec<(&'static str, &'a str, Vec<f64>)> {
     let mut out = Vec::new();
-    for (label, a, b) in OWN_COST {
+    for row in OWN_COST {
+        let (label, a, b) = pick(row);
         for (m, (mode, _, _)) in modes.iter().enumerate() {
             let (Some(x), Some(y)) = (samples.get(&(case(a), m)), samples.get(&(case(b), m)))
             else {
@@ -1113,14 +1183,10 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
             "Live: the attached program's own run time (BPF stats)",
             "ns per run",
         );
-        for name in [
-            "forward, empty program",
-            "forward, ours (mesh hit)",
-            "mesh + conntrack, empty program",
-            "mesh + conntrack, ours",
-            "NAT all, empty program",
-            "masquerade, ours (mark + rule)",
-        ] {
+        for name in OWN_COST
+            .iter()
+            .flat_map(|(_, ours, empty, lookups)| [*empty, *lookups, *ours])
+        {
             for (m, (mode, _, _)) in modes.iter().enumerate() {
                 if let Some(v) = prog.get(&(case(name), m)) {
                     report::cell(id, name, mode, v);
@@ -1172,8 +1238,18 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
                 || "BPF stats off".to_owned(),
                 |(_, _, s)| format!("BPF stats {:+.1}", support::median::median(&s)),
             );
+        let split = own_cost_split(p1, modes)
+            .into_iter()
+            .find(|(l, m, _, _)| l == label && m == mode)
+            .map_or_else(String::new, |(_, _, floor, rest)| {
+                format!(
+                    "; the lookups alone {:+.1}, the rest {:+.1}",
+                    support::median::median(&floor),
+                    support::median::median(&rest)
+                )
+            });
         parts.push(format!(
-            "{label}, {mode}: {med:+.1} ns ({}; {stats})",
+            "{label}, {mode}: {med:+.1} ns ({}; {stats}{split})",
             interval_text(d, 1)
         ));
     }
@@ -1184,6 +1260,39 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
          under NAT-all); the cell is the median and range of those differences, the interval a \
          distribution-free 95% confidence interval of the median (order statistics). Rounds \
          are added until every interval is narrower than the target or the limit is reached.",
+    );
+    let split_id = "own-cost-split";
+    report::table(
+        split_id,
+        "Live: the program's own cost split, the lookups alone and the rest (router's softirq \
+         time)",
+        "ns per packet",
+    );
+    for (label, mode, floor, rest) in own_cost_split(p1, modes) {
+        for (row, v) in [
+            (
+                format!("{label}: the lookups alone (lookups only - empty)"),
+                floor,
+            ),
+            (format!("{label}: the rest (ours - lookups only)"), rest),
+        ] {
+            report::cell(split_id, &row, mode, &v);
+            report::text(
+                split_id,
+                &format!("{row}: 95% interval of the median"),
+                mode,
+                &interval_text(&v, 1),
+            );
+        }
+    }
+    report::note(
+        split_id,
+        "The same rounds, with a third program under the same rules: kilo-ebpf's bench object \
+         making only the LPM-trie lookups ours makes (the destination; on a miss, the source), in \
+         copies of our tries, with no config, counter or mark. \"The lookups alone\" is the floor \
+         the design's LPM tries set; \"the rest\" is what the program adds to them (parse \
+         dispatch, config, counters, the mark, and for the masquerade case our nftables rule's \
+         mark match against NAT-all's unconditional rule).",
     );
     report::target(
         &format!(
@@ -1364,6 +1473,7 @@ fn main() {
     let out0 = ifindex("out0").unwrap();
     let resolver = move |d: Device| (d == Device::Private).then_some(out0);
     router.dp.sync(&plan(1_000), &resolver).expect("sync");
+    router.lookups = Some(support::lookups(&mut router.dp));
 
     println!(
         "# live datapath benchmark: pod -> router -> receiver namespaces; {packets} frames of one \
@@ -1384,7 +1494,7 @@ fn main() {
         // narrower than the target.
         let judged: Vec<usize> = OWN_COST
             .iter()
-            .flat_map(|(_, a, b)| [case(a), case(b)])
+            .flat_map(|(_, a, b, c)| [case(a), case(b), case(c)])
             .collect();
         let mut done = rounds;
         while done < max_rounds && !part1.narrow(modes) {

@@ -42,6 +42,11 @@ pub const PROG_DECAP: &str = "kilo_decap";
 /// A classifier that returns at once: the benchmarks' baseline, in its own object
 /// (`kilo-ebpf-bench`), never loaded by the agent.
 pub const PROG_NOOP: &str = "kilo_noop";
+/// The benchmarks' floor, in the same object: the LPM-trie lookups `kilo_ingress` makes, in
+/// tries of its own ([`MAP_BENCH_DST`], [`MAP_BENCH_NAT_SRC`]), and nothing else.
+pub const PROG_LOOKUPS: &str = "kilo_lookups";
+pub const MAP_BENCH_DST: &str = "BENCH_DST";
+pub const MAP_BENCH_NAT_SRC: &str = "BENCH_NAT_SRC";
 
 /// What the pinned maps mean: [`Config::layout`]. Raise it whenever a map's meaning changes
 /// (not only its size), so an upgraded agent replaces the pins instead of adopting them.

@@ -22,7 +22,10 @@ use aya_ebpf::{
 };
 use kilo_common::{CONFIG_ROUTE_REALM, DEFAULT_MAX_ENTRIES, Decision, ENTRY_IPIP, KILO_REALM};
 
-use crate::{ETH_HLEN, ETH_P_IP, IP_HLEN, Run, Trie, config, ipv4, key, skb};
+use crate::{
+    Run, Trie, config,
+    packet::{ETH_HLEN, ETH_P_IP, IP_HLEN, ipv4, key, skb},
+};
 
 #[map]
 static KILO_ENCAP: Trie = LpmTrie::with_max_entries(DEFAULT_MAX_ENTRIES, 0);

@@ -13,6 +13,7 @@
 #![no_main]
 
 mod ipip;
+mod packet;
 
 use aya_ebpf::{
     EbpfContext,
@@ -20,15 +21,16 @@ use aya_ebpf::{
     helpers::bpf_get_smp_processor_id,
     helpers::generated::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, map},
-    maps::{Array, LpmTrie, lpm_trie::Key},
+    maps::{Array, LpmTrie},
     programs::TcContext,
 };
 use aya_log_ebpf::debug;
 use kilo_common::{
     CONFIG_FAST_PATH, Config, Counter, DECISION_SLOTS, DEFAULT_COUNTER_SLOTS, DEFAULT_MAX_ENTRIES,
-    Decision, ENTRY_MASQUERADE, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue,
-    FAMILY_BITS, FAMILY_V4, FAMILY_V6, LpmData, counter_stride,
+    Decision, ENTRY_MASQUERADE, ENTRY_NEIGH, ENTRY_REDIRECT, ENTRY_SERVICE, EntryValue, FAMILY_V6,
+    LpmData, counter_stride,
 };
+use packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IP_HLEN, addresses, load, skb};
 
 type Trie = LpmTrie<LpmData, EntryValue>;
 #[map]
@@ -44,13 +46,9 @@ static KILO_COUNTERS: Array<Counter> = Array::with_max_entries(
     aya_ebpf::bindings::BPF_F_MMAPABLE,
 );
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const LOG_DEBUG: u32 = 4;
-const IP_HLEN: usize = 20;
 
 /// For Ethernet devices (veth, bridges, NICs). An untagged IP frame is known by the skb's
 /// protocol, which the stack has set from the frame's ethertype already; other frames are
@@ -98,13 +96,6 @@ fn decide(ctx: &TcContext, f: impl FnOnce(&Run) -> (i32, Decision)) -> i32 {
     let (verdict, decision) = f(&run);
     run.finish(decision);
     verdict
-}
-
-/// The context of a TC program: a __sk_buff.
-#[inline(always)]
-fn skb(ctx: &TcContext) -> &__sk_buff {
-    // SAFETY: the context of a TC program is a __sk_buff.
-    unsafe { &*(ctx.as_ptr() as *const __sk_buff) }
 }
 
 /// The config, read once: the agent may rewrite it in place, so a packet's decisions all
@@ -208,25 +199,6 @@ fn set_mark(skb: *mut __sk_buff, mark: u32) {
     unsafe { (*skb).mark = mark };
 }
 
-/// Reads a `T` at `off` bytes into the packet, if the packet is long enough.
-#[inline(always)]
-fn load<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
-    let start = ctx.data();
-    let end = ctx.data_end();
-    if start + off + core::mem::size_of::<T>() > end {
-        return None;
-    }
-    // SAFETY: bounds checked above; the packet may be unaligned.
-    Some(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
-}
-
-/// The IPv4 header at `off` bytes into the packet, if the packet is long enough for one and
-/// it says version 4.
-#[inline(always)]
-fn ipv4(ctx: &TcContext, off: usize) -> Option<[u8; IP_HLEN]> {
-    load::<[u8; IP_HLEN]>(ctx, off).filter(|h| h[0] >> 4 == 4)
-}
-
 /// Walks the Ethernet header and up to two VLAN tags: `Some((is_v6, l3 offset))` for IP,
 /// `None` for other protocols, `Err` when truncated.
 #[inline(always)]
@@ -248,38 +220,12 @@ fn l2(ctx: &TcContext) -> Result<Option<(bool, usize)>, ()> {
     })
 }
 
-/// The lookup key of the address of `N` bytes at `hdr[at..]`. Built from 32-bit words: zeroing
-/// the padding of an IPv4 address byte by byte would be a call to `memset`.
-#[inline(always)]
-fn key<const N: usize>(hdr: &[u8], at: usize) -> Key<LpmData> {
-    let word = |i: usize| match hdr.get(at + 4 * i..at + 4 * i + 4) {
-        Some(w) if 4 * i < N => u32::from_ne_bytes([w[0], w[1], w[2], w[3]]),
-        _ => 0,
-    };
-    let words = [word(0), word(1), word(2), word(3)];
-    // SAFETY: four u32s are 16 bytes, and any bytes are an address.
-    let addr = unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) };
-    let family = if N == 16 { FAMILY_V6 } else { FAMILY_V4 };
-    Key::new(FAMILY_BITS + 8 * N as u32, LpmData { family, addr })
-}
-
 /// The decision for an IP packet whose header starts at `off`.
 #[inline(always)]
 fn ip(run: &Run, v6: bool, off: usize) -> (i32, Decision) {
     let ok = TC_ACT_OK as i32;
-    let (src, dst) = if v6 {
-        let Some(hdr) = load::<[u8; 40]>(run.ctx, off) else {
-            return (ok, Decision::Malformed);
-        };
-        if hdr[0] >> 4 != 6 {
-            return (ok, Decision::Malformed);
-        }
-        (key::<16>(&hdr, 8), key::<16>(&hdr, 24))
-    } else {
-        let Some(hdr) = ipv4(run.ctx, off).filter(|h| h[0] & 0x0f >= 5) else {
-            return (ok, Decision::Malformed);
-        };
-        (key::<4>(&hdr, 12), key::<4>(&hdr, 16))
+    let Some((src, dst)) = addresses(run.ctx, v6, off) else {
+        return (ok, Decision::Malformed);
     };
     if let Some(entry) = KILO_DST.get(&dst) {
         run.count_entry(entry);

@@ -42,7 +42,7 @@ pub use kilo_common::{Counter, Decision};
 pub use attach::{AttachMode, Framing, Hook, framing, ifindex};
 pub use config::DatapathConfig;
 pub use fake::{FakeDatapath, FakeMaps};
-pub use keys::{NoResolver, Resolver};
+pub use keys::{NoResolver, Resolver, entry_key};
 pub use load::{Datapath, OBJECT, is_bpffs};
 pub use maps::{DatapathMaps, KernelMaps};
 pub use plans::Plans;

@@ -19,27 +19,63 @@ pub mod report;
 pub mod traffic;
 
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
-/// classifier), embedded only by the tests and benchmarks.
+/// classifier, and `kilo_lookups`, the datapath's lookups alone), embedded only by the tests and
+/// benchmarks.
 pub static BENCH_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf-bench"));
 
 /// The empty classifier, loaded (keep the `Ebpf` alive while using it).
 pub fn noop() -> aya::Ebpf {
     let mut ebpf = aya::Ebpf::load(BENCH_OBJECT).expect("load the bench object");
+    load_baseline(&mut ebpf, kilo_common::PROG_NOOP);
+    ebpf
+}
+
+/// The lookups alone (`kilo_lookups`), loaded, with `dp`'s destination and NAT-source entries
+/// copied into its tries: the floor of what `dp`'s program costs with those entries.
+pub fn lookups(dp: &mut kilo_agent::datapath::Datapath) -> aya::Ebpf {
+    use aya::maps::LpmTrie;
+    use kilo_agent::datapath::{DatapathMaps as _, Trie, entry_key};
+    use kilo_common::{EntryValue, LpmData, MAP_BENCH_DST, MAP_BENCH_NAT_SRC};
+    let max = dp.config().max_entries;
+    let mut ebpf = aya::EbpfLoader::new()
+        .map_max_entries(MAP_BENCH_DST, max)
+        .map_max_entries(MAP_BENCH_NAT_SRC, max)
+        .load(BENCH_OBJECT)
+        .expect("load the bench object");
+    for (trie, name) in [
+        (Trie::Destination, MAP_BENCH_DST),
+        (Trie::NatSource, MAP_BENCH_NAT_SRC),
+    ] {
+        let mut copy: LpmTrie<_, LpmData, EntryValue> =
+            LpmTrie::try_from(ebpf.map_mut(name).expect(name)).expect(name);
+        for (net, value) in dp.maps().entries(trie).expect("read the datapath's trie") {
+            copy.insert(&entry_key(&net), &value, 0).expect(name);
+        }
+    }
+    load_baseline(&mut ebpf, kilo_common::PROG_LOOKUPS);
+    ebpf
+}
+
+fn load_baseline(ebpf: &mut aya::Ebpf, name: &str) {
     let prog: &mut aya::programs::SchedClassifier = ebpf
-        .program_mut(kilo_common::PROG_NOOP)
-        .expect("kilo_noop in the bench object")
+        .program_mut(name)
+        .unwrap_or_else(|| panic!("{name} in the bench object"))
         .try_into()
         .expect("a classifier");
-    prog.load().expect("load kilo_noop");
-    ebpf
+    prog.load().unwrap_or_else(|e| panic!("load {name}: {e}"));
+}
+
+/// A loaded classifier of `noop()` or `lookups()`, by name.
+pub fn baseline<'a>(ebpf: &'a aya::Ebpf, name: &str) -> &'a aya::programs::SchedClassifier {
+    ebpf.program(name)
+        .and_then(|p| p.try_into().ok())
+        .unwrap_or_else(|| panic!("{name} loaded"))
 }
 
 /// The loaded empty classifier of `noop()`.
 pub fn noop_program(ebpf: &aya::Ebpf) -> &aya::programs::SchedClassifier {
-    ebpf.program(kilo_common::PROG_NOOP)
-        .and_then(|p| p.try_into().ok())
-        .expect("kilo_noop loaded")
+    baseline(ebpf, kilo_common::PROG_NOOP)
 }
 
 /// Set by `cargo xtask test`: a test that would skip for want of root or of the API server
