@@ -6,21 +6,23 @@
 //! `kgctl plan`, the mesh harness and the benchmarks all consume.
 //!
 //! The builder ([`plan_for`], the one entry point of the agent, and [`build`]) computes it with
-//! Kilo's `Conf()`/`Routes()`/`Rules()` semantics; its module docs (`build.rs`) list the
-//! deliberate differences from Kilo (truncated destinations, one route and one WireGuard peer
+//! Kilo's `Conf()`/`Routes()`/`Rules()` semantics; its module docs (`build.rs`, `datapath.rs`) list
+//! the deliberate differences from Kilo (truncated destinations, one route and one WireGuard peer
 //! per CIDR, merged duplicate keys, IPv4-only IPIP). `Route`, `Rule` and `Device` print in the
 //! golden files' layout (`Device` as Kilo's test names kilo0/eth0/tunl0) for tests and dry runs.
 mod build;
+mod datapath;
+mod settings;
 
 use std::{
     collections::BTreeMap,
+    fmt,
     net::{IpAddr, Ipv4Addr},
 };
 
-pub use build::{
-    Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings, build,
-    ipip_sources, normalize_wireguard, plan_for, topology_for,
-};
+pub use build::{build, normalize_wireguard, plan_for, topology_for};
+pub use datapath::ipip_sources;
+pub use settings::{Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings};
 
 use ipnet::IpNet;
 
@@ -77,6 +79,16 @@ pub enum Device {
     Tunnel,
 }
 
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Device::WireGuard => "kilo0",
+            Device::Private => "eth0",
+            Device::Tunnel => "tunl0",
+        })
+    }
+}
+
 /// The names of the devices a plan refers to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Devices {
@@ -114,12 +126,51 @@ pub struct Route {
     pub table: u32,
 }
 
+/// `route DST [via GW] dev DEV [src SRC] [table T] [onlink]`, the golden files' layout without
+/// the protocol (Device prints Kilo's test names: kilo0, eth0, tunl0).
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "route {}", self.dst)?;
+        if let Some(g) = self.gateway {
+            write!(f, " via {g}")?;
+        }
+        write!(f, " dev {}", self.device)?;
+        if let Some(s) = self.src {
+            write!(f, " src {s}")?;
+        }
+        if self.table != MAIN_TABLE {
+            write!(f, " table {}", self.table)?;
+        }
+        if self.onlink {
+            f.write_str(" onlink")?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rule {
     pub src: Option<IpNet>,
     pub dst: Option<IpNet>,
     pub iif: Option<Device>,
     pub table: u32,
+}
+
+/// `ip rule [from SRC] [to DST] [iif DEV] lookup T`.
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ip rule")?;
+        if let Some(s) = self.src {
+            write!(f, " from {s}")?;
+        }
+        if let Some(d) = self.dst {
+            write!(f, " to {d}")?;
+        }
+        if let Some(i) = self.iif {
+            write!(f, " iif {i}")?;
+        }
+        write!(f, " lookup {}", self.table)
+    }
 }
 
 /// The datapath maps' desired contents: what Kilo keeps in iptables, as sets of CIDRs.

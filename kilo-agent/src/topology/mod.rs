@@ -33,18 +33,22 @@
 //!   before failing.
 //! - `conf()` stays byte-compatible with Kilo (CIDRs as written, duplicates kept); the plan
 //!   normalizes (see `plan`).
+mod addresses;
+mod allowed_ips;
+mod conf;
+
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
+    collections::{BTreeMap, HashSet},
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
 };
+
+pub use addresses::{find_leader, host_net, is_private, is_public, nth_address};
 
 use ipnet::IpNet;
 
-use crate::{
-    mesh::{Endpoint, Granularity, Key, MeshPeer, Node},
-    plan::WireGuardPeer,
-};
+use self::allowed_ips::{Containment, FilterIndex, dedup_peer_ips, merged_alips};
+use crate::mesh::{Endpoint, Granularity, Key, MeshPeer, Node};
 
 const LOGICAL_PREFIX: &str = "location:";
 const NODE_PREFIX: &str = "node:";
@@ -162,56 +166,6 @@ pub struct Topology {
     pub discovered_endpoints: BTreeMap<Key, SocketAddr>,
 }
 
-/// The private ranges, the agent's one definition (leader choice and IP detection): RFC 1918
-/// and all of RFC 4193's `fc00::/7`, where Kilo's `isPublic` checks only `fd00::/16`. An
-/// IPv4-mapped address is IPv4, as in Go.
-pub fn is_private(ip: IpAddr) -> bool {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => v4.is_private(),
-        IpAddr::V6(v6) => v6.segments()[0] & 0xfe00 == 0xfc00,
-    }
-}
-
-/// Kilo's `isPublic`, with [`is_private`]'s ranges; no address is not public.
-pub fn is_public(ip: Option<IpAddr>) -> bool {
-    ip.is_some_and(|ip| !is_private(ip))
-}
-
-/// Kilo's `findLeader` over nodes sorted by name.
-pub fn find_leader(nodes: &[&Node]) -> usize {
-    let mut leaders = Vec::new();
-    let mut public = Vec::new();
-    for (i, n) in nodes.iter().enumerate() {
-        let ip = n.endpoint.as_ref().and_then(Endpoint::ip);
-        if n.leader {
-            if is_public(ip) {
-                return i;
-            }
-            leaders.push(i);
-        }
-        if ip.is_some() && is_public(ip) {
-            public.push(i);
-        }
-    }
-    leaders.first().or(public.first()).copied().unwrap_or(0)
-}
-
-/// One-address CIDR (/32 or /128).
-pub fn host_net(ip: IpAddr) -> IpNet {
-    IpNet::from(ip)
-}
-
-/// The `n`th address of a subnet (Kilo's allocator: segment i gets address i + 1), if inside it.
-pub fn nth_address(subnet: IpNet, n: u128) -> Option<IpAddr> {
-    let ip = match subnet.network() {
-        IpAddr::V4(a) => IpAddr::V4(Ipv4Addr::from(
-            u32::from(a).checked_add(u32::try_from(n).ok()?)?,
-        )),
-        IpAddr::V6(a) => IpAddr::V6(Ipv6Addr::from(u128::from(a).checked_add(n)?)),
-    };
-    subnet.contains(&ip).then_some(ip)
-}
-
 /// A location or group key, `(LOGICAL_PREFIX or NODE_PREFIX, name)`: it sorts as the joined
 /// string would, since the two prefixes differ in their first byte.
 type Place<'a> = (&'static str, &'a str);
@@ -231,10 +185,6 @@ fn location_of(n: &Node, g: Granularity) -> Place<'_> {
         Granularity::Location => group_of(n, g),
         Granularity::Full | Granularity::Cross => (NODE_PREFIX, &n.name),
     }
-}
-
-fn intersect(a: &IpNet, b: &IpNet) -> bool {
-    a.contains(&b.addr()) || b.contains(&a.addr())
 }
 
 impl Topology {
@@ -370,129 +320,9 @@ impl Topology {
         Ok(t)
     }
 
-    /// Kilo's `filterAllowedLocationIPs`, run while segments get their WireGuard IPs (so it
-    /// sees the later segments' allowed IPs without their WireGuard IP, as Kilo does): drop an
-    /// IP that overlaps another location's allowed-location IPs, whose address lies in any
-    /// segment's allowed IP, or that overlaps a peer's allowed IP.
-    fn filter_allowed_location_ips(
-        &self,
-        ips: Vec<IpNet>,
-        seg: usize,
-        idx: &FilterIndex,
-    ) -> Vec<IpNet> {
-        let group = &self.segments[seg].group;
-        ips.into_iter()
-            .filter(|ip| {
-                let other_location = self
-                    .segments
-                    .iter()
-                    .filter(|s| s.group != *group)
-                    .any(|s| s.allowed_location_ips.iter().any(|i| intersect(ip, i)));
-                let in_allowed =
-                    idx.node_ips.contains(ip.addr()) || idx.wireguard_ips.contains(&ip.addr());
-                let start = idx.peer_addrs.partition_point(|a| *a < ip.network());
-                let peer = idx.peer_ips.contains(ip.addr())
-                    || idx
-                        .peer_addrs
-                        .get(start)
-                        .is_some_and(|a| *a <= ip.broadcast());
-                !(other_location || in_allowed || peer)
-            })
-            .collect()
-    }
-
     /// The local segment.
     pub fn local_segment(&self) -> Option<&Segment> {
         self.segments.iter().find(|s| s.location == self.location)
-    }
-
-    /// Kilo's `updateEndpoint`: a discovered endpoint replaces the configured one only for
-    /// NAT-ed (non-zero keepalive) segments and peers.
-    pub fn update_endpoint(
-        &self,
-        endpoint: Option<&Endpoint>,
-        key: &Key,
-        keepalive: u16,
-    ) -> Option<Endpoint> {
-        if keepalive == 0 {
-            return endpoint.cloned();
-        }
-        match self.discovered_endpoints.get(key) {
-            Some(a) => Some(Endpoint::from(*a)),
-            None => endpoint.cloned(),
-        }
-    }
-
-    /// A segment as a WireGuard peer: its allowed IPs, then its allowed-location IPs.
-    fn segment_as_peer(&self, s: &Segment, psk: Option<Key>, keepalive: u16) -> WireGuardPeer {
-        WireGuardPeer {
-            public_key: s.key,
-            preshared_key: psk,
-            endpoint: self.update_endpoint(s.endpoint.as_ref(), &s.key, s.persistent_keepalive),
-            allowed_ips: s
-                .allowed_ips
-                .iter()
-                .chain(&s.allowed_location_ips)
-                .copied()
-                .collect(),
-            persistent_keepalive: keepalive,
-        }
-    }
-
-    /// A Peer as a WireGuard peer.
-    fn mesh_peer_as_peer(&self, p: &MeshPeer, psk: Option<Key>, keepalive: u16) -> WireGuardPeer {
-        WireGuardPeer {
-            public_key: p.public_key,
-            preshared_key: psk,
-            endpoint: self.update_endpoint(
-                p.endpoint.as_ref(),
-                &p.public_key,
-                p.persistent_keepalive,
-            ),
-            allowed_ips: p.allowed_ips.clone(),
-            persistent_keepalive: keepalive,
-        }
-    }
-
-    /// Kilo's `Conf()` peers: one per segment of another group, then one per Peer.
-    /// CIDRs as written, in Kilo's order (what `kgctl showconf node` prints).
-    pub fn conf(&self) -> Vec<WireGuardPeer> {
-        let ka = self.persistent_keepalive;
-        let segments = self.segments.iter().filter(|s| s.group != self.group);
-        let peers = self
-            .peers
-            .iter()
-            .map(|p| self.mesh_peer_as_peer(p, p.preshared_key, ka));
-        segments
-            .map(|s| self.segment_as_peer(s, None, ka))
-            .chain(peers)
-            .collect()
-    }
-
-    /// Kilo's `PeerConf(name)`: every segment, then every other Peer, with the named peer's
-    /// keepalive (and its preshared key on the segment entries).
-    pub fn peer_conf(&self, name: &str) -> Vec<WireGuardPeer> {
-        let me = self.peers.iter().find(|p| p.name == name);
-        let pka = me.map_or(0, |p| p.persistent_keepalive);
-        let psk = me.and_then(|p| p.preshared_key);
-        let others = self.peers.iter().filter(|p| p.name != name);
-        self.segments
-            .iter()
-            .map(|s| self.segment_as_peer(s, psk, pka))
-            .chain(others.map(|p| self.mesh_peer_as_peer(p, None, pka)))
-            .collect()
-    }
-
-    /// Kilo's `AsPeer()`: the local segment as a peer (allowed IPs without the
-    /// allowed-location IPs, configured endpoint, no keepalive).
-    pub fn as_peer(&self) -> Option<WireGuardPeer> {
-        self.local_segment().map(|s| WireGuardPeer {
-            public_key: s.key,
-            preshared_key: None,
-            endpoint: s.endpoint.clone(),
-            allowed_ips: s.allowed_ips.clone(),
-            persistent_keepalive: 0,
-        })
     }
 
     /// Number of nodes in all segments.
@@ -559,81 +389,6 @@ impl Topology {
         }
         o
     }
-}
-
-/// The allowed-location IPs of a location's nodes, merged (first occurrence) and sorted by
-/// text, as Kilo sorts them.
-fn merged_alips(members: &[&Node]) -> Vec<IpNet> {
-    let mut seen = HashSet::new();
-    let mut v: Vec<IpNet> = members
-        .iter()
-        .flat_map(|n| n.allowed_location_ips.iter().copied())
-        .filter(|ip| seen.insert(*ip))
-        .collect();
-    if v.len() > 1 {
-        v.sort_by_cached_key(|ip| ip.to_string());
-    }
-    v
-}
-
-/// Answers "does any of these networks contain this address" with one hash lookup per
-/// prefix length in use.
-struct Containment {
-    nets: HashSet<IpNet>,
-    lens_v4: BTreeSet<u8>,
-    lens_v6: BTreeSet<u8>,
-}
-
-impl Containment {
-    fn new<'a>(nets: impl Iterator<Item = &'a IpNet>) -> Self {
-        let mut c = Containment {
-            nets: HashSet::new(),
-            lens_v4: BTreeSet::new(),
-            lens_v6: BTreeSet::new(),
-        };
-        for n in nets {
-            c.nets.insert(n.trunc());
-            match n {
-                IpNet::V4(_) => c.lens_v4.insert(n.prefix_len()),
-                IpNet::V6(_) => c.lens_v6.insert(n.prefix_len()),
-            };
-        }
-        c
-    }
-
-    fn contains(&self, a: IpAddr) -> bool {
-        let lens = if a.is_ipv4() {
-            &self.lens_v4
-        } else {
-            &self.lens_v6
-        };
-        lens.iter()
-            .any(|l| IpNet::new(a, *l).is_ok_and(|n| self.nets.contains(&n.trunc())))
-    }
-}
-
-struct FilterIndex {
-    /// Every segment's allowed IPs without the WireGuard IPs.
-    node_ips: Containment,
-    peer_ips: Containment,
-    /// Peer allowed-IP addresses (host bits kept), sorted.
-    peer_addrs: Vec<IpAddr>,
-    /// WireGuard IPs allocated so far.
-    wireguard_ips: HashSet<IpAddr>,
-}
-
-/// Kilo's `deduplicatePeerIPs`: peers in name order; an allowed IP already claimed (same text)
-/// by an earlier peer is dropped.
-fn dedup_peer_ips<'a>(peers: impl Iterator<Item = &'a MeshPeer>) -> Vec<MeshPeer> {
-    // IpNet equality (address with host bits, prefix length) is Go's `IPNet.String()` equality.
-    let mut seen = HashSet::new();
-    peers
-        .map(|p| {
-            let mut p = p.clone();
-            p.allowed_ips.retain(|ip| seen.insert(*ip));
-            p
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-use super::{testutil::*, *};
+use super::{allowed_ips::intersect, testutil::*, *};
 use crate::mesh::Granularity;
 
 fn ip(s: &str) -> Option<IpAddr> {
