@@ -189,8 +189,8 @@ pub(super) fn render(
     let _ = writeln!(
         md,
         "Written by `cargo xtask bench`. Every figure of kg and of the tools beside it \
-         (iptables, ipset, nftables, the empty program) was measured in this one run on this \
-         one machine; figures labelled Kilo's reference figures were not: they are constants \
+         (iptables, ipset, nftables, the empty program, the lookups alone) was measured in \
+         this one run on this one machine; figures labelled Kilo's reference figures were not: they are constants \
          from earlier measurements of Kilo (its execs per change from \
          /work/shared/reference/kilo.md §3.6, where Kilo 0.7.0's code was run; its agent's \
          memory, CPU and burst from a live run of three Kilo agents; the latency of one change \
