@@ -191,9 +191,9 @@ impl<'a> Run<'a> {
     }
 }
 
-/// Writes the skb's mark. Not inlined: else LLVM reuses the load's modified context pointer
-/// for the store, which the verifier refuses.
-#[inline(never)]
+/// Writes the skb's mark, inlined: a call to a BPF subprogram would cost a return, which
+/// kernels with return thunks (AMD's SRSO "safe RET", call depth tracking) make expensive.
+#[inline(always)]
 fn set_mark(skb: *mut __sk_buff, mark: u32) {
     // SAFETY: the context of a TC program is a __sk_buff, whose mark it may write.
     unsafe { (*skb).mark = mark };
