@@ -15,7 +15,7 @@
 //! Ready or being deleted (Services still hold ClusterIPs from it until then); the planner adds
 //! them to `--service-cidr`'s. Elsewhere, and when RBAC refuses the list, there are none.
 //!
-//! Outages ([`Link`]): losing the API server is one warning, its return one line saying for how
+//! Outages (`watches::Link`): losing the API server is one warning, its return one line saying for how
 //! long and after how many retries; the failures in between are debug lines, counted in
 //! `kilo_backend_retries_total`.
 //!
@@ -112,7 +112,7 @@ pub async fn config(
 ///
 /// kube's own retry layer is off: it follows the API server's `Retry-After`, which a restarted
 /// server that is not ready yet sets to 10 s, so a watch would reconnect that much later. The
-/// watches retry on [`watch_backoff`] instead, and a failed publish is sent again by the
+/// watches retry on `watches::watch_backoff` instead, and a failed publish is sent again by the
 /// agent's next pass.
 pub fn client(mut config: kube::Config) -> Result<Client, BackendError> {
     config.default_retry = false;

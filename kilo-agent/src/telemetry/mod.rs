@@ -5,7 +5,7 @@
 //!
 //! Metrics (see also the README):
 //! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
-//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client ([`process`]:
+//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client (`process.rs`:
 //!   `process_cpu_seconds_total`, `process_resident_memory_bytes`,
 //!   `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
 //!   `process_start_time_seconds`) and `kilo_child_processes` (processes kg started that still

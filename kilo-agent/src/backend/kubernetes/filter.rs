@@ -80,7 +80,7 @@ pub(super) fn holds_cluster_ips(s: &ServiceCIDR) -> bool {
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// The service CIDRs of `objects` ([`holds_cluster_ips`]), each once, and one error per value
+/// The service CIDRs of `objects` (those `holds_cluster_ips` keeps), each once, and one error per value
 /// that is not a CIDR (naming the object and the field).
 pub fn service_cidrs(objects: &BTreeMap<String, ServiceCIDR>) -> (Vec<IpNet>, Vec<String>) {
     let (mut cidrs, mut errors) = (Vec::new(), Vec::new());

@@ -44,7 +44,7 @@ impl Changes {
     }
 }
 
-/// What kernel notifications concern us. The [`super::Reconciler`] owns the one a [`watch`]
+/// What kernel notifications concern us. The [`crate::reconcile::Reconciler`] owns the one a [`watch`]
 /// applies, and keeps it on the indexes it observed last.
 #[derive(Debug, Clone, Default)]
 pub struct EventFilter {
@@ -54,7 +54,7 @@ pub struct EventFilter {
     pub indexes: BTreeSet<u32>,
     /// The WireGuard interface's index (addresses are only ours there).
     pub wireguard_index: Option<u32>,
-    /// The port of the agent's own rtnetlink socket ([`NetlinkKernel::port`]): notifications
+    /// The port of the agent's own rtnetlink socket ([`super::NetlinkKernel::port`]): notifications
     /// carrying it echo the agent's own writes, which need no reconcile of their own.
     pub own_port: Option<u32>,
 }
