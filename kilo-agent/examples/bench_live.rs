@@ -1,9 +1,9 @@
 //! The datapath live, in a pod -> router -> receiver chain of network namespaces: the program's
 //! own cost for mesh and masquerade traffic (the router's softirq time per packet against the
 //! empty program and against the lookups alone, paired per round, with the BPF-stats run time
-//! beside it), the fast path
-//! against netfilter, and new connections per second against NAT-everything at N = 10 to
-//! 100,000 mesh entries; the targets are judged on confidence intervals.
+//! beside it), the fast path against netfilter, and new connections per second against
+//! NAT-everything at N = 10 to 100,000 mesh entries; the targets are judged on confidence
+//! intervals.
 //!
 //! `cargo xtask bench live [--quick] [-- --packets N --flows N --rounds R --flow-rounds R
 //! --max-rounds R --max-flow-rounds R]`

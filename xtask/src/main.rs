@@ -448,9 +448,12 @@ fn test(args: &[String]) -> Result<()> {
     run(cargo().args(["fmt", "--all", "--check"]))?;
     run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     // The docs' links resolve (docs/architecture.md points readers at the module docs).
-    run(cargo()
-        .env("RUSTDOCFLAGS", "-D warnings")
-        .args(["doc", "--no-deps", "--package", "kilo-agent"]))?;
+    run(cargo().env("RUSTDOCFLAGS", "-D warnings").args([
+        "doc",
+        "--no-deps",
+        "--package",
+        "kilo-agent",
+    ]))?;
     if !is_root() {
         bail!(
             "`cargo xtask test` runs every tier, and most need root (network namespaces, BPF); \
