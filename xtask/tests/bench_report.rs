@@ -126,11 +126,14 @@ fn quick_bench_writes_the_report() {
         }
     }
     assert!(tables >= 10, "{tables} tables in\n{report}");
-    // The program is measured beside its floor, the lookups alone, in both benchmarks.
+    // The program is measured beside its floor, the lookups alone, in both benchmarks, and new
+    // connections beside the TC hook's own share.
     for row in [
         "| lookups only: mesh hit (v4) | ",
         "| masquerade: the lookups alone (lookups only - empty) | ",
         "| mesh hit: the rest (ours - lookups only) | ",
+        "| NAT everything, the empty program attached (same-CPU) | ",
+        "| same-CPU: the TC hook alone (NAT everything, empty program / none) | ",
     ] {
         assert!(report.contains(row), "{row} in\n{report}");
     }
