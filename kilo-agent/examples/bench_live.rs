@@ -1418,23 +1418,11 @@ fn report_part2(
     let mut parts = Vec::new();
     for (m, (mode, _, _)) in modes.iter().enumerate() {
         for (i, &n) in ns_list.iter().enumerate() {
-            // flows/s ours / NAT-all = NAT-all ns / ours ns.
-            let r = paired(
-                &p2[&(i, m, FlowCase::NatAll)],
-                &p2[&(i, m, FlowCase::Ours)],
-                true,
-            );
+            let r = flow_ratio(id, p2, (i, m), FlowCase::NatAll, mode, n);
             let (med, lo, hi) = support::median::median_ci(&r);
             worst = worst.min(med);
             states.push(report::State::interval(lo, hi, |v| v >= 0.95));
             parts.push(format!("{mode} N={n}: {med:.3} ({})", interval_text(&r, 3)));
-            report::cell(id, mode, &n.to_string(), &r);
-            report::text(
-                id,
-                &format!("{mode}: 95% interval of the median"),
-                &n.to_string(),
-                &interval_text(&r, 3),
-            );
         }
     }
     report::note(
@@ -1453,18 +1441,7 @@ fn report_part2(
     );
     for (m, (mode, _, _)) in modes.iter().enumerate() {
         for (i, &n) in ns_list.iter().enumerate() {
-            let r = paired(
-                &p2[&(i, m, FlowCase::NatAllEmpty)],
-                &p2[&(i, m, FlowCase::Ours)],
-                true,
-            );
-            report::cell(id, mode, &n.to_string(), &r);
-            report::text(
-                id,
-                &format!("{mode}: 95% interval of the median"),
-                &n.to_string(),
-                &interval_text(&r, 3),
-            );
+            flow_ratio(id, p2, (i, m), FlowCase::NatAllEmpty, mode, n);
             let hook = paired(
                 &p2[&(i, m, FlowCase::NatAll)],
                 &p2[&(i, m, FlowCase::NatAllEmpty)],
@@ -1494,6 +1471,27 @@ fn report_part2(
         ),
         report::State::all(states),
     );
+}
+
+/// Ours against `reference` per round at (N index, mode index), as a ratio of flows per second
+/// (the reference's ns / ours), into the report's table `id` with its interval; returns it.
+fn flow_ratio(
+    id: &str,
+    p2: &BTreeMap<(usize, usize, FlowCase), Vec<f64>>,
+    (i, m): (usize, usize),
+    reference: FlowCase,
+    mode: &str,
+    n: usize,
+) -> Vec<f64> {
+    let r = paired(&p2[&(i, m, reference)], &p2[&(i, m, FlowCase::Ours)], true);
+    report::cell(id, mode, &n.to_string(), &r);
+    report::text(
+        id,
+        &format!("{mode}: 95% interval of the median"),
+        &n.to_string(),
+        &interval_text(&r, 3),
+    );
+    r
 }
 
 /// (name, RPS mask of the router's pod-facing veth, sender pacing in ns).
