@@ -138,6 +138,9 @@ pub fn e2e(keep: bool, down: bool, bench: Option<&Path>) -> Result<()> {
     report.finish()
 }
 
+/// Kilo's readiness: a node's last-seen younger than two check-in periods of 30 s.
+pub(super) const HEARTBEAT_EXPIRY_SECS: i64 = 60;
+
 /// The running cluster; dropping it removes it (unless kept).
 struct Cluster {
     script: PathBuf,
@@ -418,6 +421,39 @@ impl Cluster {
 
     fn wireguard_pods(&self) -> Result<Vec<Value>> {
         self.pods("app.kubernetes.io/name=kilo-wireguard")
+    }
+
+    /// Runs `f` while reading every node's `kilo.squat.ai/last-seen` every 2 s; returns its
+    /// result and the oldest heartbeat age (s) seen per node.
+    pub(super) fn heartbeat_ages<T>(&self, f: impl FnOnce() -> T) -> (T, BTreeMap<String, i64>) {
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut oldest = BTreeMap::new();
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(nodes) = self.json(&["get", "nodes"]) {
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs() as i64);
+                        for n in nodes["items"].as_array().into_iter().flatten() {
+                            let seen = n["metadata"]["annotations"]["kilo.squat.ai/last-seen"]
+                                .as_str()
+                                .and_then(|v| v.parse::<i64>().ok());
+                            if let (Some(name), Some(seen)) = (n["metadata"]["name"].as_str(), seen)
+                            {
+                                let age = oldest.entry(name.to_owned()).or_insert(0);
+                                *age = (*age).max(now - seen);
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_secs(2));
+                }
+                oldest
+            });
+            let out = f();
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            (out, reader.join().unwrap_or_default())
+        })
     }
 
     /// `PATH ID` per map and link pinned under [`PIN_DIR`] on `node` (the kernel's IDs: a map
