@@ -432,9 +432,7 @@ impl Cluster {
                 let mut oldest = BTreeMap::new();
                 while !done.load(std::sync::atomic::Ordering::Relaxed) {
                     if let Ok(nodes) = self.json(&["get", "nodes"]) {
-                        let now = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_secs() as i64);
+                        let now = now() as i64;
                         for n in nodes["items"].as_array().into_iter().flatten() {
                             let seen = n["metadata"]["annotations"]["kilo.squat.ai/last-seen"]
                                 .as_str()
