@@ -12,7 +12,7 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO,
         TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
     },
     helpers::generated::bpf_get_route_realm,
@@ -121,7 +121,10 @@ pub fn kilo_encap(ctx: TcContext) -> i32 {
 }
 
 /// At ingress of the private interface (Ethernet): see the module doc. Only IPIP is looked at;
-/// an outer header with options or fragmented is refused (no node of ours sends one).
+/// an outer header with options or fragmented is refused (no node of ours sends one). The outer
+/// header goes without a decapsulation flag: `BPF_F_ADJ_ROOM_DECAP_L3_IPV4` (Linux 6.3, refused
+/// before) only sets the protocol, which IPv4 in IPv4 keeps, and drops a route, which a packet
+/// has none of at TC ingress.
 #[classifier]
 pub fn kilo_decap(ctx: TcContext) -> i32 {
     let ok = TC_ACT_OK as i32;
@@ -140,9 +143,8 @@ pub fn kilo_decap(ctx: TcContext) -> i32 {
         run.count(Decision::IpipRefused as u32);
         return TC_ACT_SHOT as i32;
     };
-    let flags = u64::from(BPF_F_ADJ_ROOM_DECAP_L3_IPV4);
     if ctx
-        .adjust_room(-(IP_HLEN as i32), BPF_ADJ_ROOM_MAC, flags)
+        .adjust_room(-(IP_HLEN as i32), BPF_ADJ_ROOM_MAC, 0)
         .is_err()
     {
         run.count(Decision::Malformed as u32);
