@@ -12,8 +12,8 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO,
-        TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
     },
     helpers::generated::bpf_get_route_realm,
     macros::{classifier, map},
