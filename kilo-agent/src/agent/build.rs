@@ -14,7 +14,8 @@ use super::{
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
     datapath::{
-        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath, logs,
+        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath,
+        kernel, logs,
     },
     http::ServeError,
     mesh::Key,
@@ -43,6 +44,8 @@ pub enum StartError {
     BackendStopped,
     #[error(transparent)]
     WireGuard(#[from] WgError),
+    #[error(transparent)]
+    Unsupported(#[from] kernel::Unsupported),
     #[error("loading the eBPF datapath")]
     Datapath(#[source] DatapathError),
     #[error("reading the eBPF program's logs")]
@@ -170,6 +173,7 @@ fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathSync>, St
     if !loads_datapath(flags) {
         return Ok(Box::new(NoDatapath));
     }
+    kernel::check()?;
     let mut loaded = Datapath::open(DatapathConfig {
         pin_dir: Some(flags.bpffs_dir.clone()),
         fast_path: flags.fast_path,

@@ -3,6 +3,7 @@
 //! here starts a process; the raw system calls are [`crate::sys`]'s.
 //!
 //! ```text
+//! kernel.rs      what the programs need of the kernel, each with its release; probed at start
 //! config.rs      DatapathConfig: what the datapath is loaded with, the program's config value
 //! load.rs        Datapath: the object loaded, maps pinned and adopted, layout migration, clean-up
 //! attach.rs      Hook, Framing: programs attached to interfaces (TCX links, clsact + netlink)
@@ -21,6 +22,7 @@ mod attach;
 mod config;
 mod counters;
 mod fake;
+pub mod kernel;
 mod keys;
 mod load;
 pub mod logs;
