@@ -13,8 +13,8 @@
 //!
 //! Files: `event_loop` (triggers, debounce, the reconcile step and its error policy), `pass`
 //! (one pass: liveness, plan, reconcilers), `publish` (this node's annotations, the check-in),
-//! `clean_up`, `clock`; start-up apart from the loop: `caps`, `seccomp`, `config` (flags),
-//! `detect`, `key`, `planner`.
+//! `clean_up`, `clock`, `malformed` (the datapath's malformed count watched); start-up apart
+//! from the loop: `caps`, `seccomp`, `config` (flags), `detect`, `key`, `planner`.
 pub mod build;
 pub mod caps;
 mod clean_up;
@@ -24,6 +24,7 @@ pub mod detect;
 mod event_loop;
 pub mod key;
 pub mod liveness;
+mod malformed;
 mod pass;
 pub mod planner;
 mod publish;
@@ -182,6 +183,8 @@ pub struct Agent<P, K, W, D> {
     cni_probe: Option<CniProbe>,
     /// The service CIDRs of the last plan (`None` before the first).
     service_cidrs: Option<Vec<IpNet>>,
+    /// The datapath's malformed count at the last look.
+    malformed: malformed::MalformedWatch,
 }
 
 /// Reads the local node's `cni-compatibility-ip` (`--compatibility=cilium`: `cilium_host`'s
@@ -223,6 +226,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             last_plan: None,
             cni_probe: None,
             service_cidrs: None,
+            malformed: Default::default(),
         }
     }
 

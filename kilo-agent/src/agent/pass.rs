@@ -183,7 +183,33 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         self.stats.last = report.writes.clone();
         self.stats.last_problems = report.problems.clone();
         self.metrics.set_ready(true);
+        self.watch_malformed();
         Ok(report)
+    }
+
+    /// Warns when the datapath's malformed count grew (see [`super::malformed`]).
+    fn watch_malformed(&mut self) {
+        let now = self.settings.clock.now_ms();
+        if !self.malformed.due(now) {
+            return;
+        }
+        let Some(Ok(stats)) = self.reconciler.datapath().stats_source().map(|s| s.read()) else {
+            return;
+        };
+        let name = kilo_common::Decision::Malformed.name();
+        let total = (stats.decisions.iter())
+            .find(|(d, _)| *d == name)
+            .map_or(0, |(_, c)| c.packets);
+        if let Some(grew) = self.malformed.observe(total, now) {
+            tracing::warn!(
+                packets = grew,
+                total,
+                kernel = %crate::datapath::kernel::release(),
+                "the datapath dropped packets as malformed: legitimate traffic never is, so the \
+                 kernel may refuse what a program asks of it (see the kernel requirements in \
+                 docs/datapath.md)"
+            );
+        }
     }
 
     /// The difference between the plan and the kernel, changing nothing.
