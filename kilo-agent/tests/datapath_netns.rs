@@ -212,7 +212,8 @@ fn lifecycle(attach: AttachMode) {
 
 #[test]
 fn tcx_lifecycle_masquerades_survives_adopts_and_cleans_up() {
-    if !support::require_root("tcx_lifecycle_masquerades_survives_adopts_and_cleans_up") {
+    let test = "tcx_lifecycle_masquerades_survives_adopts_and_cleans_up";
+    if !support::require_root(test) || !support::require_tcx(test) {
         return;
     }
     lifecycle(AttachMode::Tcx);
@@ -555,7 +556,10 @@ fn services_are_decided_on_the_cluster_ip_before_kube_proxy_dnat() {
             udp_source(&lab.pod, &lab.inet, ip("10.96.0.2"), port + 1),
         )
     };
-    let (dp, _) = start(&lab, config(fs.pin_dir("kilo"), AttachMode::Tcx));
+    let (dp, _) = start(
+        &lab,
+        config(fs.pin_dir("kilo"), support::kernel_attach_mode()),
+    );
     // With the service CIDR among the mesh destinations: the first as Kilo, the second not
     // masqueraded (Kilo: the node's address).
     assert_eq!(sources(7100), (Some(ip(POD)), Some(ip(POD))));

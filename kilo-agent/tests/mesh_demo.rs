@@ -31,6 +31,8 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         .expect("run demo.sh");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
+    // The demo's own output, for `--nocapture` (the kernel matrix keeps it in its logs).
+    println!("{stdout}");
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
     for want in [
         "3 packets transmitted, 3 packets received",

@@ -42,6 +42,8 @@ struct Spec {
     /// Its private address (with prefix) and default gateway.
     addr: &'static str,
     gateway: &'static str,
+    /// A Kilo node instead of kg: the kernel's `tunl0` does its IPIP (see [`kilo_node`]).
+    kilo: bool,
     /// Pod CIDR 10.42.<pods>.0/24, the pod at .2.
     pods: u8,
 }
@@ -50,7 +52,7 @@ struct Node {
     name: &'static str,
     ns: NetNs,
     pod: NetNs,
-    _wg: WgGo,
+    _wg: Option<WgGo>,
     kg: Option<Kg>,
 }
 
@@ -109,7 +111,22 @@ impl Mesh {
                 "ip addr add 10.42.{0}.2/24 dev eth0 && ip route add default via 10.42.{0}.1",
                 s.pods
             ));
-            let wg = WgGo::start(&ns);
+            if s.kilo {
+                kilo_node(&ns, s, specs, &objects);
+                nodes.push(Node {
+                    name: s.name,
+                    ns,
+                    pod,
+                    _wg: None,
+                    kg: None,
+                });
+                continue;
+            }
+            // wireguard-go, or with kernel WireGuard a name for the device kg creates.
+            let wg = (!support::kernel_wireguard()).then(|| WgGo::start(&ns));
+            let wg_name = wg
+                .as_ref()
+                .map_or_else(support::netns::device_name, |w| w.name.clone());
             std::fs::write(
                 objects.join(format!("{}.yaml", s.name)),
                 format!(
@@ -134,8 +151,8 @@ impl Mesh {
                     format!("--backend-dir={}", objects.display()),
                     format!("--hostname={}", s.name),
                     format!("--cni-path={}", cni.display()),
-                    "--create-interface=false".into(),
-                    format!("--interface={}", wg.name),
+                    support::create_interface_flag().into(),
+                    format!("--interface={wg_name}"),
                     format!(
                         "--private-key={}",
                         work.path().join(format!("{}.key", s.name)).display()
@@ -238,6 +255,100 @@ impl Drop for Mesh {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Sets node `s` up as a Kilo agent with `--encapsulate=always` leaves a node that does not lead
+/// its location: `tunl0` up with the first address of its pod CIDR, and every other node's pod
+/// CIDR through `tunl0` to its location's leader (the first node of its location, as in these
+/// meshes); its Node object carries what Kilo publishes (key, endpoint, internal IP, last-seen),
+/// with last-seen kept fresh by [`Heartbeat`].
+fn kilo_node(ns: &NetNs, s: &Spec, specs: &[Spec], objects: &std::path::Path) {
+    let leader = specs
+        .iter()
+        .find(|o| o.location == s.location)
+        .expect("a leader");
+    let leader_ip = leader.addr.split('/').next().unwrap();
+    ns.sh(&format!(
+        "ip link set tunl0 mtu 1480 up && ip addr add 10.42.{}.1/32 dev tunl0 && \
+         sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.tunl0.rp_filter=0",
+        s.pods
+    ));
+    for o in specs.iter().filter(|o| o.name != s.name) {
+        ns.sh(&format!(
+            "ip route add 10.42.{}.0/24 via {leader_ip} dev tunl0 onlink",
+            o.pods
+        ));
+    }
+    write_kilo_object(s, objects);
+}
+
+/// The Node object of a Kilo node `s`, last seen now (written whole, then renamed into place).
+fn write_kilo_object(s: &Spec, objects: &std::path::Path) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let ip = s.addr.split('/').next().unwrap();
+    let yaml = format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  annotations:\n    \
+         kilo.squat.ai/location: {location}\n    kilo.squat.ai/key: {key}\n    \
+         kilo.squat.ai/endpoint: {ip}:51820\n    kilo.squat.ai/internal-ip: {addr}\n    \
+         kilo.squat.ai/granularity: location\n    kilo.squat.ai/last-seen: \"{now}\"\n\
+         spec:\n  podCIDR: 10.42.{pods}.0/24\n",
+        name = s.name,
+        location = s.location,
+        key = support::kg::peer_key(s.pods),
+        addr = s.addr,
+        pods = s.pods,
+    );
+    let tmp = objects.join(format!(".{}.tmp", s.name));
+    std::fs::write(&tmp, yaml).unwrap();
+    std::fs::rename(&tmp, objects.join(format!("{}.yaml", s.name))).unwrap();
+}
+
+/// Keeps a Kilo node's last-seen fresh (every 10 s, as its agent's check-in would) until dropped.
+struct Heartbeat {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Heartbeat {
+    fn start(s: &'static Spec, objects: std::path::PathBuf) -> Heartbeat {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                for _ in 0..100 {
+                    if flag.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                write_kilo_object(s, &objects);
+            }
+        });
+        Heartbeat {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Why the kernel's IPIP (`tunl0`) cannot be had here, if it cannot: this machine's kernel may
+/// have no `ipip` module (the kernel matrix runs the test on kernels that have it).
+fn ipip_module_missing() -> Option<String> {
+    let _ = support::netns::try_sh("modprobe -q ipip");
+    (!std::path::Path::new("/sys/module/ipip").exists())
+        .then(|| "no ipip module (the kernel's tunl0, which Kilo uses)".to_string())
 }
 
 fn decision(d: &str) -> String {
@@ -381,6 +492,7 @@ fn two_locations_with_default_encapsulation() {
         addr,
         gateway,
         pods,
+        kilo: false,
     };
     let mut mesh = Mesh::new(
         &[
@@ -533,6 +645,7 @@ fn crosssubnet_encapsulates_only_across_subnets() {
         addr,
         gateway,
         pods,
+        kilo: false,
     };
     // Two subnets joined by a router that knows nothing of pods: only IPIP crosses it.
     let mesh = Mesh::new(
@@ -591,4 +704,115 @@ fn crosssubnet_encapsulates_only_across_subnets() {
     assert_eq!(ipip_within, 0, "IPIP inside a subnet");
     assert!(ipip_across >= 6, "{ipip_across} IPIP frames across subnets");
     assert_eq!(bare_across, 0, "bare pod addresses across subnets");
+}
+
+/// A Kilo node's `tunl0` and kg's eBPF IPIP, in one location, both ways: n1 (kg, the leader of
+/// east, with the `ipip` module loaded as on a node that ran Kilo) and n2 (Kilo's setup:
+/// `tunl0`, routes through it to n1), and n3 (kg) in west. n2's pod reaches n1's pod and west's
+/// through the kernel's IPIP, which n1's program unwraps; the replies are wrapped by n1's
+/// program and unwrapped by n2's `tunl0`. Only IPIP and no bare pod address crosses east's
+/// underlay, and the counters on both sides moved.
+#[test]
+fn kernel_tunl0_and_ebpf_ipip_interoperate() {
+    let test = "kernel_tunl0_and_ebpf_ipip_interoperate";
+    if !support::require_root(test) || !support::skip_unless_kernel(test, ipip_module_missing()) {
+        return;
+    }
+    static SPECS: [Spec; 3] = [
+        Spec {
+            name: "n1",
+            location: "east",
+            under: 0,
+            addr: "192.168.50.1/24",
+            gateway: "192.168.50.254",
+            pods: 1,
+            kilo: false,
+        },
+        Spec {
+            name: "n2",
+            location: "east",
+            under: 0,
+            addr: "192.168.50.2/24",
+            gateway: "192.168.50.254",
+            pods: 2,
+            kilo: true,
+        },
+        Spec {
+            name: "n3",
+            location: "west",
+            under: 1,
+            addr: "192.168.60.3/24",
+            gateway: "192.168.60.254",
+            pods: 3,
+            kilo: false,
+        },
+    ];
+    let mesh = Mesh::new(&SPECS, 2, true, &[]);
+    let _heartbeat = Heartbeat::start(&SPECS[1], mesh.work.path().join("objects"));
+    // The module is loaded where kg runs too: n1 has its own tunl0.
+    mesh.nodes[0].ns.sh("ip link show tunl0");
+    let rx = |ns: &NetNs| -> u64 {
+        ns.sh("cat /sys/class/net/tunl0/statistics/rx_packets")
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    for dst in ["10.42.1.2", "10.42.3.2"] {
+        mesh.ping(1, dst);
+    }
+    let unwrapped_by_tunl0 = rx(&mesh.nodes[1].ns);
+    let (n1, n2): (Ipv4Addr, Ipv4Addr) = (
+        "192.168.50.1".parse().unwrap(),
+        "192.168.50.2".parse().unwrap(),
+    );
+    let ((), frames) = capture(&mesh.unders[0], || {
+        // From the Kilo node's pod, and toward it from kg's nodes.
+        mesh.ping(1, "10.42.1.2");
+        mesh.ping(1, "10.42.3.2");
+        mesh.ping(0, "10.42.2.2");
+        mesh.ping(2, "10.42.2.2");
+        let got = tcp(
+            &mesh.nodes[1].pod,
+            &mesh.nodes[2].pod,
+            "10.42.3.2".parse().unwrap(),
+            1 << 20,
+        );
+        assert_eq!(
+            got,
+            sent(1 << 20),
+            "TCP from the Kilo node's pod\n{}",
+            mesh.logs()
+        );
+    });
+    let ipip = |from: Ipv4Addr, to: Ipv4Addr| {
+        frames
+            .iter()
+            .filter(|(p, s, d)| *p == 4 && (*s, *d) == (from, to))
+            .count()
+    };
+    let bare: Vec<_> = frames
+        .iter()
+        .filter(|(_, s, d)| is_pod(s) || is_pod(d))
+        .collect();
+    assert!(
+        ipip(n2, n1) >= 12,
+        "{} IPIP frames from tunl0 to kg",
+        ipip(n2, n1)
+    );
+    assert!(
+        ipip(n1, n2) >= 12,
+        "{} IPIP frames from kg to tunl0",
+        ipip(n1, n2)
+    );
+    assert!(
+        bare.is_empty(),
+        "bare pod addresses on the underlay: {bare:?}"
+    );
+    assert!(
+        rx(&mesh.nodes[1].ns) >= unwrapped_by_tunl0 + 12,
+        "n2's tunl0 unwrapped kg's IPIP"
+    );
+    assert!(mesh.metric(0, &decision("decapsulated")) >= 12);
+    assert!(mesh.metric(0, &decision("encapsulated")) >= 12);
+    assert_eq!(mesh.metric(0, &decision("malformed")), 0);
 }

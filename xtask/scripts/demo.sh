@@ -24,14 +24,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# udp_probe NS LABEL ADDR: pod1 sends one datagram to ADDR, a listener in NS prints its source address.
+# udp_probe NS LABEL ADDR: pod1 sends one datagram to ADDR, a listener in NS prints its source
+# address. The sender waits until the listener is bound (a slow machine may take a second).
 udp_probe() {
+  local ready="$WORK/listening-$1"
+  rm -f "$ready"
   inns "$1" python3 -c '
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 7000)); s.settimeout(10)
-data, addr = s.recvfrom(100); print(sys.argv[1], "saw the packet from", addr[0])' "$2" &
+open(sys.argv[2], "w").close()
+data, addr = s.recvfrom(100); print(sys.argv[1], "saw the packet from", addr[0])' "$2" "$ready" &
   local listener=$!
-  sleep 0.5
+  for _ in $(seq 1 100); do [ -e "$ready" ] && break; sleep 0.1; done
   inns pod1 python3 -c 'import socket, sys; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hi", (sys.argv[1], 7000))' "$3"
   wait $listener
 }
@@ -39,13 +43,18 @@ data, addr = s.recvfrom(100); print(sys.argv[1], "saw the packet from", addr[0])
 say "building the underlay, the nodes, their pods and the internet host"
 mesh_up
 
+# Kernel WireGuard (KRS_WIREGUARD=kernel): kg creates and configures each device itself.
+CREATE_INTERFACE=false
+HOW="over its UAPI socket (wireguard-go)"
+if [ "${KRS_WIREGUARD:-}" = kernel ]; then CREATE_INTERFACE=true; HOW="over generic netlink (kernel WireGuard, created by kg)"; fi
+
 say "starting kg on every node (file backend: $DIR)"
 for i in 1 2 3; do
   # Kilo as the CNI: the bridge configuration Kilo's manifests install; kg fills in the ranges.
   cp "$ROOT/manifests/overlays/kubeadm/cni-conf.json" "$WORK/n$i.conflist"
   ip netns exec "$P-n$i" "$BIN/kg" --backend file --backend-dir "$DIR" --hostname "n$i" \
     --cni-path "$WORK/n$i.conflist" \
-    --create-interface=false --interface "$WG$i" \
+    --create-interface="$CREATE_INTERFACE" --interface "$WG$i" \
     --private-key "$WORK/n$i.key" --bpffs-dir "/sys/fs/bpf/$P-n$i" \
     --listen "127.0.0.1:1107" --resync-period 10s --log-level info \
     >"$WORK/kg-n$i.log" 2>&1 &
@@ -65,7 +74,7 @@ say "kgctl showconf node n1 (the leader of east)"
 "$BIN/kgctl" --backend file --backend-dir "$DIR" showconf node n1
 say "n1's CNI configuration: kg set the bridge's IPAM ranges to n1's pod CIDR"
 grep -A4 '"ranges"' "$WORK/n1.conflist"
-say "wg show on n1: a real WireGuard device, configured by kg over its UAPI socket"
+say "wg show on n1: a real WireGuard device, configured by kg $HOW"
 inns n1 wg show "${WG}1"
 
 say "pod1 (east) -> pod3 (west): through the WireGuard tunnel between the two leaders"

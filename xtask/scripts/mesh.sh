@@ -11,7 +11,9 @@
 #     inet .100             a host outside the mesh
 #
 # Environment: KRS_DEMO_PREFIX (namespace prefix), KRS_DEMO_WG (WireGuard interface prefix),
-# KRS_DEMO_WORK (a directory for the objects and wireguard-go's PIDs).
+# KRS_DEMO_WORK (a directory for the objects and wireguard-go's PIDs), KRS_WIREGUARD=kernel (no
+# wireguard-go: kg creates each node's kernel WireGuard device, as Kilo's default
+# --create-interface=true does; the kernel needs the wireguard module).
 P=${KRS_DEMO_PREFIX:-krs-demo}
 WG=${KRS_DEMO_WG:-kilo} # WireGuard interfaces $WG1..3 (their UAPI sockets share /var/run/wireguard)
 WORK=${KRS_DEMO_WORK:?set KRS_DEMO_WORK to a directory for the mesh files}
@@ -56,9 +58,11 @@ mesh_up() {
     inns "pod$i" ip route add default via "10.42.$i.1"
     # The userspace WireGuard device, as Kilo's userspace manifests run it (its UAPI socket
     # lives in the shared /var/run/wireguard, so each node gets its own interface name).
-    ip netns exec "$P-n$i" env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 \
-      wireguard-go --foreground "$WG$i" </dev/null >/dev/null 2>&1 &
-    echo $! >>"$WORK/wireguard-go.pids"
+    if [ "${KRS_WIREGUARD:-}" != kernel ]; then
+      ip netns exec "$P-n$i" env WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 \
+        wireguard-go --foreground "$WG$i" </dev/null >/dev/null 2>&1 &
+      echo $! >>"$WORK/wireguard-go.pids"
+    fi
     loc=east; [ "$i" = 3 ] && loc=west
     cat > "$DIR/node-n$i.yaml" <<YAML
 apiVersion: v1
@@ -72,6 +76,7 @@ spec:
 YAML
   done
   for i in 1 2 3; do # wireguard-go creates its device and socket in the background
+    [ "${KRS_WIREGUARD:-}" = kernel ] && break
     for _ in $(seq 1 50); do [ -S "/var/run/wireguard/$WG$i.sock" ] && break; sleep 0.1; done
   done
 }

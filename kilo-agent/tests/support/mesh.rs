@@ -155,7 +155,7 @@ impl DemoMesh {
             "--backend=file".into(),
             format!("--backend-dir={}", self.objects().display()),
             format!("--hostname=n{i}"),
-            "--create-interface=false".into(),
+            super::create_interface_flag().into(),
             format!("--interface={}", self.wg(i)),
             "--encapsulate=never".into(),
             // Not Kilo as the CNI here: the host's /etc/cni stays untouched.

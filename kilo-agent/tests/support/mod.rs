@@ -106,6 +106,65 @@ pub fn require_root(test: &str) -> bool {
     )
 }
 
+/// Set by `cargo xtask kernels` inside each distribution kernel: there a test that needs a
+/// kernel feature this machine's kernel may lack (a module, TCX) must find it.
+pub const KERNEL_MATRIX: &str = "KILO_KERNEL_MATRIX";
+
+/// Skips when the running kernel lacks `feature` (`missing` is Some), even under
+/// [`REQUIRE_ALL`]: the kernel matrix runs the test where the kernel has it, and fails there if
+/// it is missing (under [`KERNEL_MATRIX`]).
+pub fn skip_unless_kernel(test: &str, missing: Option<String>) -> bool {
+    let Some(why) = missing else {
+        return true;
+    };
+    assert!(
+        std::env::var_os(KERNEL_MATRIX).is_none(),
+        "{test} cannot run: {why} ({KERNEL_MATRIX} is set)"
+    );
+    eprintln!("SKIP {test}: kernel: {why}");
+    false
+}
+
+/// Whether the running kernel attaches TC programs with TCX (Linux 6.6), as kg's `Auto` does.
+pub fn kernel_has_tcx() -> bool {
+    aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
+}
+
+/// The attach mode kg chooses on this kernel (TCX, else netlink and clsact), for tests that
+/// check adoption and clean-up on whatever the kernel has.
+pub fn kernel_attach_mode() -> kilo_agent::datapath::AttachMode {
+    match kernel_has_tcx() {
+        true => kilo_agent::datapath::AttachMode::Tcx,
+        false => kilo_agent::datapath::AttachMode::Netlink,
+    }
+}
+
+/// True when TCX is there; otherwise skips, in the kernel matrix too (the test's netlink variant
+/// covers the kernel).
+pub fn require_tcx(test: &str) -> bool {
+    if kernel_has_tcx() {
+        return true;
+    }
+    eprintln!("SKIP {test}: kernel: no TCX before Linux 6.6 (the netlink variant runs)");
+    false
+}
+
+/// Whether the tests' meshes use kernel WireGuard (`KRS_WIREGUARD=kernel`, as the kernel matrix
+/// runs them): kg then creates and configures the device itself (`--create-interface=true`,
+/// Kilo's default) and no wireguard-go runs. Otherwise wireguard-go provides the device (a
+/// kernel without the module, like this machine's, has no other).
+pub fn kernel_wireguard() -> bool {
+    std::env::var("KRS_WIREGUARD").as_deref() == Ok("kernel")
+}
+
+/// kg's `--create-interface` for the tests' meshes (see [`kernel_wireguard`]).
+pub fn create_interface_flag() -> &'static str {
+    match kernel_wireguard() {
+        true => "--create-interface=true",
+        false => "--create-interface=false",
+    }
+}
+
 /// Waits (bounded at 60 s; for liveness only, never a speed check) until `f` holds.
 pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = std::time::Instant::now();

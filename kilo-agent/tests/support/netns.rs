@@ -125,11 +125,7 @@ pub struct WgGo {
 impl WgGo {
     /// Starts `kt<pid>x<n>` in `ns` and returns once its UAPI socket answers.
     pub fn start(ns: &NetNs) -> WgGo {
-        let name = format!(
-            "kt{}x{}",
-            std::process::id() % 100_000,
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        let name = device_name();
         let child = spawn_wg(ns, &name);
         WgGo { name, child }
     }
@@ -146,6 +142,15 @@ impl WgGo {
         let _ = self.child.wait();
         let _ = std::fs::remove_file(uapi_socket(&self.name));
     }
+}
+
+/// A WireGuard device name of this process, `kt<pid>x<n>`, unique within it.
+pub fn device_name() -> String {
+    format!(
+        "kt{}x{}",
+        std::process::id() % 100_000,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Runs wireguard-go for device `name` in `ns` and returns once its UAPI socket answers.
