@@ -5,6 +5,7 @@
 mod bench;
 mod e2e;
 mod image;
+mod kernels;
 mod pins;
 mod soak;
 
@@ -78,6 +79,13 @@ enum Task {
         #[arg(long, value_name = "FILE", conflicts_with = "down")]
         bench: Option<PathBuf>,
     },
+    /// Run the datapath, namespace and mesh tiers inside the distribution kernels operators run
+    /// (Debian's 5.10, 6.1, 6.12; see xtask/src/kernels.rs), each in a VM that sees this
+    /// machine's filesystem: `kernels [LABEL ...]`. Writes target/kernels/matrix.md. Needs root.
+    Kernels {
+        /// Only these kernels (5.10, 6.1, 6.12); default: all.
+        labels: Vec<String>,
+    },
     /// Run the reliability tests' long versions (faults under traffic) and write RELIABILITY.md
     /// (see xtask/src/soak.rs): `soak [--no-run] [--out DIR] [-- TEST ARGS]`. Needs root.
     Soak {
@@ -117,6 +125,11 @@ fn main() -> Result<()> {
         Task::E2e { keep, down, bench } => {
             setup()?;
             e2e::e2e(keep, down, bench.as_deref())
+        }
+        Task::Kernels { labels } => {
+            setup_mesh()?;
+            install_debian_packages(pins::TEST_PACKAGES)?;
+            kernels::kernels(&labels)
         }
         Task::Soak { args } => {
             setup_tests()?;
@@ -467,6 +480,8 @@ fn test(args: &[String]) -> Result<()> {
         .args(args))?;
     if args.is_empty() {
         fuzz(None, FUZZ_SECONDS_IN_TESTS)?;
+        // The datapath, namespace and mesh tiers again on the kernels operators run.
+        kernels::kernels(&[])?;
         // kg as users deploy it, on a real cluster (its binaries built once and cached).
         e2e::e2e(false, false, None)?;
     }

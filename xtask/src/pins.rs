@@ -73,3 +73,27 @@ pub const IMAGE_PACKAGES: &[&str] = &["umoci", "skopeo", "qemu-user-static"];
 pub const ZIGLANG: &str = "0.15.2";
 /// cargo-zigbuild, which builds with zig as the C compiler and linker.
 pub const CARGO_ZIGBUILD: &str = "0.24.1";
+/// The distribution kernels `cargo xtask kernels` boots (label, Debian package, its suite): the
+/// package names one ABI of a series; when Debian has replaced it by a newer one of the same
+/// series, the newest of the series is taken (and named in the report). Each `.deb` stays cached.
+pub const KERNELS: &[(&str, &str, &str)] = &[
+    ("5.10", "linux-image-5.10.0-32-amd64-unsigned", "bullseye"),
+    (
+        "6.1",
+        "linux-image-6.1.0-57-amd64-unsigned",
+        "bookworm-security",
+    ),
+    (
+        "6.12",
+        "linux-image-6.12.117+deb13-amd64-unsigned",
+        "trixie",
+    ),
+];
+/// What boots them: qemu (TCG where KVM cannot run), kmod's depmod for their modules, Debian's
+/// Python with venv for virtme-ng.
+pub const KERNEL_VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "python3-venv"];
+/// virtme-ng from PyPI (`vng`): boots a kernel with the host's filesystem as its root.
+pub const VIRTME_NG: &str = "1.42";
+/// Debian's static busybox, unpacked (not installed: it conflicts with `busybox`), for
+/// virtme-ng's initramfs.
+pub const BUSYBOX_STATIC: &str = "busybox-static";
