@@ -746,27 +746,22 @@ fn cheapest_summary(cells: &[(String, usize, String)]) -> String {
     if let [only] = winners[..] {
         return format!("{only}, in every cell above");
     }
-    let mut rows: Vec<(&str, Vec<(&str, Vec<usize>)>)> = Vec::new();
-    for (row, n, mech) in cells {
-        if rows.last().is_none_or(|r| r.0 != row.as_str()) {
-            rows.push((row, Vec::new()));
-        }
-        let by_mech = &mut rows.last_mut().expect("pushed above").1;
-        match by_mech.iter_mut().find(|m| m.0 == mech.as_str()) {
-            Some(m) => m.1.push(*n),
-            None => by_mech.push((mech, vec![*n])),
-        }
-    }
-    rows.iter()
-        .map(|(row, by_mech)| {
+    // The cells come row by row.
+    cells
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|row| {
+            let mut by_mech: Vec<(&str, Vec<String>)> = Vec::new();
+            for (_, n, mech) in row {
+                match by_mech.iter_mut().find(|m| m.0 == mech.as_str()) {
+                    Some(m) => m.1.push(n.to_string()),
+                    None => by_mech.push((mech, vec![n.to_string()])),
+                }
+            }
             let mechs: Vec<String> = by_mech
                 .iter()
-                .map(|(m, ns)| {
-                    let ns: Vec<String> = ns.iter().map(ToString::to_string).collect();
-                    format!("{m} at {}", ns.join(", "))
-                })
+                .map(|(m, ns)| format!("{m} at {}", ns.join(", ")))
                 .collect();
-            format!("{row}: {}", mechs.join("; "))
+            format!("{}: {}", row[0].0, mechs.join("; "))
         })
         .collect::<Vec<_>>()
         .join("; ")
