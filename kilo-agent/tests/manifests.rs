@@ -3,7 +3,9 @@
 //! range) and the host paths it mounts (the kubelet's kubeconfig, the CNI configuration
 //! directory). Pure: no root, no API server. Rendered by `kubectl kustomize` where a kubectl is
 //! found, else by merging the overlays' patches here; when both run, they must agree. The init
-//! container that writes kg's kubeconfig is run on a kubelet kubeconfig.
+//! container that writes kg's kubeconfig is run on a kubelet kubeconfig. Every kustomization uses
+//! only what kubectl 1.20 reads; every rendered container is hardened (security context, seccomp,
+//! memory limit) and names the published image by tag, which the e2e renames to its local build.
 mod support;
 
 use std::{
