@@ -41,9 +41,10 @@ use support::{
     report,
 };
 
-/// Kilo's reference figures: its agent measured live on this kind of machine (3 agents in
-/// namespaces, wireguard-go, a real API server), and its execs counted in
-/// `/work/shared/reference/kilo.md` §3.6; constants, not measured here.
+/// Kilo's reference figures: its agent measured live on a machine of the kind the benchmarks
+/// run on (3 agents in namespaces, wireguard-go, a real API server), and its execs counted by
+/// running Kilo's iptables controller; constants, not measured here. docs/kilo-reference.md
+/// gives each one's source and method.
 mod kilo {
     pub const RSS_3_MB: f64 = 34.0;
     pub const IDLE_CPU_3_PCT: f64 = 0.03;
@@ -53,8 +54,8 @@ mod kilo {
     pub const BURST_70_S: f64 = 5.4;
     pub const BURST_70_PROCS: f64 = 320.0;
     pub const BURST_70_WG_RECONFIGS: f64 = 70.0;
-    /// `/work/shared/reference/kilo.md` §3.6: iptables execs on every node for +1 node +1 Peer,
-    /// and per resync; constant in the number of nodes.
+    /// docs/kilo-reference.md: iptables execs on every node for +1 node +1 Peer, and per
+    /// resync; constant in the number of nodes.
     pub const EXECS_PER_CHANGE: f64 = 10.0;
     pub const EXECS_PER_RESYNC: f64 = 11.0;
 }
@@ -702,7 +703,7 @@ fn emit(labels: &[&str], figs: &[Figures], idle: Duration, windows: u32) {
          is applied (the device carries the peer, then 300 ms for the routes and the datapath), \
          for changes that took exactly one reconcile; only the WireGuard device is watched \
          meanwhile, so kg spends nothing on being observed. Kilo's reference figures, not \
-         measured here: /work/shared/reference/kilo.md §3.6 (Kilo 0.7.0's own iptables \
+         measured here: docs/kilo-reference.md (Kilo 0.7.0's own iptables \
          controller, counted with a logging shim): about 10 iptables execs on every node for a \
          change of +1 node +1 Peer and 11 per resync (every 30 s), constant in the number of \
          nodes, each exec a process start plus a table dump; on top, a full WireGuard \
@@ -778,7 +779,7 @@ fn emit(labels: &[&str], figs: &[Figures], idle: Duration, windows: u32) {
         id,
         &format!(
             "Kilo's reference figures: 3 agents in namespaces, wireguard-go and a real API server \
-             on this kind of machine (34 MB and 0.03% CPU idle at 3 nodes; 37-59 MB, peak 65 MB, \
+             on a machine of the same kind (34 MB and 0.03% CPU idle at 3 nodes; 37-59 MB, peak 65 MB, \
              0.40% CPU at 54 nodes + 21 Peers; 6 iptables processes per 30 s per node; a \
              70-object burst converged in 5.4 s with 320 processes per agent and 70 full \
              WireGuard reconfigurations per leader). kg here: the file backend. {sampled}"

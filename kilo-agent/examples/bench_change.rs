@@ -29,7 +29,7 @@ use support::{
     report,
 };
 
-/// Kilo's reference figure for the same change (issue 36; not measured here).
+/// Kilo's reference figure for the same change (docs/kilo-reference.md; not measured here).
 const KILO_S: f64 = 0.11;
 /// The target: the median under this.
 const TARGET_MS: f64 = 20.0;
@@ -236,8 +236,8 @@ fn main() {
             "{CHANGES} Peers, one at a time; the time ends when every leader's device lists the \
              new key (read every 0.2 ms over UAPI). From the request sent: an upper bound of the \
              time from the API server's commit; from the response: a lower bound. Kilo's \
-             figure is its reference figure for the same change ({KILO_S} s, as issue 36 gives \
-             it)."
+             figure is its reference figure for the same change ({KILO_S} s, see \
+             docs/kilo-reference.md)."
         ),
     );
     let median = support::median::median(&from_send);

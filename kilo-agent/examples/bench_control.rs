@@ -571,7 +571,7 @@ fn report_all(
     // Ratios: the cheapest of theirs / ours.
     let id = "ratios";
     report::table(id, "Control plane: the cheapest of theirs / ours", "times");
-    let mut cheapest_names = Vec::new();
+    let mut cheapest = Vec::new();
     let mut ratio = |op: &str, label: &str, ours: &BTreeMap<usize, f64>| -> BTreeMap<usize, f64> {
         let mut out = BTreeMap::new();
         for &n in sizes {
@@ -581,7 +581,7 @@ fn report_all(
                 .unwrap();
             let r = best.1 / ours[&n];
             report::cell(id, label, &col(n), &[r]);
-            cheapest_names.push(format!("{label} at {n}: {}", mechs[best.0].name()));
+            cheapest.push((label.to_string(), n, mechs[best.0].name().to_string()));
             out.insert(n, r);
         }
         out
@@ -625,7 +625,7 @@ fn report_all(
              the comparison of the whole plan with the record that finds it, which keeps the \
              plan the one description of a node: what an agent spends on a change end to end \
              is in the agent benchmark.",
-            cheapest_names.join("; ")
+            cheapest_summary(&cheapest)
         ),
     );
     report::plot(id, "CIDRs", "cheapest of theirs / ours", true, true);
@@ -736,4 +736,33 @@ fn main() {
     if !status.success() {
         std::process::exit(1);
     }
+}
+
+/// Which of theirs was the cheapest in each cell of the ratios table, `(row, N, mechanism)`,
+/// said once when one mechanism wins every cell, else per row with the sizes each won.
+fn cheapest_summary(cells: &[(String, usize, String)]) -> String {
+    let mut winners: Vec<&str> = cells.iter().map(|c| c.2.as_str()).collect();
+    winners.dedup();
+    if let [only] = winners[..] {
+        return format!("{only}, in every cell above");
+    }
+    // The cells come row by row.
+    cells
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|row| {
+            let mut by_mech: Vec<(&str, Vec<String>)> = Vec::new();
+            for (_, n, mech) in row {
+                match by_mech.iter_mut().find(|m| m.0 == mech.as_str()) {
+                    Some(m) => m.1.push(n.to_string()),
+                    None => by_mech.push((mech, vec![n.to_string()])),
+                }
+            }
+            let mechs: Vec<String> = by_mech
+                .iter()
+                .map(|(m, ns)| format!("{m} at {}", ns.join(", ")))
+                .collect();
+            format!("{}: {}", row[0].0, mechs.join("; "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }

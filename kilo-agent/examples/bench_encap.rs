@@ -18,8 +18,9 @@
 //! - The programs' cost on the private interface's other traffic: BPF_PROG_TEST_RUN of each
 //!   program on a packet it leaves alone, against the empty classifier (the hook's floor is the
 //!   same for both), the thread's CPU time over `repeat` runs (the kernel's own figure is whole
-//!   nanoseconds), paired with the empty one round by round: `kilo_encap` with route realms on (a test-run packet has no
-//!   route, so no realm: kg's case on this kernel) and off (the full lookup, on kernels without
+//!   nanoseconds), paired with the empty one round by round: `kilo_encap` with route realms
+//!   on (a test-run packet has no route, so no realm: kg's case on kernels with
+//!   CONFIG_IP_ROUTE_CLASSID) and off (the full lookup, on kernels without
 //!   CONFIG_IP_ROUTE_CLASSID); and on a packet it wraps or unwraps, one run at a time (a
 //!   repeated run would see its own output), median of 2,000, so with the clock reads' cost in
 //!   (wrapped with realms off: a test run cannot carry the realm).
@@ -307,7 +308,7 @@ fn main() {
     println!("\nPrograms alone (BPF_PROG_TEST_RUN), ns per packet:\n");
     println!("| program, packet | runs | ns | empty, paired | minus empty |");
     println!("|---|---|---|---|---|");
-    // Realms off first (the full lookup), then on, as kg runs it on this kernel.
+    // Realms off first (the full lookup), then on, as kg runs it where the kernel has realms.
     for (name, prog, pkt, realms) in [
         (
             "kilo_encap, other traffic, route realms off (LPM-trie lookup)",

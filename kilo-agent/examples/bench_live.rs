@@ -9,7 +9,8 @@
 //! --max-rounds R --max-flow-rounds R]`
 //! (root; without root it says so and exits 0). The softirq clock below stays because the
 //! router's cost (fast path against netfilter, new connections per second) is the NET_RX
-//! softirq time, which nothing else on this kernel measures.
+//! softirq time, which nothing else measures on a kernel without IRQ time accounting
+//! (`CONFIG_IRQ_TIME_ACCOUNTING`), such as the one the figures were measured on.
 //!
 //! Method. A thread pinned to CPU 0 in the pod namespace sends raw Ethernet/IPv4/UDP frames
 //! (AF_PACKET, qdisc bypassed, `sendmmsg`) to the router. Veth delivery queues each frame on a
@@ -17,8 +18,8 @@
 //! conntrack/NAT, forwarding, the veth transmit) and the receiver's ingress (an nftables
 //! netdev-ingress drop: no socket work) runs in the NET_RX softirq; the sender runs in process
 //! context. Two raw-tracepoint BPF programs on `softirq_entry`/`softirq_exit` (hand-assembled
-//! below) add up the NET_RX time of every CPU with `bpf_ktime_get_ns`: this kernel has no IRQ
-//! time accounting, so /proc/stat would only sample softirq time at the tick, and the softirq
+//! below) add up the NET_RX time of every CPU with `bpf_ktime_get_ns`: without IRQ time accounting
+//! (as on the kernel the figures were measured on) /proc/stat would only sample softirq time at the tick, and the softirq
 //! is charged to whatever task it interrupts. ns/packet = NET_RX ns / frames the router
 //! received (its pod-facing veth's rx count). The "sink" case drops every frame at the
 //! router's ingress: the fixed cost of a veth delivery + softirq + drop, about the receiver's
@@ -184,7 +185,7 @@ impl Lab {
 }
 
 /// An nftables netdev-ingress chain in `ns` that drops every IPv4 packet arriving on `dev`
-/// (this kernel has no tc `gact`/`matchall`).
+/// (the kernel the figures were measured on has no tc `gact`/`matchall`).
 fn drop_at_ingress(ns: &str, dev: &str) -> String {
     format!(
         "ip netns exec {ns} nft 'add table netdev {DROP_TABLE}; \
@@ -1174,7 +1175,7 @@ fn report_part1(p1: &Samples, prog: &Samples, modes: &[(&str, u32, u64)]) {
         "Pod -> router -> receiver namespaces; the sender writes raw frames on CPU 0. Same-CPU: \
          the router's softirq runs right after each frame on the sender's CPU; cross-CPU: RPS \
          steers it to CPU 1, frames paced 10 us apart. Two raw-tracepoint programs sum the \
-         NET_RX softirq time of every CPU (this kernel has no IRQ time accounting); the sink \
+         NET_RX softirq time of every CPU (the kernel measured on has no IRQ time accounting); the sink \
          row is the cost of one veth delivery + softirq + drop, about the receiver's share.",
     );
     if !prog.is_empty() {

@@ -3,7 +3,9 @@
 //! range) and the host paths it mounts (the kubelet's kubeconfig, the CNI configuration
 //! directory). Pure: no root, no API server. Rendered by `kubectl kustomize` where a kubectl is
 //! found, else by merging the overlays' patches here; when both run, they must agree. The init
-//! container that writes kg's kubeconfig is run on a kubelet kubeconfig.
+//! container that writes kg's kubeconfig is run on a kubelet kubeconfig. Every kustomization uses
+//! only what kubectl 1.20 reads; every rendered container is hardened (security context, seccomp,
+//! memory limit) and names the published image by tag, which the e2e renames to its local build.
 mod support;
 
 use std::{
@@ -55,7 +57,7 @@ const K3S: Distribution = Distribution {
 };
 
 /// kg's arguments for each mode, as Kilo's manifests of that mode pass them (Kilo's
-/// manifests/, tag 0.7.0; /work/shared/reference/kilo.md section 2.6).
+/// manifests/, tag 0.7.0; docs/deploying.md lists which Kilo manifest each overlay replaces).
 const CNI: &[&str] = &[];
 const FLANNEL: &[&str] = &[
     "--cni=false",
@@ -162,6 +164,14 @@ fn kubectl() -> Option<PathBuf> {
 
 /// The overlay's DaemonSets as `kubectl kustomize` renders them.
 fn kustomize(kubectl: &Path, dir: &Path) -> Vec<Value> {
+    render(kubectl, dir)
+        .into_iter()
+        .filter(|v| v["kind"] == "DaemonSet")
+        .collect()
+}
+
+/// Every object of the kustomization in `dir`, as `kubectl kustomize` renders it.
+fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
     let out = Command::new(kubectl)
         .arg("kustomize")
         .arg(dir)
@@ -175,7 +185,6 @@ fn kustomize(kubectl: &Path, dir: &Path) -> Vec<Value> {
     );
     serde_yaml::Deserializer::from_slice(&out.stdout)
         .map(|d| Value::deserialize(d).unwrap())
-        .filter(|v| v["kind"] == "DaemonSet")
         .collect()
 }
 
@@ -491,4 +500,252 @@ fn the_init_container_writes_a_kubeconfig_for_the_kubelets_server() {
     let status = Command::new("sh").args(["-c", &script]).status().unwrap();
     assert!(!status.success());
     assert!(!out_dir.join(file).exists());
+}
+
+/// Every kustomization in the repository: the overlays, their bases, the webhook, monitoring
+/// and the e2e's.
+fn kustomizations() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.file_name().is_some_and(|n| n == "kustomization.yaml") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&manifests(), &mut out);
+    walk(&manifests().join("../xtask/e2e"), &mut out);
+    out.sort();
+    out
+}
+
+/// The fields of kustomize v2.0.3, the kustomize built into kubectl up to 1.20 (Debian 12's
+/// kubectl, which the e2e and the API server tests apply with). It rejects the fields that
+/// replaced `bases`, `commonLabels` and `patchesStrategicMerge` (`resources` naming a directory,
+/// `labels`, `patches`) and a generator's own `options`; newer kustomize still reads these,
+/// with a deprecation warning.
+const KUSTOMIZE_V2_FIELDS: &[&str] = &[
+    "apiVersion",
+    "kind",
+    "namespace",
+    "namePrefix",
+    "nameSuffix",
+    "commonLabels",
+    "commonAnnotations",
+    "resources",
+    "bases",
+    "crds",
+    "patchesStrategicMerge",
+    "patchesJson6902",
+    "configMapGenerator",
+    "secretGenerator",
+    "generatorOptions",
+    "images",
+    "vars",
+];
+const GENERATOR_V2_FIELDS: &[&str] = &["name", "behavior", "files", "literals", "env", "type"];
+
+#[test]
+fn every_kustomization_renders_with_kubectl_1_20() {
+    let all = kustomizations();
+    assert!(all.len() >= 12, "{all:?}");
+    for k in &all {
+        let v: Value = serde_yaml::from_str(&std::fs::read_to_string(k).unwrap()).unwrap();
+        for (field, value) in v.as_mapping().unwrap() {
+            let field = field.as_str().unwrap();
+            assert!(
+                KUSTOMIZE_V2_FIELDS.contains(&field),
+                "{}: {field} is unknown to kubectl 1.20",
+                k.display()
+            );
+            if field.ends_with("Generator") {
+                for g in value.as_sequence().unwrap() {
+                    for (f, _) in g.as_mapping().unwrap() {
+                        let f = f.as_str().unwrap();
+                        assert!(
+                            GENERATOR_V2_FIELDS.contains(&f),
+                            "{}: {field}.{f} is unknown to kubectl 1.20",
+                            k.display()
+                        );
+                    }
+                }
+            }
+            if field == "resources" {
+                for r in strings(value) {
+                    assert!(
+                        k.parent().unwrap().join(&r).is_file(),
+                        "{}: resource {r} is not a file (kubectl 1.20 wants it in bases)",
+                        k.display()
+                    );
+                }
+            }
+        }
+    }
+    // Rendered by whichever kubectl there is (kubectl 1.20 under `cargo xtask test`).
+    let Some(kubectl) = kubectl() else {
+        support::skip_unless(
+            "every_kustomization_renders_with_kubectl_1_20 (rendering)",
+            Some("no kubectl".into()),
+        );
+        return;
+    };
+    for k in &all {
+        let objects = render(&kubectl, k.parent().unwrap());
+        assert!(!objects.is_empty(), "{}", k.display());
+    }
+    let monitoring = render(&kubectl, &manifests().join("monitoring"));
+    let kinds: Vec<&str> = monitoring
+        .iter()
+        .filter_map(|o| o["kind"].as_str())
+        .collect();
+    for want in ["PodMonitor", "PrometheusRule", "ConfigMap"] {
+        assert!(kinds.contains(&want), "monitoring: {want} in {kinds:?}");
+    }
+    let dashboard = monitoring
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap")
+        .unwrap();
+    assert_eq!(dashboard["metadata"]["name"], "kilo-grafana-dashboard");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+}
+
+/// The published image, by tag, in every workload; the e2e renames it to its local build.
+#[test]
+fn workloads_name_the_published_image_by_tag_and_the_e2e_its_local_build() {
+    let Some(kubectl) = kubectl() else {
+        support::skip_unless(
+            "workloads_name_the_published_image_by_tag_and_the_e2e_its_local_build",
+            Some("no kubectl".into()),
+        );
+        return;
+    };
+    let version = env!("CARGO_PKG_VERSION");
+    let images = |dir: &Path| -> Vec<String> {
+        render(&kubectl, dir)
+            .iter()
+            .flat_map(|o| workload_containers(o).map(|(_, c)| c.clone()))
+            .filter_map(|c| c["image"].as_str().map(str::to_string))
+            .filter(|i| i.contains("kilo-rs"))
+            .collect()
+    };
+    for dir in [
+        manifests().join("overlays/kubeadm"),
+        manifests().join("overlays/k3s-userspace"),
+        manifests().join("webhook"),
+    ] {
+        let found = images(&dir);
+        assert!(!found.is_empty(), "{}", dir.display());
+        for i in found {
+            assert_eq!(i, format!("ghcr.io/kilo-rs/kilo-rs:{version}"));
+        }
+    }
+    let e2e = images(&manifests().join("../xtask/e2e"));
+    assert_eq!(e2e.len(), 2, "kg and the webhook: {e2e:?}");
+    for i in e2e {
+        // `cargo xtask image`'s docker-archive (xtask/src/image.rs), loaded into the nodes.
+        assert_eq!(i, format!("kilo-rs:{version}"));
+    }
+}
+
+/// The containers and init containers of a DaemonSet or Deployment, with its pod spec.
+fn workload_containers(o: &Value) -> impl Iterator<Item = (&Value, &Value)> {
+    let spec = &o["spec"]["template"]["spec"];
+    ["initContainers", "containers"]
+        .into_iter()
+        .flat_map(move |k| named(&spec[k]).map(move |(_, c)| (spec, c)))
+}
+
+/// Every container of every overlay and of the webhook: no privilege escalation, a read-only
+/// root filesystem (kg's writes go to volumes), no capability beyond the ones it names, the
+/// runtime's default seccomp profile, and a memory limit.
+#[test]
+fn every_container_is_hardened() {
+    let Some(kubectl) = kubectl() else {
+        support::skip_unless("every_container_is_hardened", Some("no kubectl".into()));
+        return;
+    };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(manifests().join("overlays"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    dirs.sort();
+    dirs.push(manifests().join("webhook"));
+    dirs.push(manifests().join("webhook-cert-manager"));
+    let mut checked = 0;
+    for dir in &dirs {
+        let d = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for o in render(&kubectl, dir) {
+            let owner = o["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            for (pod, c) in workload_containers(&o) {
+                let name = format!("{d}: {owner}/{}", c["name"].as_str().unwrap());
+                let sc = &c["securityContext"];
+                assert_eq!(sc["allowPrivilegeEscalation"], false, "{name}");
+                assert_eq!(sc["readOnlyRootFilesystem"], true, "{name}");
+                assert!(sc["privileged"].as_bool() != Some(true), "{name}");
+                assert!(
+                    strings(&sc["capabilities"]["drop"]).contains(&"ALL".into()),
+                    "{name}: drops ALL"
+                );
+                let added = strings(&sc["capabilities"]["add"]);
+                let allowed: &[&str] = match c["name"].as_str().unwrap() {
+                    "kilo" => &["NET_ADMIN", "BPF", "PERFMON"],
+                    "wireguard" => &["NET_ADMIN"],
+                    _ => &[],
+                };
+                for cap in &added {
+                    assert!(allowed.contains(&cap.as_str()), "{name}: adds {cap}");
+                }
+                let seccomp = if sc["seccompProfile"].is_null() {
+                    &pod["securityContext"]["seccompProfile"]
+                } else {
+                    &sc["seccompProfile"]
+                };
+                assert_eq!(seccomp["type"], "RuntimeDefault", "{name}");
+                assert!(
+                    c["resources"]["limits"]["memory"].is_string(),
+                    "{name}: a memory limit"
+                );
+                if owner == "kilo-peer-validation" {
+                    assert_eq!(sc["runAsNonRoot"], true, "{name}");
+                }
+                if c["name"] == "kilo" {
+                    kg_writes_only_to_volumes(&name, c);
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 20, "{checked} containers");
+}
+
+/// kg's container has a volume at every path it writes with a read-only root filesystem.
+fn kg_writes_only_to_volumes(name: &str, c: &Value) {
+    let args = strings(&c["args"]);
+    let mounts: Vec<(String, bool)> = named(&c["volumeMounts"])
+        .map(|(_, m)| {
+            (
+                m["mountPath"].as_str().unwrap().to_string(),
+                m["readOnly"] == true,
+            )
+        })
+        .collect();
+    let mut writes = vec!["/var/lib/kilo", "/sys/fs/bpf"];
+    if !args.iter().any(|a| a == "--cni=false") {
+        writes.push("/etc/cni/net.d");
+    }
+    if args.iter().any(|a| a == "--create-interface=false") {
+        writes.push("/var/run/wireguard");
+    }
+    for path in writes {
+        assert!(
+            mounts.iter().any(|(m, ro)| m == path && !ro),
+            "{name}: {path} is a writable volume in {mounts:?}"
+        );
+    }
 }

@@ -6,7 +6,7 @@
 # Usage: kube-apiserver.sh DEBIAN_SOURCE_VERSION OUT_DIR [CMD...]   (CMD default: kube-apiserver;
 # e.g. kube-apiserver kubelet kube-controller-manager kube-scheduler kube-proxy)
 # Needs: golang-go, golang-github-modern-go-reflect2-dev, dpkg-dev, rsync and a deb-src line
-# (xtask setup provides them). See shared/reference/kube-apiserver.md for why each step.
+# (xtask setup provides them). The comment above each step says why it is needed.
 set -euo pipefail
 version=$1
 out=$2

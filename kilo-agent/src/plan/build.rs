@@ -268,7 +268,8 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
 
     // Without `--local`, a leader behind a CNI overlay (flannel, cilium) still returns
     // WireGuard traffic to its location's nodes through that overlay: what kilo0 delivers to a
-    // node's private IP goes, by table 1107, to the CNI's gateway for it (Kilo PR #409).
+    // node's private IP goes, by table 1107, to the CNI's gateway for it (Kilo's
+    // <https://github.com/squat/kilo/pull/409>).
     let overlay_return = |rt: &mut Routes| {
         if my_primary.is_none() || enc == Encapsulation::Never {
             return;

@@ -1,5 +1,6 @@
 //! The WireGuard device reconciler: observe the device, diff per peer, apply only the changed
-//! peers (never `replace_peers`, which drops every session: Kilo issues #82 and #273).
+//! peers (never `replace_peers`, which drops every session: Kilo's
+//! <https://github.com/squat/kilo/issues/82> and <https://github.com/squat/kilo/issues/273>).
 //!
 //! The real implementation talks to a kernel device over generic netlink or to an existing
 //! userspace device (wireguard-go) over its UAPI socket, through `wireguard-control`. It never

@@ -190,11 +190,12 @@ pub(super) fn render(
         md,
         "Written by `cargo xtask bench`. Every figure of kg and of the tools beside it \
          (iptables, ipset, nftables, the empty program, the lookups alone) was measured in \
-         this one run on this one machine; figures labelled Kilo's reference figures were not: they are constants \
-         from earlier measurements of Kilo (its execs per change from \
-         /work/shared/reference/kilo.md §3.6, where Kilo 0.7.0's code was run; its agent's \
-         memory, CPU and burst from a live run of three Kilo agents; the latency of one change \
-         as issue 36 gives it), each named where it appears. Every comparison is also given as a \
+         this one run, on the machine described below; figures labelled Kilo's reference \
+         figures were not: they are constants from earlier measurements of Kilo 0.7.0 (its \
+         execs per change from running its iptables controller; its agent's memory, CPU and \
+         burst from a live run of three Kilo agents; the latency of one change), each named \
+         where it appears, with their sources and methods in \
+         [docs/kilo-reference.md](docs/kilo-reference.md). Every comparison is also given as a \
          ratio. Cells are the median of the repetitions, with their range (min–max) in \
          parentheses. A target reads yes only when its figures were measured and meet it; \
          otherwise **no**, not measured (a figure could not be read) or not judged (the run did \

@@ -211,8 +211,8 @@ fn bench_records(peers: &[f64], joins: &[f64]) -> Vec<Value> {
              leader's wireguard-go listing the Peer's key (UAPI polled every 20 ms); a ping from \
              a probe pod in another location answered by a pod the scheduler put on the new node \
              (created as it registered; kube-proxy, kg's and wireguard-go's pods, the CNI \
-             configuration kg writes and the pod itself start in that time). {} nodes in {} locations on this machine's 2 \
-             shared cores; the nodes join one after another.",
+             configuration kg writes and the pod itself start in that time). {} nodes in {} locations on the 2 shared cores \
+             of the machine the figures were measured on; the nodes join one after another.",
             NODES.len(),
             NODES.iter().map(|(_, l)| l).collect::<BTreeSet<_>>().len(),
         )}),
