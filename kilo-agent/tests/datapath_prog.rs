@@ -634,10 +634,12 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
         })
         .collect();
     let err = dp.sync(&new, &NoResolver).unwrap_err().to_string();
-    assert!(
-        err.contains("full") && err.contains("10.50.") && err.contains("node-"),
-        "{err}"
-    );
+    // The entry named is one of the new plan's: a new one, or (on kernels before the LPM trie
+    // took in-place updates when full, such as 5.10) an existing one whose value changed.
+    let named = (new.mesh_destinations.iter())
+        .chain(&new.masquerade_destinations)
+        .any(|(net, e)| err.contains(&format!("entry {net} (owner {:?})", e.owner)));
+    assert!(err.contains("full") && named, "{err}");
     let have = mesh_nets(&mut dp);
     for net in old.mesh_destinations.keys() {
         assert!(have.contains(net), "{net} lost: {have:?}");
