@@ -151,6 +151,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
             }
         } else {
             tracing::info!("--clean-up=false: leaving the mesh and datapath running");
+            self.last_check_in().await;
         }
         self.stats.clone()
     }

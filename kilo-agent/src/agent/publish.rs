@@ -194,6 +194,21 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         (self.settings.clock.now_ms() / 1000).to_string()
     }
 
+    /// A check-in on the way out (the mesh stays up): a restart, such as a rolling update, then
+    /// has a whole heartbeat expiry to come back in before the others leave this node out.
+    /// Bounded like the clean-up's publish, so an unreachable backend cannot hold the process.
+    pub(super) async fn last_check_in(&mut self) {
+        if self.settings.check_in.is_none() {
+            return;
+        }
+        if tokio::time::timeout(super::ANNOTATION_REMOVAL_TIMEOUT, self.check_in())
+            .await
+            .is_err()
+        {
+            tracing::debug!("no last check-in: the backend did not answer");
+        }
+    }
+
     /// The check-in: refreshes `last-seen` alone (no plan, no reconcile). Returns whether a
     /// full pass is needed instead, because the local node is not published yet.
     pub(super) async fn check_in(&mut self) -> bool {

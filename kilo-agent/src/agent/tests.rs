@@ -539,3 +539,36 @@ async fn conflicts_are_counted_once_with_kind_and_field() {
     }
     assert!(text.contains("kilo_nodes 1"), "{text}");
 }
+
+/// With `--clean-up=false` (a rolling update), stopping publishes a fresh last-seen, so the
+/// restarted node has a whole expiry before the others leave it out; with clean-up it removes
+/// its annotations instead.
+#[tokio::test(start_paused = true)]
+async fn a_stop_without_clean_up_checks_in_on_the_way_out() {
+    let begin = tokio::time::Instant::now();
+    let (tx, _) = tokio::sync::watch::channel(Update {
+        snapshot: nodes(&["me"]),
+        generation: 1,
+        connected: true,
+        ..Update::default()
+    });
+    let backend = Arc::new(Driven {
+        tx,
+        published: Mutex::default(),
+        failing: Default::default(),
+    });
+    let settings = LoopSettings {
+        check_in: Some(Duration::from_secs(30)),
+        clean_up: false,
+        ..LoopSettings::default()
+    };
+    let agent = spawn(backend.clone(), settings, planned);
+    at(begin, 47_000).await;
+    agent.stop.send(()).unwrap();
+    agent.run.await.unwrap();
+    let published = backend.published.lock().unwrap().clone();
+    let last = published.last().expect("published");
+    assert_eq!(last.len(), 1, "{published:?}");
+    let at_stop = (T0 + 47).to_string();
+    assert_eq!(last[LAST_SEEN].as_deref(), Some(&*at_stop), "{published:?}");
+}
