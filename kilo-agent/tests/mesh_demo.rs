@@ -66,6 +66,12 @@ fn three_nodes_two_locations_route_encrypt_and_masquerade() {
         1,
         "{stdout}"
     );
+    // kg created a kernel WireGuard device (KRS_WIREGUARD=kernel), or configured wireguard-go's.
+    let link = match support::kernel_wireguard() {
+        true => "link type: wireguard",
+        false => "link type: tun",
+    };
+    assert!(stdout.contains(link), "missing {link:?} in:\n{stdout}");
     // Two pings across locations, both complete.
     assert_eq!(stdout.matches("0% packet loss").count(), 2, "{stdout}");
     let left = support::netns::sh("ip netns list");

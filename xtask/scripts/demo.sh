@@ -76,6 +76,7 @@ say "n1's CNI configuration: kg set the bridge's IPAM ranges to n1's pod CIDR"
 grep -A4 '"ranges"' "$WORK/n1.conflist"
 say "wg show on n1: a real WireGuard device, configured by kg $HOW"
 inns n1 wg show "${WG}1"
+echo "link type: $(inns n1 ip -d -o link show "${WG}1" | grep -o -w -E 'wireguard|tun' | head -1)"
 
 say "pod1 (east) -> pod3 (west): through the WireGuard tunnel between the two leaders"
 inns pod1 busybox ping -c3 -W2 10.42.3.2
