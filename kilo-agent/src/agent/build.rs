@@ -14,7 +14,8 @@ use super::{
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
     datapath::{
-        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath, logs,
+        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath,
+        forward::ForwardKeeper, logs,
     },
     http::ServeError,
     mesh::Key,
@@ -73,6 +74,7 @@ pub fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
         encapsulate: flags.encapsulate,
         compatibility: flags.compatibility,
         cni: flags.cni,
+        iptables_forward_rules: flags.iptables_forward_rules,
         topology_label: flags.topology_label.clone(),
         // Liveness is the agent's (see `agent::liveness`), applied before planning.
         now: None,
@@ -288,6 +290,10 @@ pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
     } else {
         reconciler
     };
+    // Always kept, the flag or not: without it, it removes the rules of an earlier run (the
+    // manifests do not clean up on exit), reading the chains only now and then.
+    let reconciler =
+        reconciler.with_forward_rules(Box::new(ForwardKeeper::new(crate::writes::READ_BACK_EVERY)));
     let planner = planner::planner(plan_settings(flags, &hostname));
     let mut agent = Agent::new(
         backend,
