@@ -9,7 +9,7 @@ use super::{
     Agent, AgentError, Local, LoopSettings, Planner, Stats, caps,
     config::{BackendKind, Compatibility, Encapsulate, Flags, LogLevel, Mtu, WebhookFlags},
     detect::{self, Detected},
-    key, planner, seccomp,
+    key, planner, prerequisites, seccomp,
 };
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
@@ -226,6 +226,7 @@ pub struct Started<P> {
 /// connection.
 pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
     warn_missing_capabilities(flags);
+    prerequisites::warn_missing(flags);
     let hostname = hostname(flags)?;
     let private_key = private_key(flags)?;
     let public_key = key::public_key(&private_key);

@@ -294,6 +294,10 @@ pub struct Flags {
     /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
     #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
     pub cni_path: PathBuf,
+    /// Where the CNI plugins the configuration names are (checked at start with --cni; in a
+    /// container, the host's directory mounted there).
+    #[arg(long, default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
     /// `flannel` or `cilium`: Kilo's encapsulators for running on top of that CNI (a node of
     /// the location is reached through its pod CIDR, or Cilium's address, on the CNI's device).
     #[arg(long, default_value = "", value_parser = str::parse::<Compatibility>)]

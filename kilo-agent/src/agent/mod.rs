@@ -14,7 +14,7 @@
 //! Files: `event_loop` (triggers, debounce, the reconcile step and its error policy), `pass`
 //! (one pass: liveness, plan, reconcilers), `publish` (this node's annotations, the check-in),
 //! `clean_up`, `clock`; start-up apart from the loop: `caps`, `seccomp`, `config` (flags),
-//! `detect`, `key`, `planner`.
+//! `detect`, `key`, `planner`, `prerequisites`.
 pub mod build;
 pub mod caps;
 mod clean_up;
@@ -26,6 +26,7 @@ pub mod key;
 pub mod liveness;
 mod pass;
 pub mod planner;
+pub mod prerequisites;
 mod publish;
 pub mod seccomp;
 #[cfg(test)]
