@@ -459,7 +459,7 @@ fn observe_all(c: &mut Conn) -> Result<Vec<Chain>, NftError> {
 
 /// Which iptables the host uses, as far as the rules go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum HostIptables {
     /// iptables-nft's `filter` table exists (in one family at least).
     Nft,
     /// No nftables `filter` table, but x_tables' (iptables-legacy's) is in use.
@@ -501,7 +501,7 @@ pub struct ForwardKeeper {
     last: Option<Vec<ForwardRule>>,
     checks: u64,
     /// What was last said about the host's iptables (said again only when it changes).
-    said: Option<(Backend, Vec<ForwardRule>)>,
+    said: Option<(HostIptables, Vec<ForwardRule>)>,
 }
 
 impl ForwardKeeper {
@@ -542,40 +542,40 @@ impl ForwardKeeper {
             );
         }
         let legacy = !want.is_empty() && legacy_filter();
-        let backend = if found.iter().any(|(_, r)| r.is_some()) {
-            Backend::Nft
+        let iptables = if found.iter().any(|(_, r)| r.is_some()) {
+            HostIptables::Nft
         } else if legacy {
-            Backend::Legacy
+            HostIptables::Legacy
         } else {
-            Backend::None
+            HostIptables::None
         };
-        self.say(backend, want, legacy);
+        self.say(iptables, want, legacy);
         Ok(writes)
     }
 
     /// Logs once what the host's iptables means for the rules (again only when it changes).
-    fn say(&mut self, backend: Backend, want: &[ForwardRule], legacy: bool) {
-        let now = (backend, want.to_vec());
+    fn say(&mut self, iptables: HostIptables, want: &[ForwardRule], legacy: bool) {
+        let now = (iptables, want.to_vec());
         if want.is_empty() || self.said.as_ref() == Some(&now) {
             return;
         }
         let by_hand: Vec<String> = want.iter().map(ToString::to_string).collect();
-        match backend {
-            Backend::Legacy => tracing::warn!(
+        match iptables {
+            HostIptables::Legacy => tracing::warn!(
                 rules = %by_hand.join("; "),
                 "--iptables-forward-rules: this host uses iptables-legacy, which kg cannot write \
                  without starting a process; add these rules yourself, or switch the host to \
-                 iptables-nft (update-alternatives --set iptables /usr/sbin/iptables-nft), or \
-                 use --fast-path"
+                 iptables-nft (update-alternatives --set iptables /usr/sbin/iptables-nft); \
+                 --fast-path gets the mesh's traffic (only) past a DROP policy"
             ),
-            Backend::Nft if legacy => tracing::warn!(
+            HostIptables::Nft if legacy => tracing::warn!(
                 rules = %by_hand.join("; "),
                 "--iptables-forward-rules: the rules are in iptables-nft's FORWARD chain, but \
                  iptables-legacy's filter table is in use too, and its FORWARD chain may still \
                  drop: add these rules there yourself"
             ),
-            Backend::Nft => {}
-            Backend::None => tracing::info!(
+            HostIptables::Nft => {}
+            HostIptables::None => tracing::info!(
                 "--iptables-forward-rules: no iptables FORWARD chain (ip filter) on this host, \
                  so nothing to accept against; the rules follow if iptables-nft creates it"
             ),
