@@ -30,6 +30,12 @@ struct Setup {
 }
 
 fn setup(tag: &str) -> Setup {
+    setup_with(tag, "iptables-nft")
+}
+
+/// [`setup`] with the FORWARD chain's policy and the foreign rule set by `iptables`
+/// (`iptables-nft` or `iptables-legacy`).
+fn setup_with(tag: &str, iptables: &str) -> Setup {
     let router = NetNs::new(tag);
     let pod = NetNs::new(&format!("{tag}p"));
     let dest = NetNs::new(&format!("{tag}d"));
@@ -48,8 +54,8 @@ fn setup(tag: &str) -> Setup {
     pod.sh("ip addr add 10.42.1.2/24 dev eth0 && ip route add default via 10.42.1.1");
     // What Docker does to the host: iptables' FORWARD chain drops what nothing accepted. And
     // a rule of somebody else's, which kg must leave alone.
-    router.sh("iptables-nft -P FORWARD DROP");
-    router.sh("iptables-nft -A FORWARD -s 192.0.2.0/24 -j DROP");
+    router.sh(&format!("{iptables} -P FORWARD DROP"));
+    router.sh(&format!("{iptables} -A FORWARD -s 192.0.2.0/24 -j DROP"));
     Setup {
         router,
         pod,
@@ -285,4 +291,39 @@ fn iptables_legacy_is_detected_and_left_alone() {
         !ns.sh("iptables-legacy -S FORWARD").contains("kilo-rs"),
         "nothing in the legacy table"
     );
+}
+
+/// The real kg on an iptables-legacy host: it writes nothing (not even an nftables table) and
+/// says once, at warning level, which rules to add by hand.
+#[test]
+fn on_iptables_legacy_kg_says_once_what_to_add_by_hand() {
+    if !support::require_root("on_iptables_legacy_kg_says_once_what_to_add_by_hand") {
+        return;
+    }
+    let s = setup_with("fwg", "iptables-legacy");
+    let dir = tempfile::tempdir().unwrap();
+    let bpffs = BpfFs::new();
+    let wg = WgGo::start(&s.router);
+    let mut kg = start_kg(&s, &dir, &bpffs, &wg, &["--iptables-forward-rules=true"]);
+    let seen = reconciles(&kg);
+    eventually("three more reconciles", || reconciles(&kg) >= seen + 3);
+    let text = kg.metrics().expect("kg answers");
+    assert_eq!(
+        metrics::metric(&text, r#"kilo_writes_total{kind="forward_rule_add"}"#),
+        None,
+        "{text}"
+    );
+    let log = kg.stop();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("this host uses iptables-legacy"))
+        .collect();
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(said[0].contains(r#""level":"WARN""#), "{}", said[0]);
+    assert!(
+        said[0].contains("iptables -I FORWARD -s 10.42.1.0/24"),
+        "{}",
+        said[0]
+    );
+    assert!(!s.router.sh("nft list tables").contains("filter"));
 }
