@@ -1351,3 +1351,62 @@ fn peers_validate_and_translate_as_kilo_golden() {
     }
     assert!(checked > 20, "{checked} lines");
 }
+
+/// `--iptables-forward-rules` (with `--cni`): the FORWARD accepts of Kilo's `Rules(cni=true,
+/// iptablesForwardRule=true)`, in Kilo's order and with Kilo's comment after kg's prefix; none
+/// without the flag or without `--cni` (Kilo's `cni=false` section has none either).
+#[test]
+fn forward_rules_match_kilo_iptables_rules() {
+    use kilo_agent::datapath::forward::{self, Direction};
+    let snap = fixture();
+    for (g, h, text) in each_golden() {
+        let kilo: Vec<(Direction, IpNet, String)> = section(
+            &text,
+            "## iptables: Topology.Rules(cni=true, iptablesForwardRule=true)",
+        )
+        .lines()
+        .filter(|l| l.contains(" FORWARD "))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let arg = |flag: &str| words.iter().position(|w| *w == flag).map(|i| words[i + 1]);
+            let (direction, net) = match (arg("-s"), arg("-d")) {
+                (Some(s), None) => (Direction::From, s),
+                (None, Some(d)) => (Direction::To, d),
+                _ => panic!("{l}"),
+            };
+            let comment = l.split('"').nth(1).unwrap();
+            let what = comment.strip_prefix("Kilo: forward packets ").unwrap();
+            (direction, net.parse().unwrap(), what.to_string())
+        })
+        .collect();
+        assert!(!kilo.is_empty(), "{g} from {h}");
+        let planned = |cni, iptables_forward_rules| {
+            plan_of(
+                &snap,
+                &Settings {
+                    cni,
+                    iptables_forward_rules,
+                    ..settings(g, h)
+                },
+            )
+            .forward
+        };
+        let ours: Vec<(Direction, IpNet, String)> = forward::rules(&planned(true, true))
+            .into_iter()
+            .map(|r| {
+                let what = r.comment.strip_prefix(forward::COMMENT_PREFIX).unwrap();
+                (r.direction, r.net, what.to_string())
+            })
+            .collect();
+        assert_eq!(ours, kilo, "{g} from {h}");
+        assert!(planned(true, false).is_empty());
+        assert!(planned(false, true).is_empty());
+        assert!(
+            !section(
+                &text,
+                "## iptables: Topology.Rules(cni=false, iptablesForwardRule=true)"
+            )
+            .contains(" FORWARD ")
+        );
+    }
+}

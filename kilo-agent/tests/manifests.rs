@@ -749,3 +749,136 @@ fn kg_writes_only_to_volumes(name: &str, c: &Value) {
         );
     }
 }
+
+/// The node-by-node migration (docs/migrating.md): `manifests/migrate` renders kg's DaemonSet
+/// under another name and selector than Kilo's (`kilo`, selecting Kilo's labels
+/// `app.kubernetes.io/name: kilo, app.kubernetes.io/part-of: kilo`), so neither adopts the
+/// other's pods, on the nodes labelled `kilo.squat.ai/agent=kg` only and cleaning up when it
+/// stops; `finish/not-kg.yaml`, the patch for Kilo's DaemonSet, and the `finish` overlay (kg's
+/// regular DaemonSet) run on exactly the other nodes, and restart no pod when patched.
+#[test]
+fn the_migration_overlay_splits_the_nodes_between_kilo_and_kg() {
+    use std::collections::BTreeMap;
+    type Labels = BTreeMap<String, String>;
+    fn labels(v: &Value) -> Labels {
+        v.as_mapping()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, v)| Some((k.as_str()?.to_string(), v.as_str()?.to_string())))
+            .collect()
+    }
+    fn selects(selector: &Labels, pod: &Labels) -> bool {
+        selector.iter().all(|(k, v)| pod.get(k) == Some(v))
+    }
+    /// Whether a node with `node` labels satisfies the pod spec's required node affinity.
+    fn schedules(pod_spec: &Value, node: &Labels) -> bool {
+        let terms = &pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        let terms = terms.as_sequence().expect("a required node affinity");
+        terms.iter().any(|t| {
+            t["matchExpressions"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .all(|e| {
+                    let value = node.get(e["key"].as_str().unwrap());
+                    let values = strings(&e["values"]);
+                    let listed = value.is_some_and(|v| values.contains(v));
+                    match e["operator"].as_str().unwrap() {
+                        "In" => listed,
+                        "NotIn" => !listed,
+                        op => panic!("operator {op}"),
+                    }
+                })
+        })
+    }
+    fn args(ds: &Value) -> Vec<String> {
+        let spec = &ds["spec"]["template"]["spec"];
+        strings(
+            &named(&spec["containers"])
+                .find(|(n, _)| *n == "kilo")
+                .unwrap()
+                .1["args"],
+        )
+    }
+
+    let Some(kubectl) = kubectl() else {
+        assert!(!support::skip_unless(
+            "the_migration_overlay_splits_the_nodes_between_kilo_and_kg",
+            Some("no kubectl".into())
+        ));
+        return;
+    };
+    let dir = manifests().join("migrate");
+    let rendered = kustomize(&kubectl, &dir);
+    let kg = rendered
+        .iter()
+        .find(|d| args(d).iter().any(|a| a.starts_with("--hostname")))
+        .expect("kg's DaemonSet");
+    assert_eq!(rendered.len(), 1, "only kg's DaemonSet");
+    // Kilo's DaemonSet (Kilo's manifests/kilo-*.yaml), patched as docs/migrating.md says.
+    let kilo_selector: Labels = [
+        ("app.kubernetes.io/name", "kilo"),
+        ("app.kubernetes.io/part-of", "kilo"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let not_kg: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(dir.join("finish/not-kg.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(not_kg["metadata"]["name"], "kilo");
+    assert_eq!(not_kg["spec"]["updateStrategy"]["type"], "OnDelete");
+
+    assert_ne!(kg["metadata"]["name"], "kilo");
+    let kg_selector = labels(&kg["spec"]["selector"]["matchLabels"]);
+    let kg_pods = labels(&kg["spec"]["template"]["metadata"]["labels"]);
+    assert!(selects(&kg_selector, &kg_pods));
+    assert_ne!(kg_selector, kilo_selector);
+    assert!(
+        !selects(&kg_selector, &kilo_selector),
+        "kg would adopt Kilo's pods"
+    );
+    assert!(
+        !selects(&kilo_selector, &kg_pods),
+        "Kilo would adopt kg's pods"
+    );
+    assert!(
+        args(kg).contains(&"--clean-up=true".to_string()),
+        "{:?}",
+        args(kg)
+    );
+
+    // The regular overlay's DaemonSet, as the finish step applies it.
+    let finish = kustomize(&kubectl, &dir.join("finish"));
+    let regular = finish
+        .iter()
+        .find(|d| d["metadata"]["name"] == "kilo")
+        .expect("kg's regular DaemonSet");
+    assert_eq!(regular["spec"]["updateStrategy"]["type"], "OnDelete");
+    assert!(args(regular).contains(&"--clean-up=false".to_string()));
+
+    let node = |agent: Option<&str>| -> Labels {
+        let mut l: Labels = [("kubernetes.io/os".to_string(), "linux".to_string())].into();
+        if let Some(a) = agent {
+            l.insert("kilo.squat.ai/agent".into(), a.into());
+        }
+        l
+    };
+    for n in [
+        node(None),
+        node(Some("kg")),
+        node(Some("kilo")),
+        node(Some("")),
+    ] {
+        let on_kg = schedules(&kg["spec"]["template"]["spec"], &n);
+        let on_kilo = schedules(&not_kg["spec"]["template"]["spec"], &n);
+        let on_regular = schedules(&regular["spec"]["template"]["spec"], &n);
+        assert!(on_kg != on_kilo, "exactly one agent on {n:?}");
+        assert_eq!(on_kilo, on_regular, "{n:?}");
+        assert_eq!(
+            on_kg,
+            n.get("kilo.squat.ai/agent").map(String::as_str) == Some("kg")
+        );
+    }
+}

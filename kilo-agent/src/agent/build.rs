@@ -9,13 +9,13 @@ use super::{
     Agent, AgentError, Local, LoopSettings, Planner, Stats, caps,
     config::{BackendKind, Compatibility, Encapsulate, Flags, LogLevel, Mtu, WebhookFlags},
     detect::{self, Detected},
-    key, planner, seccomp,
+    key, planner, prerequisites, seccomp,
 };
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
     datapath::{
         Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath,
-        kernel, logs,
+        forward::ForwardKeeper, kernel, logs,
     },
     http::ServeError,
     mesh::Key,
@@ -76,6 +76,7 @@ pub fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
         encapsulate: flags.encapsulate,
         compatibility: flags.compatibility,
         cni: flags.cni,
+        iptables_forward_rules: flags.iptables_forward_rules,
         topology_label: flags.topology_label.clone(),
         // Liveness is the agent's (see `agent::liveness`), applied before planning.
         now: None,
@@ -228,6 +229,7 @@ pub struct Started<P> {
 /// connection.
 pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
     warn_missing_capabilities(flags);
+    prerequisites::warn_missing(flags);
     let hostname = hostname(flags)?;
     let private_key = private_key(flags)?;
     let public_key = key::public_key(&private_key);
@@ -292,6 +294,10 @@ pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
     } else {
         reconciler
     };
+    // Always kept, the flag or not: without it, it removes the rules of an earlier run (the
+    // manifests do not clean up on exit), reading the chains only now and then.
+    let reconciler =
+        reconciler.with_forward_rules(Box::new(ForwardKeeper::new(crate::writes::READ_BACK_EVERY)));
     let planner = planner::planner(plan_settings(flags, &hostname));
     let mut agent = Agent::new(
         backend,

@@ -294,6 +294,10 @@ pub struct Flags {
     /// Path of the CNI configuration (Kilo's flag; CNI configuration is written by the install step).
     #[arg(long, default_value = "/etc/cni/net.d/10-kilo.conflist")]
     pub cni_path: PathBuf,
+    /// Where the CNI plugins the configuration names are (checked at start with --cni; in a
+    /// container, the host's directory mounted there).
+    #[arg(long, default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
     /// `flannel` or `cilium`: Kilo's encapsulators for running on top of that CNI (a node of
     /// the location is reached through its pod CIDR, or Cilium's address, on the CNI's device).
     #[arg(long, default_value = "", value_parser = str::parse::<Compatibility>)]
@@ -370,7 +374,11 @@ pub struct Flags {
     /// Forbid execve/execveat after start-up.
     #[arg(long, default_value_t = true)]
     pub seccomp: bool,
-    /// Kilo's iptables FORWARD rules: not needed (accepted, ignored; see the warning).
+    /// Kilo's FORWARD rules (with --cni): ACCEPT traffic from and to the location's pod CIDRs,
+    /// allowed-location IPs and private IPs (a leader) or the node's pod CIDR (any other node),
+    /// at the top of iptables' FORWARD chain, for hosts whose FORWARD policy is DROP. Written
+    /// over netlink into the `ip filter` / `ip6 filter` tables of iptables-nft; on a host using
+    /// iptables-legacy kg says once which rules to add by hand.
     #[arg(long, default_value_t = false)]
     pub iptables_forward_rules: bool,
     /// Pod-facing interfaces whose ingress runs the datapath (besides the WireGuard interface);
@@ -419,12 +427,10 @@ impl Flags {
                  cross the mesh, and the kernel may refuse the MTU"
             ));
         }
-        if self.iptables_forward_rules {
+        if self.iptables_forward_rules && !self.cni {
             w.push(
-                "--iptables-forward-rules is ignored: kilo-rs installs no iptables rules; forwarding \
-                 decisions are made by the eBPF datapath (whose redirect fast path also bypasses a \
-                 FORWARD DROP policy), and the only netfilter object is one static nftables \
-                 masquerade rule"
+                "--iptables-forward-rules has no effect with --cni=false (as in Kilo): the FORWARD \
+                 ACCEPT rules are for the pod CIDRs of a node that is the CNI"
                     .to_string(),
             );
         }

@@ -14,7 +14,8 @@
 //! Files: `event_loop` (triggers, debounce, the reconcile step and its error policy), `pass`
 //! (one pass: liveness, plan, reconcilers), `publish` (this node's annotations, the check-in),
 //! `clean_up`, `clock`, `malformed` (the datapath's malformed count watched); start-up apart
-//! from the loop: `caps`, `seccomp`, `config` (flags), `detect`, `key`, `planner`.
+//! from the loop: `caps`, `seccomp`, `config` (flags), `detect`, `key`, `planner`,
+//! `prerequisites`.
 pub mod build;
 pub mod caps;
 mod clean_up;
@@ -27,6 +28,7 @@ pub mod liveness;
 mod malformed;
 mod pass;
 pub mod planner;
+pub mod prerequisites;
 mod publish;
 pub mod seccomp;
 #[cfg(test)]

@@ -14,6 +14,7 @@
 //! sync.rs        MapSync: the diff between the plans and the tries, from a record of the writes
 //! counters.rs    the mapped counters array; Counters: every counter, labelled
 //! nft.rs         the static masquerade rule (nftables), kept with the program's mark
+//! forward.rs     --iptables-forward-rules: ACCEPTs in iptables-nft's FORWARD chain (nftables)
 //! reconciler.rs  DatapathSync: the datapath as the reconciler drives it; DatapathReconciler
 //! fake.rs        FakeMaps, FakeDatapath: the same in memory, for fast tests
 //! logs.rs        the program's aya-log records as `tracing` events
@@ -22,6 +23,7 @@ mod attach;
 mod config;
 mod counters;
 mod fake;
+pub mod forward;
 pub mod kernel;
 mod keys;
 mod load;

@@ -28,8 +28,9 @@ use std::{
 use ipnet::IpNet;
 
 use super::{
-    Compatibility, Device, Encapsulation, KILO_TABLE, KeepaliveSource, MAIN_TABLE, NextHop, Plan,
-    PlanError, Planned, Route, Rule, Settings, WireGuardPeer, WireGuardPlan,
+    Compatibility, Device, Encapsulation, ForwardAccept, ForwardWhat, KILO_TABLE, KeepaliveSource,
+    MAIN_TABLE, NextHop, Plan, PlanError, Planned, Route, Rule, Settings, WireGuardPeer,
+    WireGuardPlan,
     datapath::{datapath, ipip},
 };
 use crate::{
@@ -409,5 +410,33 @@ pub fn build(t: &Topology, s: &Settings) -> Plan {
         } else {
             Vec::new()
         },
+        forward: forward(t, s),
     }
+}
+
+/// Kilo's FORWARD accepts (`--iptables-forward-rules`, only with `--cni`): a leader forwards
+/// for its whole location (pod CIDRs, allowed-location IPs and private IPs of every node in
+/// it), any other node for its own pod CIDRs (Kilo: its one pod CIDR).
+fn forward(t: &Topology, s: &Settings) -> Vec<ForwardAccept> {
+    if !(s.cni && s.iptables_forward_rules) {
+        return Vec::new();
+    }
+    let accept = |what| move |net| ForwardAccept { net, what };
+    if !t.leader {
+        return t
+            .pod_cidrs
+            .iter()
+            .copied()
+            .map(accept(ForwardWhat::NodePodSubnet))
+            .collect();
+    }
+    let mut out = Vec::new();
+    for seg in t.segments.iter().filter(|seg| seg.location == t.location) {
+        out.extend(seg.cidrs().map(accept(ForwardWhat::PodSubnet)));
+        out.extend(
+            (seg.allowed_location_ips.iter().copied()).map(accept(ForwardWhat::AllowedLocationIps)),
+        );
+        out.extend((seg.private_ips().map(host_net)).map(accept(ForwardWhat::PrivateIps)));
+    }
+    out
 }

@@ -48,6 +48,42 @@ pub struct Plan {
     /// The IPAM ranges of the bridge CNI configuration (`--cni`): the node's pod CIDRs. Empty
     /// without `--cni`.
     pub cni_ranges: Vec<IpNet>,
+    /// What iptables' FORWARD chain must accept from and to (`--iptables-forward-rules` with
+    /// `--cni`), in Kilo's order. Empty otherwise.
+    pub forward: Vec<ForwardAccept>,
+}
+
+/// One of Kilo's `--iptables-forward-rules` pairs: traffic from `net` and traffic to `net` is
+/// accepted in the FORWARD chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ForwardAccept {
+    pub net: IpNet,
+    pub what: ForwardWhat,
+}
+
+/// What a [`ForwardAccept`] is for, as Kilo's rule comments say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ForwardWhat {
+    /// A leader: a pod CIDR of its location.
+    PodSubnet,
+    /// A leader: an allowed-location IP of its location.
+    AllowedLocationIps,
+    /// A leader: a private IP of its location (/32, /128).
+    PrivateIps,
+    /// Not a leader: its own pod CIDR.
+    NodePodSubnet,
+}
+
+impl ForwardWhat {
+    /// The end of Kilo's comment, `forward packets from <this>` / `to <this>`.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            ForwardWhat::PodSubnet => "the pod subnet",
+            ForwardWhat::AllowedLocationIps => "allowed location IPs",
+            ForwardWhat::PrivateIps => "private IPs",
+            ForwardWhat::NodePodSubnet => "the node's pod subnet",
+        }
+    }
 }
 
 /// The WireGuard device's configuration, without the private key.

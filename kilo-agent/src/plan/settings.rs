@@ -100,6 +100,9 @@ pub struct Settings {
     pub compatibility: Compatibility,
     /// `--cni` (true): the local pod CIDR is a NAT source and the CNI configuration's range.
     pub cni: bool,
+    /// `--iptables-forward-rules` (false): with `cni`, the plan's [`forward`](super::Plan::forward)
+    /// accepts.
+    pub iptables_forward_rules: bool,
     /// `--topology-label` (topology.kubernetes.io/region).
     pub topology_label: String,
     pub persistent_keepalive: KeepaliveSource,
@@ -124,6 +127,7 @@ impl Default for Settings {
             encapsulate: Encapsulation::Always,
             compatibility: Compatibility::None,
             cni: true,
+            iptables_forward_rules: false,
             topology_label: mesh::DEFAULT_TOPOLOGY_LABEL.to_string(),
             persistent_keepalive: KeepaliveSource::LocalNode,
             now: None,

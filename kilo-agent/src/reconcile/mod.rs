@@ -1,15 +1,16 @@
 //! Reconcilers: observe kernel state, diff it against the plan, apply only the difference.
 //! Each effect sits behind a small trait with a real implementation and an in-memory fake:
 //! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
-//! (the device, per peer) and [`DatapathSync`] (the eBPF maps and NAT rule: the datapath
-//! module's trait; the datapath never imports this module). [`Reconciler`] runs them in order
+//! (the device, per peer), [`DatapathSync`] (the eBPF maps and NAT rule: the datapath
+//! module's trait; the datapath never imports this module) and, optionally, [`ForwardRules`]
+//! (`--iptables-forward-rules`, also the datapath module's). [`Reconciler`] runs them in order
 //! and returns the [`Writes`] it made.
 //!
 //! Write kinds counted in [`Writes`]: `link_add`, `link_set`, `link_del`, `address_add`,
 //! `address_del`, `route_add`, `route_replace`, `route_del`, `rule_add`, `rule_del`,
 //! `wireguard_device_set` (private key / listen port), `wireguard_peer_add`,
-//! `wireguard_peer_update`, `wireguard_peer_remove`, plus whatever the datapath reports
-//! (`map_insert`, `map_delete`, ...). A reconcile of a node that matches its plan returns none.
+//! `wireguard_peer_update`, `wireguard_peer_remove`, `forward_rule_add`, `forward_rule_del`,
+//! `cni_config`, plus whatever the datapath reports (`map_insert`, `map_delete`, ...). A reconcile of a node that matches its plan returns none.
 //!
 //! Route realms: the routes the datapath encapsulates carry [`KILO_REALM`], so its
 //! encapsulation skips the host's other traffic after one helper call ([`Realms`]). A kernel
@@ -41,7 +42,7 @@ use self::{
     wireguard::{Resolver, WgDiff, WireGuard},
 };
 use crate::{
-    datapath::DatapathSync,
+    datapath::{DatapathSync, forward::ForwardRules},
     mesh::Key,
     plan::{Devices, Plan},
     writes::Writes,
@@ -119,6 +120,8 @@ pub struct DryRun {
     pub datapath: Vec<String>,
     /// What the CNI configuration file would get.
     pub cni: Option<String>,
+    /// What the FORWARD chains would get (`--iptables-forward-rules`).
+    pub forward: Vec<String>,
     pub link_missing: bool,
     pub problems: Vec<String>,
 }
@@ -129,7 +132,7 @@ impl std::fmt::Display for DryRun {
             writeln!(f, "+ link (WireGuard interface)")?;
         }
         write!(f, "{}{}", self.wireguard, self.kernel)?;
-        for l in self.datapath.iter().chain(&self.cni) {
+        for l in self.datapath.iter().chain(&self.cni).chain(&self.forward) {
             writeln!(f, "{l}")?;
         }
         for p in &self.problems {
@@ -152,7 +155,9 @@ pub enum Realms {
 }
 
 /// Runs the reconcilers in dependency order: link, WireGuard device, datapath (before the
-/// routes that send into its encapsulation), addresses, routes, rules, and (with [`Reconciler::with_cni`]) the CNI configuration file.
+/// routes that send into its encapsulation), addresses, routes, rules, (with
+/// [`Reconciler::with_cni`]) the CNI configuration file, and (with
+/// [`Reconciler::with_forward_rules`]) the FORWARD chains' accepts.
 /// It owns the [`EventFilter`] a [`netlink::watch`] applies and keeps it on the devices it
 /// observed last.
 pub struct Reconciler<K, W, D> {
@@ -161,6 +166,7 @@ pub struct Reconciler<K, W, D> {
     datapath: D,
     settings: Settings,
     cni: Option<cni::CniFile>,
+    forward: Option<Box<dyn ForwardRules + Send>>,
     realms: Realms,
     events: Arc<Mutex<EventFilter>>,
 }
@@ -209,6 +215,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             datapath,
             settings,
             cni: None,
+            forward: None,
             realms: Realms::Unknown,
             events: Arc::new(Mutex::new(events)),
         }
@@ -270,6 +277,13 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         self
     }
 
+    /// Also keeps the plan's [`forward`](Plan::forward) accepts in iptables' FORWARD chains
+    /// (and, with none planned, removes those of an earlier run).
+    pub fn with_forward_rules(mut self, forward: Box<dyn ForwardRules + Send>) -> Self {
+        self.forward = Some(forward);
+        self
+    }
+
     fn link_want(&self) -> LinkWant {
         LinkWant {
             up: true,
@@ -308,6 +322,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 report.problems.push(missing.to_string());
                 self.sync_datapath(plan, &observed.indexes, &mut report);
                 self.sync_cni(plan, &mut report);
+                self.sync_forward(plan, &mut report);
                 self.observed_links(&mut report, observed.links);
                 return Ok(report);
             }
@@ -393,6 +408,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
         self.sync_cni(plan, &mut report);
+        self.sync_forward(plan, &mut report);
         self.observed_links(&mut report, observed.links);
         Ok(report)
     }
@@ -412,6 +428,17 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             let (w, problem) = cni.reconcile(&plan.cni_ranges);
             report.writes += w;
             report.problems.extend(problem);
+        }
+    }
+
+    fn sync_forward(&mut self, plan: &Plan, report: &mut Report) {
+        if let Some(forward) = &mut self.forward {
+            match forward.ensure(&plan.forward) {
+                Ok(w) => report.writes += w,
+                Err(e) => report
+                    .problems
+                    .push(format!("FORWARD rules (--iptables-forward-rules): {e}")),
+            }
         }
     }
 
@@ -460,11 +487,17 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 Err(e) => out.problems.push(e.to_string()),
             }
         }
+        if let Some(forward) = &mut self.forward {
+            match forward.describe(&plan.forward) {
+                Ok(lines) => out.forward = lines,
+                Err(e) => out.problems.push(e.to_string()),
+            }
+        }
         Ok(out)
     }
 
-    /// Removes our routes, rules, the WireGuard link's addresses and the datapath; with
-    /// `remove_interface` the WireGuard link too.
+    /// Removes our routes, rules, the WireGuard link's addresses, the datapath and our FORWARD
+    /// rules; with `remove_interface` the WireGuard link too.
     pub async fn clean_up(&mut self, remove_interface: bool) -> Result<Report, KernelError> {
         let mut report = Report::default();
         let devices = self.settings.devices.clone();
@@ -496,6 +529,12 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
         match self.datapath.clean_up() {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
+        }
+        if let Some(forward) = &mut self.forward {
+            match forward.clean_up() {
+                Ok(w) => report.writes += w,
+                Err(e) => report.problems.push(e.to_string()),
+            }
         }
         if remove_interface && let Some(l) = link {
             match self.kernel.delete_link(l.index).await {

@@ -35,6 +35,7 @@ fn plan() -> Plan {
         datapath: DatapathPlan::default(),
         ipip: Default::default(),
         cni_ranges: Vec::new(),
+        forward: Vec::new(),
     }
 }
 
@@ -89,6 +90,45 @@ fn converges_then_writes_nothing_then_cleans_up() {
         assert_eq!(clean.writes.get("rule_del"), 1);
         assert_eq!(clean.writes.get("link_del"), 1);
         assert!(r.kernel.state.routes.is_empty() && r.kernel.state.rules.is_empty());
+    });
+}
+
+/// The plan's FORWARD accepts reach the rules' keeper at each reconcile (two rules each; none
+/// written when they are there), the dry run names the missing ones, clean-up removes them.
+#[test]
+fn forward_rules_follow_the_plan_and_go_on_clean_up() {
+    use crate::{
+        datapath::forward::FakeForward,
+        plan::{ForwardAccept, ForwardWhat},
+    };
+    block_on(async {
+        let mut r = reconciler().with_forward_rules(Box::new(FakeForward::default()));
+        let accept = |net: &str| ForwardAccept {
+            net: net.parse().unwrap(),
+            what: ForwardWhat::NodePodSubnet,
+        };
+        let with = |nets: &[&str]| Plan {
+            forward: nets.iter().map(|n| accept(n)).collect(),
+            ..plan()
+        };
+        let dry = r
+            .dry_run(&with(&["10.2.0.0/24"]))
+            .await
+            .unwrap()
+            .to_string();
+        assert!(
+            dry.contains("+ iptables -I FORWARD -s 10.2.0.0/24"),
+            "{dry}"
+        );
+        let first = r.reconcile(&with(&["10.2.0.0/24"])).await.unwrap();
+        assert_eq!(first.writes.get("forward_rule_add"), 2, "{}", first.writes);
+        let again = r.reconcile(&with(&["10.2.0.0/24"])).await.unwrap();
+        assert!(again.writes.is_empty(), "{}", again.writes);
+        let moved = r.reconcile(&with(&["10.2.9.0/24"])).await.unwrap();
+        assert_eq!(moved.writes.get("forward_rule_add"), 2);
+        assert_eq!(moved.writes.get("forward_rule_del"), 2);
+        let clean = r.clean_up(true).await.unwrap();
+        assert_eq!(clean.writes.get("forward_rule_del"), 2, "{}", clean.writes);
     });
 }
 

@@ -54,8 +54,11 @@ fn go_style_flags() {
     assert_eq!(f.mtu, Mtu::Fixed(1380));
     assert_eq!(f.service_cidr.len(), 2);
     assert!(f.validate().is_ok());
+    assert!(f.warnings().is_empty(), "{:?}", f.warnings());
+    // Kilo adds its FORWARD rules only as the CNI.
+    let f = Flags::try_parse_from(["kg", "--iptables-forward-rules", "--cni=false"]).unwrap();
     assert_eq!(f.warnings().len(), 1);
-    assert!(f.warnings()[0].contains("eBPF"));
+    assert!(f.warnings()[0].contains("--cni=false"));
     // Kilo's repeatable flags also take comma-separated values.
     let f = Flags::try_parse_from([
         "kg",
