@@ -25,6 +25,8 @@ struct Check {
     test: &'static str,
     /// The test binary's arguments beyond `--test-threads` (a filter).
     args: &'static str,
+    /// Only on these kernels (empty: on every one).
+    only: &'static [&'static str],
     env: &'static [(&'static str, &'static str)],
 }
 
@@ -33,45 +35,52 @@ struct Check {
 const KERNEL_WG: (&str, &str) = ("KRS_WIREGUARD", "kernel");
 
 /// The userspace WireGuard path (wireguard-go) is what every mesh test runs on this machine; here
-/// the meshes use the kernel's, as Kilo's manifests do.
+/// the meshes use the kernel's, as Kilo's manifests do. The demo mesh has IPIP inside a location
+/// with Kilo's defaults; the IPIP mesh tests' other cases stay on this machine's kernel.
 const CHECKS: &[Check] = &[
     Check {
         name: "TC program (BPF_PROG_TEST_RUN)",
         test: "datapath_prog",
         args: "",
+        only: &[],
         env: &[],
     },
     Check {
         name: "IPIP programs (BPF_PROG_TEST_RUN)",
         test: "datapath_ipip",
         args: "",
+        only: &[],
         env: &[],
     },
     Check {
         name: "namespaces: masquerade, fast path, adoption, clean-up",
         test: "datapath_netns",
         args: "",
+        only: &[],
         env: &[],
     },
     Check {
         name: "demo mesh, kernel WireGuard",
         test: "mesh_demo",
         args: "--nocapture",
-        env: &[KERNEL_WG],
-    },
-    Check {
-        name: "IPIP mesh (Kilo's defaults), kernel WireGuard",
-        test: "mesh_ipip",
-        args: "--skip tunl0",
+        only: &[],
         env: &[KERNEL_WG],
     },
     Check {
         name: "kernel IPIP (tunl0) interop",
         test: "mesh_ipip",
         args: "tunl0",
+        // One kernel with the module shows both directions; Debian 12's is the most used.
+        only: &["6.1"],
         env: &[KERNEL_WG],
     },
 ];
+
+impl Check {
+    fn runs_on(&self, label: &str) -> bool {
+        self.only.is_empty() || self.only.contains(&label)
+    }
+}
 
 /// A booted kernel's files: its image and the release its modules are under.
 struct Kernel {
@@ -103,7 +112,12 @@ pub fn kernels(only: &[String]) -> Result<()> {
         let dir = out.join(kernel.label);
         fs::create_dir_all(&dir)?;
         let start = Instant::now();
-        boot(&vm, kernel, &guest_script(&tests, &dir)?, &dir)?;
+        boot(
+            &vm,
+            kernel,
+            &guest_script(kernel.label, &tests, &dir)?,
+            &dir,
+        )?;
         eprintln!(
             "xtask kernels: {} ({}) done in {:.0} s",
             kernel.label,
@@ -178,9 +192,10 @@ fn apt_dir() -> PathBuf {
     cache_dir().join("kernels/apt")
 }
 
-fn apt(args: &[&str]) -> Command {
+/// `tool` (`apt-get`, `apt-cache`) on the private configuration.
+fn apt(tool: &str, args: &[&str]) -> Command {
     let dir = apt_dir();
-    let mut cmd = Command::new("apt-get");
+    let mut cmd = Command::new(tool);
     cmd.arg("-qq")
         .arg("-o=APT::Sandbox::User=root")
         .arg(format!(
@@ -220,7 +235,7 @@ fn apt_update() -> Result<()> {
         )?;
     }
     fs::write(dir.join("sources.list"), sources)?;
-    run(&mut apt(&["update"]))
+    run(&mut apt("apt-get", &["update"]))
 }
 
 /// Downloads `package` (its newest version in the private sources) into the cache once; a
@@ -232,7 +247,7 @@ fn download(package: &str) -> Result<PathBuf> {
         return Ok(deb);
     }
     apt_update()?;
-    run(apt(&["download", package]).current_dir(&debs))?;
+    run(apt("apt-get", &["download", package]).current_dir(&debs))?;
     cached_deb(&debs, package)?.with_context(|| format!("{package} not downloaded"))
 }
 
@@ -265,22 +280,7 @@ fn resolve(package: &str) -> Result<String> {
         return Ok(package.to_owned());
     }
     apt_update()?;
-    let dir = apt_dir();
-    let names = output(
-        Command::new("apt-cache")
-            .arg(format!(
-                "-o=Dir::Etc::SourceList={}",
-                dir.join("sources.list").display()
-            ))
-            .arg("-o=Dir::Etc::SourceParts=/dev/null")
-            .arg(format!(
-                "-o=Dir::State::Lists={}",
-                dir.join("lists").display()
-            ))
-            .arg(format!("-o=Dir::Cache={}", dir.join("cache").display()))
-            .arg("pkgnames")
-            .arg("linux-image-"),
-    )?;
+    let names = output(&mut apt("apt-cache", &["pkgnames", "linux-image-"]))?;
     if names.lines().any(|n| n == package) {
         return Ok(package.to_owned());
     }
@@ -410,7 +410,7 @@ fn slug(name: &str) -> String {
 
 /// The script the VM runs: bpffs, the modules the userspace and kernel paths need, then every
 /// check with its own log and a line `SLUG RC SECONDS` in `results`.
-fn guest_script(tests: &[(String, PathBuf)], out: &Path) -> Result<PathBuf> {
+fn guest_script(label: &str, tests: &[(String, PathBuf)], out: &Path) -> Result<PathBuf> {
     let agent = root_dir().join("kilo-agent");
     let mut s = String::from("#!/bin/sh\n");
     writeln!(s, "OUT={}", out.display())?;
@@ -424,13 +424,13 @@ fn guest_script(tests: &[(String, PathBuf)], out: &Path) -> Result<PathBuf> {
          : >\"$OUT/results\"\n",
     );
     writeln!(s, "cd {}", agent.display())?;
-    for check in CHECKS {
+    for check in CHECKS.iter().filter(|c| c.runs_on(label)) {
         let exe = &tests.iter().find(|t| t.0 == check.test).expect("built").1;
         let env: String = check.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
         let slug = slug(check.name);
         writeln!(
             s,
-            "start=$(date +%s); env {env}timeout 1200 {} --test-threads=2 {} >\"$OUT/{slug}.log\" 2>&1; \
+            "start=$(date +%s); env {env}timeout 600 {} --test-threads=2 {} >\"$OUT/{slug}.log\" 2>&1; \
              rc=$?; echo \"{slug} $rc $(( $(date +%s) - start ))\" >>\"$OUT/results\"",
             exe.display(),
             check.args
@@ -515,6 +515,7 @@ fn read_results(dir: &Path, label: &str) -> Result<Vec<Outcome>> {
     let text = fs::read_to_string(dir.join("results"))?;
     CHECKS
         .iter()
+        .filter(|c| c.runs_on(label))
         .map(|c| {
             let slug = slug(c.name);
             let line = text
@@ -555,10 +556,13 @@ fn matrix(kernels: &[Kernel], results: &[Vec<Outcome>]) -> String {
     t.push_str("\n|---|");
     t.push_str(&"---|".repeat(kernels.len()));
     t.push('\n');
-    for (i, c) in CHECKS.iter().enumerate() {
+    for c in CHECKS {
         let _ = write!(t, "| {} |", c.name);
         for r in results {
-            let o = &r[i];
+            let Some(o) = r.iter().find(|o| o.name == c.name) else {
+                t.push_str(" not run |");
+                continue;
+            };
             let verdict = match o.rc {
                 0 => "pass",
                 -2 => "SKIPPED",
