@@ -104,17 +104,26 @@ fn start(
     update: Update,
     outcome: impl Fn() -> PlanOutcome + Send + 'static,
 ) -> (Arc<Driven>, Running) {
+    let settings = LoopSettings {
+        resync: Some(Duration::from_secs(8)),
+        check_in: Some(Duration::from_secs(10)),
+        ..LoopSettings::default()
+    };
+    start_with(update, settings, outcome)
+}
+
+/// [`start`] with other loop settings.
+fn start_with(
+    update: Update,
+    settings: LoopSettings,
+    outcome: impl Fn() -> PlanOutcome + Send + 'static,
+) -> (Arc<Driven>, Running) {
     let (tx, _) = tokio::sync::watch::channel(update);
     let backend = Arc::new(Driven {
         tx,
         published: Mutex::default(),
         failing: Default::default(),
     });
-    let settings = LoopSettings {
-        resync: Some(Duration::from_secs(8)),
-        check_in: Some(Duration::from_secs(10)),
-        ..LoopSettings::default()
-    };
     (backend.clone(), spawn(backend, settings, outcome))
 }
 
@@ -541,28 +550,22 @@ async fn conflicts_are_counted_once_with_kind_and_field() {
 }
 
 /// With `--clean-up=false` (a rolling update), stopping publishes a fresh last-seen, so the
-/// restarted node has a whole expiry before the others leave it out; with clean-up it removes
-/// its annotations instead.
+/// restarted node has a whole expiry before the others leave it out.
 #[tokio::test(start_paused = true)]
 async fn a_stop_without_clean_up_checks_in_on_the_way_out() {
     let begin = tokio::time::Instant::now();
-    let (tx, _) = tokio::sync::watch::channel(Update {
+    let update = Update {
         snapshot: nodes(&["me"]),
         generation: 1,
         connected: true,
         ..Update::default()
-    });
-    let backend = Arc::new(Driven {
-        tx,
-        published: Mutex::default(),
-        failing: Default::default(),
-    });
+    };
     let settings = LoopSettings {
         check_in: Some(Duration::from_secs(30)),
         clean_up: false,
         ..LoopSettings::default()
     };
-    let agent = spawn(backend.clone(), settings, planned);
+    let (backend, agent) = start_with(update, settings, planned);
     at(begin, 47_000).await;
     agent.stop.send(()).unwrap();
     agent.run.await.unwrap();
