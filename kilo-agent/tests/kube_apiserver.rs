@@ -807,7 +807,7 @@ fn mesh_kg(mesh: &DemoMesh, i: usize, kubeconfig: &std::path::Path, bpffs: &BpfF
         .arg(format!("--kubeconfig={}", kubeconfig.display()))
         .arg(format!("--hostname=n{i}"))
         .arg(format!("--cni-path={}", conflist.display()))
-        .arg("--create-interface=false")
+        .arg(support::create_interface_flag())
         .arg(format!("--interface={}", mesh.wg(i)))
         .arg("--encapsulate=never")
         .arg(format!(
@@ -898,6 +898,21 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     eventually("pods reach each other across locations", || {
         mesh.pings("pod1", "10.42.3.2") && mesh.pings("pod2", "10.42.3.2")
     });
+    // The device is the kernel's when kg created it (KRS_WIREGUARD=kernel), and it shook hands.
+    let kind = if support::kernel_wireguard() {
+        "wireguard"
+    } else {
+        "tun"
+    };
+    let link = mesh.sh("n1", &format!("ip -d -o link show dev {}", mesh.wg(1)));
+    assert!(link.split_whitespace().any(|w| w == kind), "{link}");
+    let handshakes = mesh.sh("n1", &format!("wg show {} latest-handshakes", mesh.wg(1)));
+    assert!(
+        handshakes
+            .lines()
+            .any(|l| l.split_whitespace().nth(1).is_some_and(|t| t != "0")),
+        "{handshakes}"
+    );
     // Each kg published its node in one merge patch of its own keys, WireGuard IP included;
     // after that, heartbeats (`last-seen` alone) only.
     for (name, wireguard_ip) in [("n1", "10.4.0.1/16"), ("n2", ""), ("n3", "10.4.0.2/16")] {
@@ -1013,6 +1028,7 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     assert!(log.contains("kilo.squat.ai/key"), "{log}");
     let routes = mesh.sh("n1", "ip route show");
     assert!(!routes.contains("10.42.3.0/24"), "{routes}");
+    // The device stays, bare, even one kg created (Kilo's --clean-up-interface=false).
     let addresses = mesh.sh("n1", &format!("ip addr show dev {}", mesh.wg(1)));
     assert!(!addresses.contains("10.4.0.1"), "{addresses}");
     assert!(!bpffs.pin_dir("n1").exists(), "the datapath's pins stay");

@@ -85,6 +85,9 @@ enum Task {
     Kernels {
         /// Only these kernels (5.10, 6.1, 6.12); default: all.
         labels: Vec<String>,
+        /// Only the checks whose test target or name contains this.
+        #[arg(long)]
+        check: Option<String>,
     },
     /// Run the reliability tests' long versions (faults under traffic) and write RELIABILITY.md
     /// (see xtask/src/soak.rs): `soak [--no-run] [--out DIR] [-- TEST ARGS]`. Needs root.
@@ -128,10 +131,10 @@ fn main() -> Result<()> {
             setup()?;
             e2e::e2e(keep, down, bench.as_deref())
         }
-        Task::Kernels { labels } => {
+        Task::Kernels { labels, check } => {
             setup_mesh()?;
             install_debian_packages(pins::TEST_PACKAGES)?;
-            kernels::kernels(&labels)
+            kernels::kernels(&labels, check.as_deref())
         }
         Task::Soak { args } => {
             setup_tests()?;
@@ -484,7 +487,7 @@ fn test(args: &[String]) -> Result<()> {
     if args.is_empty() {
         fuzz(None, FUZZ_SECONDS_IN_TESTS)?;
         // The datapath, namespace and mesh tiers again on the kernels operators run.
-        kernels::kernels(&[])?;
+        kernels::kernels(&[], None)?;
         // kg as users deploy it, on a real cluster (its binaries built once and cached).
         e2e::e2e(false, false, None)?;
     }
