@@ -183,7 +183,7 @@ fn main() {
         };
         let (tp_t, tp_ms, _) = time(runs, || {
             let t = Topology::new(&parsed.nodes, &parsed.peers, &opts).unwrap();
-            plan::build(&t, &settings)
+            plan::from_topology(&t, &settings)
         });
         let col = n.to_string();
         report::cell(

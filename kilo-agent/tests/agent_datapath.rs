@@ -19,7 +19,7 @@ use kilo_agent::{
     mesh::Key,
     plan::{DatapathEntry, DatapathPlan, Devices, EntryKind, IpipPlan, NextHop, Plan},
     reconcile::{
-        Reconciler, Settings, netlink::NetlinkKernel, wireguard::FakeWireGuard,
+        DeviceSettings, Reconciler, netlink::NetlinkKernel, wireguard::FakeWireGuard,
         wireguard::system_resolver,
     },
     writes::READ_BACK_EVERY,
@@ -91,12 +91,12 @@ fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
                 NetlinkKernel::connect().unwrap(),
                 FakeWireGuard::default(),
                 datapath,
-                Settings {
+                DeviceSettings {
                     devices,
                     create_interface: false,
                     mtu: None,
                     private_key: Key([7; 32]),
-                    resolver: Box::new(system_resolver),
+                    dns: Box::new(system_resolver),
                 },
             );
             let first = reconciler.reconcile(&plan).await.unwrap();

@@ -16,7 +16,7 @@ use kilo_agent::{
     datapath::FakeDatapath,
     mesh::{Key, annotations::KEY as ANNOTATION_KEY},
     reconcile::{
-        Reconciler, Settings,
+        DeviceSettings, Reconciler,
         netlink::{Changes, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl},
     },
@@ -124,7 +124,7 @@ fn event_driven_loop_converges_repairs_reports_and_cleans_up() {
                     kernel,
                     WgControl::new(&agent_wg, WgApi::Userspace).unwrap(),
                     FakeDatapath::default(),
-                    Settings {
+                    DeviceSettings {
                         mtu: None,
                         ..settings(&agent_wg, Some("eth0"), false, sk)
                     },

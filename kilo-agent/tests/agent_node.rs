@@ -12,7 +12,7 @@ use kilo_agent::{
     mesh::Key,
     plan::{Device, KILO_TABLE, MAIN_TABLE, Plan, Route, Rule, WireGuardPeer, WireGuardPlan},
     reconcile::{
-        Reconciler, Report, Settings,
+        DeviceSettings, Reconciler, Report,
         netlink::{Changes, EventFilter, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl, WireGuard},
     },
@@ -107,7 +107,7 @@ fn reconciler(wg: &str, private_key: Key) -> Real {
         NetlinkKernel::connect().unwrap(),
         WgControl::new(wg, WgApi::Userspace).unwrap(),
         FakeDatapath::default(),
-        Settings {
+        DeviceSettings {
             mtu: Some(1380),
             ..support::agent::settings(wg, Some("eth0"), false, private_key)
         },

@@ -288,5 +288,5 @@ fn syncing_between_two_topologies_never_changes_a_shared_decision() {
         "wrong decisions (packet, mark): {wrong:?}"
     );
     drop(reader);
-    writer.cleanup().unwrap();
+    writer.clean_up().unwrap();
 }

@@ -196,7 +196,7 @@ fn lifecycle(attach: AttachMode) {
     assert_eq!(lab.sources(7030), (Some(ip(POD)), Some(ip(NODE_INET))));
 
     // Clean-up: no pins, no programs on the device, no table; the pod is no longer masqueraded.
-    let writes = lab.node.run(move || dp.cleanup().expect("cleanup"));
+    let writes = lab.node.run(move || dp.clean_up().expect("clean up"));
     assert!(
         writes.get("nft_table_delete") == 1 && writes.get("link_detach") == 1,
         "{writes}"
@@ -572,5 +572,5 @@ fn services_are_decided_on_the_cluster_ip_before_kube_proxy_dnat() {
         dp
     });
     assert_eq!(sources(7110), (Some(ip("10.20.0.1")), Some(ip(NODE_INET))));
-    lab.node.run(move || dp.cleanup().expect("cleanup"));
+    lab.node.run(move || dp.clean_up().expect("clean up"));
 }

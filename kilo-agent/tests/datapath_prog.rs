@@ -607,7 +607,7 @@ fn counters_land_in_the_region_of_the_cpu_that_ran() {
         counters.entry(Role::NatSource, &net).unwrap().packets,
         u64::from(total)
     );
-    dp.cleanup().unwrap();
+    dp.clean_up().unwrap();
 }
 
 #[test]
@@ -811,7 +811,7 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         assert!(!fourth.synced(), "fresh maps");
         let w = fourth.sync(&plan(), &NoResolver).unwrap();
         assert_eq!(w.get("map_insert"), 10, "{w}");
-        fourth.cleanup().unwrap();
+        fourth.clean_up().unwrap();
     });
 }
 
@@ -855,7 +855,7 @@ fn netlink_clean_up_removes_the_clsact_qdisc_it_added_unless_shared() {
         let id = p
             .attach(kilo_agent::datapath::ifindex("veth2").unwrap(), egress)
             .unwrap();
-        let writes = dp.cleanup().unwrap();
+        let writes = dp.clean_up().unwrap();
         let qdiscs =
             ["veth0", "veth2"].map(|d| support::netns::sh(&format!("tc qdisc show dev {d}")));
         p.detach(id).unwrap();

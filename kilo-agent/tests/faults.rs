@@ -25,7 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kilo_agent::{agent::key::public_key, mesh::Key};
+use kilo_agent::{agent::key_file::public_key, mesh::Key};
 use support::{
     bpffs::BpfFs,
     eventually,

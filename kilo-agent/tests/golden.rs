@@ -666,10 +666,10 @@ fn connect_plan_is_kilo_peer_conf_and_peer_routes() {
         .parse()
         .unwrap();
     snap.peers.insert("laptop".into(), c.peer(key));
-    let opts = kgctl::Options {
+    let opts = kgctl::GlobalOptions {
         granularity: kgctl::GranularityArg::Fixed(Granularity::Location),
         now: Some(NOW),
-        ..kgctl::Options::default()
+        ..kgctl::GlobalOptions::default()
     };
     let cluster = kgctl::cluster(&snap, &opts).unwrap();
     let p = c.plan(&cluster).unwrap();
@@ -990,7 +990,7 @@ fn peer_claims_on_node_ranges_are_dropped_where_kilo_keeps_them() {
         assert_eq!(leader_conf(&planned.topology.unwrap()), want, "{what}");
     }
     // kgctl knows no service CIDRs: it keeps that claim, as Kilo does.
-    let opts = kgctl::Options {
+    let opts = kgctl::GlobalOptions {
         granularity: kgctl::GranularityArg::Fixed(Granularity::Location),
         now: Some(NOW),
         ..Default::default()

@@ -1,6 +1,6 @@
 //! Liveness: which nodes the agent counts as alive, judged only on what the backend delivered.
 //!
-//! With a check-in period ([`Rule::LastSeen`]) a node is alive while its latest
+//! With a check-in period ([`Policy::LastSeen`]) a node is alive while its latest
 //! `kilo.squat.ai/last-seen` heartbeat is younger than the window (2 × the period, Kilo's rule).
 //! The heartbeat is written in whole seconds, so it vouches for the node until the end of the
 //! second it names plus the window. The backend hands over every heartbeat it receives, also
@@ -11,7 +11,7 @@
 //! lack of heartbeats it could not deliver: nodes alive when it lost its view stay alive, and once
 //! it is back they get the window again from that moment. The local node is never judged dead.
 //!
-//! With `--check-in-period=0` ([`Rule::NodeReady`]) a node is alive unless its `Ready` condition
+//! With `--check-in-period=0` ([`Policy::NodeReady`]) a node is alive unless its `Ready` condition
 //! says otherwise; nothing expires on a timer.
 //!
 //! Pure: the caller passes the time, in unix milliseconds.
@@ -25,7 +25,7 @@ use crate::mesh::KubeNode;
 
 /// How a node's liveness is judged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rule {
+pub enum Policy {
     /// Kilo's: a `kilo.squat.ai/last-seen` heartbeat within `window_ms` (Kilo: 60 s = 2 × its
     /// 30 s check-in). Needed while Kilo agents remain in the cluster.
     LastSeen { window_ms: i64 },
@@ -35,15 +35,15 @@ pub enum Rule {
     NodeReady,
 }
 
-impl Rule {
+impl Policy {
     /// `--check-in-period`: a period keeps Kilo's heartbeat (window = 2 × period), none selects
-    /// [`Rule::NodeReady`].
+    /// [`Policy::NodeReady`].
     pub fn from_check_in(period: Option<Duration>) -> Self {
         match period {
-            Some(p) => Rule::LastSeen {
+            Some(p) => Policy::LastSeen {
                 window_ms: 2 * i64::try_from(p.as_millis()).unwrap_or(i64::MAX / 4),
             },
-            None => Rule::NodeReady,
+            None => Policy::NodeReady,
         }
     }
 }
@@ -60,7 +60,7 @@ pub fn node_ready(node: &KubeNode) -> bool {
 /// The latest heartbeats and the backend's connection, as the agent last saw them.
 #[derive(Debug, Clone)]
 pub struct Tracker {
-    rule: Rule,
+    policy: Policy,
     local: String,
     /// The latest `last-seen` of each node, unix seconds.
     last_seen: Arc<BTreeMap<String, i64>>,
@@ -71,9 +71,9 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    pub fn new(rule: Rule, local: impl Into<String>) -> Self {
+    pub fn new(policy: Policy, local: impl Into<String>) -> Self {
         Tracker {
-            rule,
+            policy,
             local: local.into(),
             last_seen: Arc::default(),
             lost_at: None,
@@ -115,9 +115,9 @@ impl Tracker {
     }
 
     fn window(&self) -> i64 {
-        match self.rule {
-            Rule::LastSeen { window_ms } => window_ms,
-            Rule::NodeReady => 0,
+        match self.policy {
+            Policy::LastSeen { window_ms } => window_ms,
+            Policy::NodeReady => 0,
         }
     }
 
@@ -135,9 +135,9 @@ impl Tracker {
         if name == self.local {
             return true;
         }
-        match self.rule {
-            Rule::NodeReady => node_ready(node),
-            Rule::LastSeen { .. } => self
+        match self.policy {
+            Policy::NodeReady => node_ready(node),
+            Policy::LastSeen { .. } => self
                 .vouched_until(name)
                 .is_some_and(|d| d > now || self.lost_at.is_some_and(|lost| d > lost)),
         }
@@ -153,9 +153,9 @@ impl Tracker {
     }
 
     /// The earliest instant (unix ms) after `now` at which a node alive now would expire; `None`
-    /// when nothing can (no heartbeats, [`Rule::NodeReady`], or the backend is disconnected).
+    /// when nothing can (no heartbeats, [`Policy::NodeReady`], or the backend is disconnected).
     pub fn next_expiry(&self, now: i64) -> Option<i64> {
-        if self.lost_at.is_some() || self.rule == Rule::NodeReady {
+        if self.lost_at.is_some() || self.policy == Policy::NodeReady {
             return None;
         }
         self.last_seen
@@ -185,9 +185,9 @@ mod tests {
 
     #[test]
     fn heartbeats_vouch_until_the_end_of_their_second_plus_the_window() {
-        let rule = Rule::from_check_in(Some(Duration::from_secs(30)));
-        assert_eq!(rule, Rule::LastSeen { window_ms: 60_000 });
-        let mut t = Tracker::new(rule, "me");
+        let policy = Policy::from_check_in(Some(Duration::from_secs(30)));
+        assert_eq!(policy, Policy::LastSeen { window_ms: 60_000 });
+        let mut t = Tracker::new(policy, "me");
         let n = node(None);
         t.observe(&beats(&[("a", 1000), ("b", 1010)]), true, 1_000_500);
         assert!(t.alive("a", &n, 1_060_999));
@@ -204,7 +204,7 @@ mod tests {
 
     #[test]
     fn nothing_expires_while_disconnected_and_the_window_restarts_after() {
-        let mut t = Tracker::new(Rule::LastSeen { window_ms: 2000 }, "me");
+        let mut t = Tracker::new(Policy::LastSeen { window_ms: 2000 }, "me");
         let n = node(None);
         let hb = beats(&[("a", 100), ("dead", 90)]);
         t.observe(&hb, true, 101_000);
@@ -225,7 +225,7 @@ mod tests {
 
     #[test]
     fn node_ready_rule_reads_the_condition_and_never_expires() {
-        let mut t = Tracker::new(Rule::from_check_in(None), "me");
+        let mut t = Tracker::new(Policy::from_check_in(None), "me");
         t.observe(&beats(&[("a", 1)]), true, 1_000_000);
         assert!(t.alive("a", &node(Some("True")), 1_000_000));
         assert!(!t.alive("a", &node(Some("Unknown")), 1_000_000));

@@ -16,14 +16,13 @@
 //! `clean_up`, `clock`, `malformed` (the datapath's malformed count watched); start-up apart
 //! from the loop: `caps`, `seccomp`, `config` (flags), `detect`, `key`, `planner`,
 //! `prerequisites`.
-pub mod build;
 pub mod caps;
 mod clean_up;
 mod clock;
 pub mod config;
 pub mod detect;
 mod event_loop;
-pub mod key;
+pub mod key_file;
 pub mod liveness;
 mod malformed;
 mod pass;
@@ -31,6 +30,7 @@ pub mod planner;
 pub mod prerequisites;
 mod publish;
 pub mod seccomp;
+pub mod start;
 #[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]
@@ -106,7 +106,7 @@ impl<F: FnMut(&Snapshot) -> PlanOutcome> Planner for F {
 pub struct LoopSettings {
     pub debounce: Duration,
     pub resync: Option<Duration>,
-    /// `--check-in-period`: also selects the liveness rule ([`liveness::Rule::from_check_in`]).
+    /// `--check-in-period`: also selects the liveness policy ([`liveness::Policy::from_check_in`]).
     pub check_in: Option<Duration>,
     pub clean_up: bool,
     pub clean_up_interface: bool,
@@ -206,7 +206,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         metrics.set_datapath(reconciler.datapath().stats_source());
         metrics.set_wireguard(reconciler.wireguard().stats_source());
         let liveness = liveness::Tracker::new(
-            liveness::Rule::from_check_in(settings.check_in),
+            liveness::Policy::from_check_in(settings.check_in),
             local.hostname.clone(),
         );
         Agent {

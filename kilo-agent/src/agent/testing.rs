@@ -51,7 +51,7 @@ pub fn reconciler() -> FakeReconciler {
         crate::reconcile::FakeKernel::default(),
         crate::reconcile::wireguard::FakeWireGuard::default(),
         crate::datapath::FakeDatapath::default(),
-        crate::reconcile::Settings {
+        crate::reconcile::DeviceSettings {
             devices: crate::plan::Devices {
                 wireguard: "kilo0".into(),
                 private: None,
@@ -60,7 +60,7 @@ pub fn reconciler() -> FakeReconciler {
             create_interface: true,
             mtu: None,
             private_key: Key([7; 32]),
-            resolver: Box::new(crate::reconcile::wireguard::system_resolver),
+            dns: Box::new(crate::reconcile::wireguard::system_resolver),
         },
     )
 }

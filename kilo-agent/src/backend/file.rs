@@ -28,8 +28,8 @@ use tokio::sync::{mpsc, watch};
 
 use super::{Annotations, Backend, BackendError, Update, apply_annotations};
 use crate::mesh::{
-    Snapshot,
-    objects::{MAX_OBJECT_BYTES, Object, parse_object, too_large},
+    ObjectError, Snapshot,
+    objects::{MAX_OBJECT_BYTES, Object, file_err, insert, parse_object, too_large},
 };
 
 /// How long the directory must be quiet before a rescan.
@@ -53,6 +53,7 @@ struct Cache {
     generation: u64,
 }
 
+/// Whether a file of the directory is read: `*.yaml`, `*.yml`, `*.json`, not hidden.
 fn is_object_file(path: &Path) -> bool {
     let hidden = path
         .file_name()
@@ -60,6 +61,37 @@ fn is_object_file(path: &Path) -> bool {
         .is_none_or(|n| n.starts_with('.'));
     let ext = path.extension().and_then(|e| e.to_str());
     !hidden && matches!(ext, Some("yaml" | "yml" | "json"))
+}
+
+/// Reads every object file of `dir` once (sorted by file name), as `kgctl --backend file` does.
+/// Bad files are reported, not fatal.
+pub fn load_dir(dir: &Path) -> (Snapshot, Vec<ObjectError>) {
+    let mut snapshot = Snapshot::default();
+    let mut errors = Vec::new();
+    let dir_s = dir.display().to_string();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            errors.push(file_err(&dir_s, "directory", e.to_string()));
+            return (snapshot, errors);
+        }
+    };
+    let mut paths: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && is_object_file(p))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let p = path.display().to_string();
+        let res = std::fs::read(&path)
+            .map_err(|e| file_err(&p, "content", e.to_string()))
+            .and_then(|b| parse_object(&b, &p))
+            .and_then(|o| insert(&mut snapshot, o, &p));
+        if let Err(e) = res {
+            errors.push(e);
+        }
+    }
+    (snapshot, errors)
 }
 
 impl Cache {
@@ -395,5 +427,28 @@ impl Backend for FileBackend {
             publish_file(&self.dir, existing, node, annotations)
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod load_dir_tests {
+    use super::*;
+
+    #[test]
+    fn load_dir_keeps_good_files() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join("a.yaml"),
+            "apiVersion: v1\nkind: Node\nmetadata: {name: a}\n",
+        )
+        .unwrap();
+        std::fs::write(d.path().join("b.yaml"), "kind: Node\nmetadata: {name: a}\n").unwrap();
+        std::fs::write(d.path().join("c.json"), "{").unwrap();
+        std::fs::write(d.path().join("README.md"), "not an object").unwrap();
+        let (s, errs) = load_dir(d.path());
+        assert_eq!(s.nodes.len(), 1);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let (_, errs) = load_dir(&d.path().join("missing"));
+        assert_eq!(errs.len(), 1);
     }
 }

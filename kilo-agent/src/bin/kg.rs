@@ -1,5 +1,5 @@
 //! `kg`: the kilo-rs agent. Parses Kilo's flags, builds the agent from them
-//! ([`kilo_agent::agent::build`]: key, detection, backend, reconcilers), then runs its event
+//! ([`kilo_agent::agent::start`]: key, detection, backend, reconcilers), then runs its event
 //! loop until SIGTERM/SIGINT (cleaning up with `--clean-up`). `kg webhook`
 //! serves the Peer validation webhook instead ([`kilo_agent::webhook`]). Logs go to stderr
 //! as JSON lines (`--log-format=json`, the default, as Kilo logs) or text.
@@ -7,14 +7,14 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory as _, Parser as _};
 use kilo_agent::agent::{
-    build,
     config::{Flags, KgCommand, LogFormat, LogLevel},
+    start,
 };
 
 /// The agent: built from the flags, then run until SIGTERM/SIGINT (or, with `--dry-run`, the
 /// difference it would apply, printed).
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let started = build::build(&flags).await?;
+    let started = start::start(&flags).await?;
     if flags.dry_run {
         print!("{}", started.dry_run().await?);
         return Ok(());
@@ -81,7 +81,7 @@ fn main() -> ExitCode {
     }
     init_logging(&flags);
     if let Some(KgCommand::Webhook(w)) = &flags.command {
-        return block_on(async { Ok(build::webhook(w, flags.seccomp, termination()?).await?) });
+        return block_on(async { Ok(start::webhook(w, flags.seccomp, termination()?).await?) });
     }
     if let Err(e) = flags.validate() {
         eprintln!("kg: {e}");

@@ -179,7 +179,7 @@ fn run(cli: Cli) -> Result<()> {
             let Some(dir) = &cli.backend_dir else {
                 bail!("--backend file needs --backend-dir DIR");
             };
-            mesh::objects::load_dir(dir)
+            kilo_agent::backend::file::load_dir(dir)
         }
         Backend::Kubernetes => (kube_snapshot(cli.kubeconfig.as_deref())?, Vec::new()),
     };
@@ -191,7 +191,7 @@ fn run(cli: Cli) -> Result<()> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .ok();
-    let opts = kgctl::Options {
+    let opts = kgctl::GlobalOptions {
         granularity: cli.mesh_granularity,
         port: cli.port,
         subnet: cli.subnet,
@@ -291,7 +291,7 @@ impl Objects {
     async fn snapshot(&self) -> Result<Snapshot> {
         match self {
             Objects::Dir(dir) => {
-                let (snapshot, errors) = mesh::objects::load_dir(dir);
+                let (snapshot, errors) = kilo_agent::backend::file::load_dir(dir);
                 for e in errors {
                     tracing::warn!(error = %e, "skipped");
                 }
@@ -346,11 +346,11 @@ impl Objects {
 /// `kgctl connect`: keeps this machine a peer of the mesh until SIGINT or SIGTERM.
 async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
     use kilo_agent::{
-        agent::key,
+        agent::key_file,
         datapath::NoDatapath,
         plan::Devices,
         reconcile::{
-            Reconciler, Settings,
+            DeviceSettings, Reconciler,
             netlink::NetlinkKernel,
             wireguard::{WgApi, WgControl, system_resolver},
         },
@@ -370,10 +370,10 @@ async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
             .to_string(),
     };
     let private_key = match &args.private_key {
-        Some(path) => key::load_or_generate(path)?.0,
+        Some(path) => key_file::load_or_generate(path)?.0,
         None => mesh::Key(wireguard_control::Key::generate_private().0),
     };
-    let public_key = key::public_key(&private_key);
+    let public_key = key_file::public_key(&private_key);
     tracing::info!(key = %public_key, peer = %name, "public key");
     let objects = match cli.backend {
         Backend::File => Objects::Dir(
@@ -402,7 +402,7 @@ async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
         NetlinkKernel::connect()?,
         wireguard,
         NoDatapath,
-        Settings {
+        DeviceSettings {
             devices: Devices {
                 wireguard: args.interface.clone(),
                 private: None,
@@ -411,10 +411,10 @@ async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
             create_interface: args.create_interface,
             mtu: Some(args.mtu),
             private_key,
-            resolver: Box::new(system_resolver),
+            dns: Box::new(system_resolver),
         },
     );
-    let opts = kgctl::Options {
+    let opts = kgctl::GlobalOptions {
         granularity: cli.mesh_granularity,
         port: cli.port,
         subnet: cli.subnet,
@@ -436,7 +436,7 @@ async fn connect(cli: &Cli, args: &ConnectArgs) -> Result<()> {
             let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() as i64;
             let cluster = kgctl::cluster(
                 &snapshot,
-                &kgctl::Options {
+                &kgctl::GlobalOptions {
                     now: Some(now),
                     ..opts.clone()
                 },

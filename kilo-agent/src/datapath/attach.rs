@@ -7,6 +7,7 @@
 use std::{collections::BTreeMap, fs, path::Path};
 
 use aya::{
+    Ebpf,
     programs::{
         LinkOrder, ProgramError, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -18,7 +19,7 @@ use kilo_common::{PROG_DECAP, PROG_ENCAP, PROG_L2, PROG_L3};
 
 use super::{
     Datapath, DatapathError, io_err, link_err,
-    load::{ensure_bpffs, list_dir, program_mut},
+    pins::{ensure_bpffs, list_dir},
     rtnl,
 };
 use crate::writes::Writes;
@@ -460,4 +461,14 @@ pub fn framing(ifname: &str) -> Result<Framing, DatapathError> {
         T::None | T::Tunnel | T::Tunnel6 | T::Ipgre | T::Sit | T::Rawip => Ok(Framing::L3),
         other => Err(err(format!("unsupported link type {other}"))),
     }
+}
+
+pub(super) fn program_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, DatapathError> {
+    let prog = ebpf
+        .program_mut(name)
+        .ok_or_else(|| DatapathError::Config(format!("object has no program {name}")))?;
+    prog.try_into().map_err(|e| DatapathError::program(name, e))
 }

@@ -1,106 +1,16 @@
-//! The program's counters as userspace sees them: the `KILO_COUNTERS` array (see kilo-common's
-//! `MAP_COUNTERS`) mapped into memory, each CPU's region summed per slot, so reading a counter
-//! is a few memory reads, not a system call, and recycling an entry's slot zeroes it in place;
-//! and [`Counters`], every counter labelled with its entry.
-use std::{collections::BTreeMap, os::fd::AsFd as _};
+//! [`Counters`]: every counter the maps hold (per decision, per entry), labelled with its entry,
+//! and how full the tries and the counter slots are.
+use std::collections::BTreeMap;
 
-use aya::maps::{Map, MapData};
 use ipnet::IpNet;
-use kilo_common::{Counter, DECISION_SLOTS, Decision, EntryValue, MAP_COUNTERS, NO_COUNTER};
+use kilo_common::{Counter, Decision, EntryValue, NO_COUNTER};
 
 use super::{
-    DatapathError, Role, Trie, keys,
+    DatapathError, Role, Trie, encode,
     maps::DatapathMaps,
     plans::{Plans, role_of},
 };
-use crate::{plan::EntryKind, sys::mmap::Mapped};
-
-/// The counters array, mapped.
-pub struct CounterArray {
-    /// Keeps the map (and so the mapping's object) alive.
-    _map: MapData,
-    mem: Mapped<Counter>,
-    /// Counters per CPU region.
-    stride: usize,
-    cpus: usize,
-}
-
-impl CounterArray {
-    /// Maps the object's counters array (`map`), whose regions are `stride` counters long.
-    pub fn new(map: Option<Map>, stride: u32) -> Result<Self, DatapathError> {
-        let error = |reason: String| DatapathError::Config(format!("{MAP_COUNTERS}: {reason}"));
-        let Some(Map::Array(map)) = map else {
-            return Err(error("not an array in the object".into()));
-        };
-        let entries = map
-            .info()
-            .map_err(|e| DatapathError::map(MAP_COUNTERS, e))?
-            .max_entries() as usize;
-        let stride = stride as usize;
-        if stride <= DECISION_SLOTS as usize || !entries.is_multiple_of(stride) {
-            return Err(error(format!(
-                "{entries} counters are not whole regions of {stride}"
-            )));
-        }
-        let mem =
-            Mapped::new(map.fd().as_fd(), entries).map_err(|e| error(format!("mmap: {e}")))?;
-        Ok(CounterArray {
-            _map: map,
-            mem,
-            stride,
-            cpus: entries / stride,
-        })
-    }
-
-    /// Entry counter slots per CPU.
-    pub fn entry_slots(&self) -> u32 {
-        (self.stride - DECISION_SLOTS as usize) as u32
-    }
-
-    /// A slot's index on each CPU (`index` within a region).
-    fn each_cpu(&self, index: usize) -> impl Iterator<Item = usize> + use<> {
-        let stride = self.stride;
-        (0..self.cpus).map(move |cpu| cpu * stride + index)
-    }
-
-    fn sum(&self, index: usize) -> Counter {
-        self.each_cpu(index).fold(Counter::default(), |a, i| {
-            let c = self.mem.read(i);
-            Counter {
-                packets: a.packets + c.packets,
-                bytes: a.bytes + c.bytes,
-            }
-        })
-    }
-
-    fn entry_index(&self, slot: u32) -> Result<usize, DatapathError> {
-        if slot >= self.entry_slots() {
-            return Err(DatapathError::Config(format!(
-                "{MAP_COUNTERS}: no entry counter slot {slot} (there are {})",
-                self.entry_slots()
-            )));
-        }
-        Ok(DECISION_SLOTS as usize + slot as usize)
-    }
-
-    /// An entry counter slot summed over the CPUs.
-    pub fn entry(&self, slot: u32) -> Result<Counter, DatapathError> {
-        Ok(self.sum(self.entry_index(slot)?))
-    }
-
-    /// Zeroes an entry counter slot on every CPU (before the slot is given to a new entry).
-    pub fn reset_entry(&mut self, slot: u32) -> Result<(), DatapathError> {
-        for i in self.each_cpu(self.entry_index(slot)?) {
-            self.mem.write(i, Counter::default());
-        }
-        Ok(())
-    }
-
-    /// The decision counters, summed over the CPUs, in [`Decision`] order.
-    pub fn decisions(&self) -> Vec<Counter> {
-        (0..Decision::COUNT as usize).map(|d| self.sum(d)).collect()
-    }
-}
+use crate::plan::EntryKind;
 
 /// Traffic counters: per decision and per map entry (but covered ones, whose traffic their
 /// mesh destination counts); and how full the tries and the counter slots are.
@@ -190,7 +100,7 @@ pub(super) fn counters_of<M: DatapathMaps + ?Sized>(
             out.entries.push(EntryCounter {
                 role,
                 net: *net,
-                kind: keys::kind_from_code(value.kind),
+                kind: encode::kind_from_code(value.kind),
                 counter,
             });
         }

@@ -12,7 +12,7 @@ use kilo_common::{Config, Counter, Decision, EntryValue};
 
 use super::{
     DatapathError, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Trie,
-    keys::NoResolver,
+    encode::NoResolver,
     maps::DatapathMaps,
     plans::Plans,
     reconciler::{failed, stats},

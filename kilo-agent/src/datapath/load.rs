@@ -4,7 +4,7 @@
 //! replaced; the config map written only when it differs; the static masquerade rule kept
 //! ([`super::nft`]); and clean-up. Without a `pin_dir` nothing is pinned and everything goes
 //! with the value. Attaching is `attach.rs`'s.
-use std::{borrow::Cow, collections::BTreeMap, fs, io, path::Path};
+use std::{borrow::Cow, collections::BTreeMap, fs, io};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -18,11 +18,12 @@ use kilo_common::{
 
 use super::{
     DatapathConfig, DatapathError, Framing, KernelMaps, Trie,
-    attach::detach_pinned,
+    attach::{detach_pinned, program_mut},
+    encode::Resolver,
     io_err,
-    keys::Resolver,
     maps::DatapathMaps as _,
     nft,
+    pins::{ensure_bpffs, list_dir, remove_pins},
     plans::Plans,
     sync::{Counters, MapSync},
 };
@@ -31,7 +32,7 @@ use crate::writes::{READ_BACK_EVERY, Writes};
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
 
-/// The loaded datapath. Dropping it without [`Datapath::cleanup`] leaves pinned maps and links
+/// The loaded datapath. Dropping it without [`Datapath::clean_up`] leaves pinned maps and links
 /// (and netlink filters) working; a later [`Datapath::open`] with the same `pin_dir` adopts them.
 pub struct Datapath {
     pub(super) config: DatapathConfig,
@@ -227,7 +228,7 @@ impl Datapath {
 
     /// Detaches from every interface, removes every pin and the pin directory, and deletes the
     /// nftables table (in the calling thread's network namespace). Consumes the datapath.
-    pub fn cleanup(mut self) -> Result<Writes, DatapathError> {
+    pub fn clean_up(mut self) -> Result<Writes, DatapathError> {
         let mut writes = nft::remove_masquerade(&self.config.nft_table)?;
         let held: Vec<String> = self.held.keys().cloned().collect();
         for attachment in held {
@@ -259,16 +260,6 @@ impl Datapath {
     }
 }
 
-pub(super) fn program_mut<'a>(
-    ebpf: &'a mut Ebpf,
-    name: &'static str,
-) -> Result<&'a mut SchedClassifier, DatapathError> {
-    let prog = ebpf
-        .program_mut(name)
-        .ok_or_else(|| DatapathError::Config(format!("object has no program {name}")))?;
-    prog.try_into().map_err(|e| DatapathError::program(name, e))
-}
-
 /// The maps pinned under `maps/`.
 const PINNED_MAPS: [&str; 8] = [
     MAP_DST,
@@ -297,66 +288,4 @@ fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelMaps), DatapathError> {
     let mut ebpf = loader.load(OBJECT).map_err(Box::new)?;
     let maps = KernelMaps::take(&mut ebpf, config)?;
     Ok((ebpf, maps))
-}
-
-/// Removes the pins under `maps` not named in `keep` (with an empty `keep`, every one: the maps
-/// are replaced; with [`PINNED_MAPS`], those of maps an upgrade renamed or dropped, which a
-/// program still attached keeps until `attach` moves its link to ours). Returns how many.
-fn remove_pins(maps: &Path, keep: &[&str]) -> Result<u64, DatapathError> {
-    let mut removed = 0;
-    for pin in list_dir(maps)? {
-        if !keep.contains(&pin.as_str()) {
-            tracing::debug!(pin = %pin, "datapath: removing a map pin");
-            let path = maps.join(pin);
-            fs::remove_file(&path).map_err(io_err(&path))?;
-            removed += 1;
-        }
-    }
-    Ok(removed)
-}
-
-pub(super) fn list_dir(dir: &Path) -> Result<Vec<String>, DatapathError> {
-    match fs::read_dir(dir) {
-        Ok(rd) => Ok(rd
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io_err(dir)(e)),
-    }
-}
-
-/// Makes sure `dir` can hold pins: mounts bpffs on `/sys/fs/bpf` when `dir` is under it and
-/// nothing is mounted there yet; otherwise `dir` must already be on a bpffs.
-pub(super) fn ensure_bpffs(dir: &Path) -> Result<(), DatapathError> {
-    let root = Path::new("/sys/fs/bpf");
-    if dir.starts_with(root) && !is_bpffs(root) {
-        nix::mount::mount(
-            Some("bpf"),
-            root,
-            Some("bpf"),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|e| io_err(root)(e.into()))?;
-        tracing::info!("datapath: mounted bpffs on /sys/fs/bpf");
-    }
-    // The nearest existing ancestor must be on bpffs.
-    let mut probe = dir;
-    while !probe.exists() {
-        probe = probe.parent().unwrap_or(Path::new("/"));
-    }
-    if !is_bpffs(probe) {
-        return Err(DatapathError::Config(format!(
-            "pin directory {} is not on a bpf filesystem",
-            dir.display()
-        )));
-    }
-    Ok(())
-}
-
-/// Whether `path` is on a bpf filesystem.
-pub fn is_bpffs(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path)
-        .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
 }

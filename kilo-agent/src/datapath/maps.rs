@@ -1,20 +1,26 @@
 //! The program's maps as the diff sees them ([`DatapathMaps`]), and the kernel's
 //! ([`KernelMaps`]): the tries (read back with one batch lookup per 1,024 entries), the config
-//! array and the mapped counters. The in-memory ones for tests are in `fake.rs`.
+//! array and the counters ([`CounterArray`]: the `KILO_COUNTERS` array mapped into memory, each
+//! CPU's region summed per slot, so reading a counter is a few memory reads, not a system call,
+//! and recycling an entry's slot zeroes it in place). The in-memory ones for tests are in
+//! `fake.rs`.
 use std::os::fd::AsFd as _;
 
 use aya::{
     Ebpf,
     maps::{
-        Array, IterableMap as _, MapData, MapError,
+        Array, IterableMap as _, Map, MapData, MapError,
         lpm_trie::{Key, LpmTrie},
     },
 };
 use ipnet::IpNet;
-use kilo_common::{Config, Counter, EntryValue, LpmData, MAP_CONFIG, MAP_COUNTERS, counter_stride};
+use kilo_common::{
+    Config, Counter, DECISION_SLOTS, Decision, EntryValue, LpmData, MAP_CONFIG, MAP_COUNTERS,
+    counter_stride,
+};
 
-use super::{DatapathConfig, DatapathError, Trie, counters::CounterArray, keys};
-use crate::sys::bpf;
+use super::{DatapathConfig, DatapathError, Trie, encode};
+use crate::sys::{bpf, mmap::Mapped};
 
 /// The datapath's maps, as the diff sees them.
 pub trait DatapathMaps {
@@ -111,7 +117,7 @@ impl DatapathMaps for KernelMaps {
         items
             .into_iter()
             .map(|(key, value)| {
-                let net = keys::net_from_key(&key).ok_or(DatapathError::BadKey {
+                let net = encode::net_from_key(&key).ok_or(DatapathError::BadKey {
                     name,
                     prefix_len: key.prefix_len(),
                     family: key.data().family,
@@ -125,7 +131,7 @@ impl DatapathMaps for KernelMaps {
         let capacity = self.capacity;
         let name = trie.map_name();
         self.tries[trie as usize]
-            .insert(&keys::entry_key(&net), value, 0)
+            .insert(&encode::entry_key(&net), value, 0)
             .map_err(|e| match errno(&e) {
                 Some(libc::ENOSPC) | Some(libc::E2BIG) | Some(libc::ENOMEM) => {
                     DatapathError::Full { name, capacity }
@@ -136,7 +142,7 @@ impl DatapathMaps for KernelMaps {
 
     fn remove(&mut self, trie: Trie, net: IpNet) -> Result<(), DatapathError> {
         let name = trie.map_name();
-        match self.tries[trie as usize].remove(&keys::entry_key(&net)) {
+        match self.tries[trie as usize].remove(&encode::entry_key(&net)) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENOENT) => Ok(()),
             Err(e) => Err(DatapathError::map(name, e)),
@@ -173,5 +179,92 @@ impl DatapathMaps for KernelMaps {
         self.config
             .set(0, config, 0)
             .map_err(|e| DatapathError::map(MAP_CONFIG, e))
+    }
+}
+
+/// The counters array, mapped.
+pub struct CounterArray {
+    /// Keeps the map (and so the mapping's object) alive.
+    _map: MapData,
+    mem: Mapped<Counter>,
+    /// Counters per CPU region.
+    stride: usize,
+    cpus: usize,
+}
+
+impl CounterArray {
+    /// Maps the object's counters array (`map`), whose regions are `stride` counters long.
+    pub fn new(map: Option<Map>, stride: u32) -> Result<Self, DatapathError> {
+        let error = |reason: String| DatapathError::Config(format!("{MAP_COUNTERS}: {reason}"));
+        let Some(Map::Array(map)) = map else {
+            return Err(error("not an array in the object".into()));
+        };
+        let entries = map
+            .info()
+            .map_err(|e| DatapathError::map(MAP_COUNTERS, e))?
+            .max_entries() as usize;
+        let stride = stride as usize;
+        if stride <= DECISION_SLOTS as usize || !entries.is_multiple_of(stride) {
+            return Err(error(format!(
+                "{entries} counters are not whole regions of {stride}"
+            )));
+        }
+        let mem =
+            Mapped::new(map.fd().as_fd(), entries).map_err(|e| error(format!("mmap: {e}")))?;
+        Ok(CounterArray {
+            _map: map,
+            mem,
+            stride,
+            cpus: entries / stride,
+        })
+    }
+
+    /// Entry counter slots per CPU.
+    pub fn entry_slots(&self) -> u32 {
+        (self.stride - DECISION_SLOTS as usize) as u32
+    }
+
+    /// A slot's index on each CPU (`index` within a region).
+    fn each_cpu(&self, index: usize) -> impl Iterator<Item = usize> + use<> {
+        let stride = self.stride;
+        (0..self.cpus).map(move |cpu| cpu * stride + index)
+    }
+
+    fn sum(&self, index: usize) -> Counter {
+        self.each_cpu(index).fold(Counter::default(), |a, i| {
+            let c = self.mem.read(i);
+            Counter {
+                packets: a.packets + c.packets,
+                bytes: a.bytes + c.bytes,
+            }
+        })
+    }
+
+    fn entry_index(&self, slot: u32) -> Result<usize, DatapathError> {
+        if slot >= self.entry_slots() {
+            return Err(DatapathError::Config(format!(
+                "{MAP_COUNTERS}: no entry counter slot {slot} (there are {})",
+                self.entry_slots()
+            )));
+        }
+        Ok(DECISION_SLOTS as usize + slot as usize)
+    }
+
+    /// An entry counter slot summed over the CPUs.
+    pub fn entry(&self, slot: u32) -> Result<Counter, DatapathError> {
+        Ok(self.sum(self.entry_index(slot)?))
+    }
+
+    /// Zeroes an entry counter slot on every CPU (before the slot is given to a new entry).
+    pub fn reset_entry(&mut self, slot: u32) -> Result<(), DatapathError> {
+        for i in self.each_cpu(self.entry_index(slot)?) {
+            self.mem.write(i, Counter::default());
+        }
+        Ok(())
+    }
+
+    /// The decision counters, summed over the CPUs, in [`Decision`] order.
+    pub fn decisions(&self) -> Vec<Counter> {
+        (0..Decision::COUNT as usize).map(|d| self.sum(d)).collect()
     }
 }

@@ -8,11 +8,13 @@
 //! load.rs        Datapath: the object loaded, maps pinned and adopted, layout migration, clean-up
 //! attach.rs      Hook, Framing: programs attached to interfaces (TCX links, clsact + netlink)
 //! rtnl.rs        the link type and clsact qdisc queries attaching needs
-//! maps.rs        DatapathMaps: the maps as the diff sees them; KernelMaps: the kernel's
-//! keys.rs        plan entries as trie keys and values; Resolver: devices to interface indices
+//! maps.rs        DatapathMaps: the maps as the diff sees them; KernelMaps: the kernel's, with
+//!                CounterArray (the counters array, mapped)
+//! encode.rs      plan entries as trie keys and values; Resolver: devices to interface indices
 //! plans.rs       Plans: what each trie should hold
+//! pins.rs        the bpf filesystem: checked, mounted, pins listed and removed
 //! sync.rs        MapSync: the diff between the plans and the tries, from a record of the writes
-//! counters.rs    the mapped counters array; Counters: every counter, labelled
+//! counters.rs    Counters: every counter read from the maps, labelled with its entry
 //! nft.rs         the static masquerade rule (nftables), kept with the program's mark
 //! forward.rs     --iptables-forward-rules: ACCEPTs in iptables-nft's FORWARD chain (nftables)
 //! reconciler.rs  DatapathSync: the datapath as the reconciler drives it; DatapathReconciler
@@ -22,14 +24,15 @@
 mod attach;
 mod config;
 mod counters;
+mod encode;
 mod fake;
 pub mod forward;
 pub mod kernel;
-mod keys;
 mod load;
 pub mod logs;
 mod maps;
 pub mod nft;
+mod pins;
 mod plans;
 mod reconciler;
 mod rtnl;
@@ -45,10 +48,11 @@ pub use kilo_common::{Counter, Decision};
 
 pub use attach::{AttachMode, Framing, Hook, framing, ifindex};
 pub use config::DatapathConfig;
+pub use encode::{NoResolver, Resolver, entry_key};
 pub use fake::{FakeDatapath, FakeMaps};
-pub use keys::{NoResolver, Resolver, entry_key};
-pub use load::{Datapath, OBJECT, is_bpffs};
+pub use load::{Datapath, OBJECT};
 pub use maps::{DatapathMaps, KernelMaps};
+pub use pins::is_bpffs;
 pub use plans::Plans;
 pub use reconciler::{
     DatapathReconciler, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError,

@@ -7,7 +7,7 @@ use kilo_common::{ENTRY_COVERED, ENTRY_MASQUERADE, EntryValue};
 
 use super::{
     Role, Trie,
-    keys::{self, Resolver},
+    encode::{self, Resolver},
 };
 use crate::plan::{DatapathEntry, DatapathPlan, IpipPlan};
 
@@ -125,7 +125,7 @@ impl Want<'_> {
             None if self.role == Role::MasqueradeDestination => (self.entry, ENTRY_MASQUERADE),
             None => (self.entry, 0),
         };
-        let mut value = keys::entry_value(entry, counter, resolver);
+        let mut value = encode::entry_value(entry, counter, resolver);
         value.flags |= flags;
         value
     }
@@ -143,7 +143,7 @@ impl Want<'_> {
         let slot_ok = match self.covered {
             None => true,
             Some((outer, mesh)) => have.get(&outer).is_some_and(|o| {
-                o.counter == v.counter && keys::entry_value(mesh, o.counter, resolver) == *o
+                o.counter == v.counter && encode::entry_value(mesh, o.counter, resolver) == *o
             }),
         };
         slot_ok && v.counter < slots && self.value(v.counter, resolver) == *v

@@ -204,7 +204,7 @@ pub fn stats<'a>(counters: &'a Counters, plan: impl Into<Plans<'a>>) -> Datapath
         .map(|(e, owner)| EntryStats {
             role: e.role.label(),
             cidr: e.net,
-            kind: super::keys::kind_label(e.kind),
+            kind: super::encode::kind_label(e.kind),
             owner: owner.to_string(),
             counter: e.counter,
         })
@@ -473,7 +473,7 @@ impl DatapathSync for DatapathReconciler {
         self.ipip = None;
         let taken = self.lock().datapath.take();
         match taken {
-            Some(datapath) => datapath.cleanup().map_err(failed),
+            Some(datapath) => datapath.clean_up().map_err(failed),
             None => Ok(Writes::default()),
         }
     }

@@ -30,7 +30,7 @@ use kilo_common::{Counter, ENTRY_COVERED, EntryValue, NO_COUNTER};
 use super::{
     DatapathError, Trie,
     counters::counters_of,
-    keys::Resolver,
+    encode::Resolver,
     maps::DatapathMaps,
     plans::{Plans, Want},
 };

@@ -66,7 +66,7 @@ impl std::str::FromStr for GranularityArg {
 
 /// kgctl's global options.
 #[derive(Debug, Clone)]
-pub struct Options {
+pub struct GlobalOptions {
     pub granularity: GranularityArg,
     pub port: u16,
     /// `--subnet`; by default the subnet of the nodes' `wireguard-ip` annotations, else 10.4.0.0/16.
@@ -76,9 +76,9 @@ pub struct Options {
     pub now: Option<i64>,
 }
 
-impl Default for Options {
+impl Default for GlobalOptions {
     fn default() -> Self {
-        Options {
+        GlobalOptions {
             granularity: GranularityArg::Auto,
             port: 51820,
             subnet: None,
@@ -101,7 +101,7 @@ pub struct Cluster {
 }
 
 /// Resolves the cluster from a snapshot the way Kilo's kgctl does.
-pub fn cluster(snapshot: &Snapshot, opts: &Options) -> Result<Cluster, KgctlError> {
+pub fn cluster(snapshot: &Snapshot, opts: &GlobalOptions) -> Result<Cluster, KgctlError> {
     let parsed = mesh::parse_snapshot(snapshot, &opts.topology_label);
     let granularity = match opts.granularity {
         GranularityArg::Fixed(g) => g,

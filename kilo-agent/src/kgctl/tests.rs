@@ -9,11 +9,11 @@ fn snapshot() -> Snapshot {
     objects::parse_stream(&text, "fixture.yaml").unwrap()
 }
 
-fn opts(g: Granularity) -> Options {
-    Options {
+fn opts(g: Granularity) -> GlobalOptions {
+    GlobalOptions {
         granularity: GranularityArg::Fixed(g),
         now: Some(NOW),
-        ..Options::default()
+        ..GlobalOptions::default()
     }
 }
 
@@ -143,9 +143,9 @@ fn as_peer_peer_keepalive_in_seconds() {
 #[test]
 fn granularity_auto_and_subnet_detection() {
     let mut snap = snapshot();
-    let auto = Options {
+    let auto = GlobalOptions {
         now: Some(NOW),
-        ..Options::default()
+        ..GlobalOptions::default()
     };
     assert_eq!(
         cluster(&snap, &auto).unwrap_err(),
@@ -171,7 +171,7 @@ fn granularity_auto_and_subnet_detection() {
     assert!(graph(&c).unwrap().contains("label=\"10.6.0.0/16\";"));
     let c = cluster(
         &snap,
-        &Options {
+        &GlobalOptions {
             subnet: Some("10.9.0.0/16".parse().unwrap()),
             ..auto
         },
@@ -182,7 +182,7 @@ fn granularity_auto_and_subnet_detection() {
 
 #[test]
 fn no_ready_nodes() {
-    let o = Options {
+    let o = GlobalOptions {
         now: Some(NOW + 3600),
         ..opts(Granularity::Location)
     };
@@ -223,9 +223,9 @@ fn dot_escapes_quotes() {
 /// kgctl leaves out and reports the same losers as the agents, so `showconf` matches the mesh.
 #[test]
 fn cluster_resolves_conflicts_like_the_agent() {
-    let opts = Options {
+    let opts = GlobalOptions {
         granularity: GranularityArg::Fixed(Granularity::Full),
-        ..Options::default()
+        ..GlobalOptions::default()
     };
     let c = cluster(&crate::mesh::cloned_snapshot(), &opts).unwrap();
     assert_eq!(c.nodes.keys().collect::<Vec<_>>(), ["a"]);

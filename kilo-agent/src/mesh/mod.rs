@@ -3,9 +3,8 @@
 //!
 //! Owns: the raw [`Snapshot`], its typed form ([`Node`], [`MeshPeer`]), the parsers and
 //! their per-object errors ([`ObjectError`]), the resolution of duplicate identities and
-//! conflicting claims ([`resolve_conflicts`]), the on-disk object loader ([`objects`]), and
-//! Kilo's annotation names ([`annotations`]).
-//! Parsing is pure; only [`objects::load_dir`] reads files.
+//! conflicting claims ([`resolve_conflicts`]), objects as files hold them ([`objects`]), and
+//! Kilo's annotation names ([`annotations`]). Pure: the backends read.
 //!
 //! Every value is read exactly as Kilo's `translateNode`, `Peer.Validate` and `translatePeer`
 //! read it (Go's `net.ParseCIDR`, `net.ParseIP`, `strconv.ParseInt`, `wgtypes.ParseKey`,
@@ -112,7 +111,7 @@ impl FromStr for Granularity {
 pub enum ObjectKind {
     Node,
     Peer,
-    /// A file that could not be read or parsed as an object (`objects::load_dir`).
+    /// A file that could not be read or parsed as an object (the file backend, `kgctl --backend file`).
     File,
 }
 

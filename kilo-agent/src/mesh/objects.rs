@@ -1,8 +1,5 @@
-//! Kubernetes-shaped objects on disk: one Node or Peer per file, YAML or JSON.
-//! Used by `kgctl --backend file` and the file backend. [`parse_object`] is pure;
-//! [`load_dir`] reads a directory (the only I/O in `mesh`).
-use std::path::Path;
-
+//! Kubernetes-shaped objects as files hold them: one Node or Peer per file, YAML or JSON, or a
+//! stream of them. Pure: the file backend reads the files.
 use super::{KubeNode, ObjectError, ObjectKind, Peer, Snapshot};
 
 /// One parsed object.
@@ -21,7 +18,8 @@ impl Object {
     }
 }
 
-fn file_err(path: &str, field: &str, problem: impl Into<String>) -> ObjectError {
+/// An error about the file at `path` (unreadable, unparsable, not a Node or Peer).
+pub fn file_err(path: &str, field: &str, problem: impl Into<String>) -> ObjectError {
     ObjectError::new(ObjectKind::File, path, field, problem)
 }
 
@@ -98,16 +96,6 @@ fn object(value: serde_yaml::Value, path: &str) -> Result<Object, ObjectError> {
     }
 }
 
-/// Whether `load_dir` considers a file: `*.yaml`, `*.yml`, `*.json`, not hidden.
-pub fn is_object_file(path: &Path) -> bool {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    !name.starts_with('.')
-        && matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("yaml" | "yml" | "json")
-        )
-}
-
 /// Adds a parsed object to a snapshot; a second object with the same kind and name is an error.
 pub fn insert(snapshot: &mut Snapshot, obj: Object, path: &str) -> Result<(), ObjectError> {
     let name = obj.name().unwrap_or_default().to_string();
@@ -139,36 +127,6 @@ pub fn parse_stream(text: &str, origin: &str) -> Result<Snapshot, ObjectError> {
         }
     }
     Ok(snapshot)
-}
-
-/// Loads every object file of `dir` (sorted by file name). Bad files are reported, not fatal.
-pub fn load_dir(dir: &Path) -> (Snapshot, Vec<ObjectError>) {
-    let mut snapshot = Snapshot::default();
-    let mut errors = Vec::new();
-    let dir_s = dir.display().to_string();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) => {
-            errors.push(file_err(&dir_s, "directory", e.to_string()));
-            return (snapshot, errors);
-        }
-    };
-    let mut paths: Vec<_> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && is_object_file(p))
-        .collect();
-    paths.sort();
-    for path in paths {
-        let p = path.display().to_string();
-        let res = std::fs::read(&path)
-            .map_err(|e| file_err(&p, "content", e.to_string()))
-            .and_then(|b| parse_object(&b, &p))
-            .and_then(|o| insert(&mut snapshot, o, &p));
-        if let Err(e) = res {
-            errors.push(e);
-        }
-    }
-    (snapshot, errors)
 }
 
 #[cfg(test)]
@@ -208,24 +166,6 @@ mod tests {
             assert_eq!(e.field, field, "{e}");
             assert!(e.to_string().starts_with("file \"f.yaml\": "));
         }
-    }
-
-    #[test]
-    fn load_dir_keeps_good_files() {
-        let d = tempfile::tempdir().unwrap();
-        std::fs::write(
-            d.path().join("a.yaml"),
-            "apiVersion: v1\nkind: Node\nmetadata: {name: a}\n",
-        )
-        .unwrap();
-        std::fs::write(d.path().join("b.yaml"), "kind: Node\nmetadata: {name: a}\n").unwrap();
-        std::fs::write(d.path().join("c.json"), "{").unwrap();
-        std::fs::write(d.path().join("README.md"), "not an object").unwrap();
-        let (s, errs) = load_dir(d.path());
-        assert_eq!(s.nodes.len(), 1);
-        assert_eq!(errs.len(), 2, "{errs:?}");
-        let (_, errs) = load_dir(&d.path().join("missing"));
-        assert_eq!(errs.len(), 1);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The plan builder: Kilo's `Conf()`, `Routes()` and `Rules()` for one node, as desired state.
+//! The plan computed: Kilo's `Conf()`, `Routes()` and `Rules()` for one node, as desired state.
 //!
 //! # Deliberate differences from Kilo (each has a test in `tests/golden.rs` or below)
 //! - Route destinations and datapath keys are truncated (`10.5.0.1/24` → `10.5.0.0/24`): the
@@ -84,7 +84,7 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
 /// THE entry point of the agent: snapshot + settings → the plan for the local node.
 pub fn plan_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
     let mut out = topology_for(snapshot, settings);
-    out.plan = out.topology.as_ref().map(|t| build(t, settings));
+    out.plan = out.topology.as_ref().map(|t| from_topology(t, settings));
     out
 }
 
@@ -174,7 +174,7 @@ fn same_family(a: &IpNet, b: IpAddr) -> bool {
 }
 
 /// Builds the plan of the topology's local node (Kilo's `Routes()`, `Conf()`, `Rules()`).
-pub fn build(t: &Topology, s: &Settings) -> Plan {
+pub fn from_topology(t: &Topology, s: &Settings) -> Plan {
     let my_priv = |v6: bool| {
         t.private_ips
             .iter()

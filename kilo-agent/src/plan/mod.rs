@@ -1,16 +1,17 @@
 //! The plan: everything one node must have, derived purely from a topology.
 //!
-//! This is the contract between the pure core and the reconcilers. It holds no
-//! secrets (the private key stays with the agent), is ordered deterministically
-//! (so two equal plans compare and print equal), and is what `--dry-run`,
-//! `kgctl plan`, the mesh harness and the benchmarks all consume.
+//! This is the contract between the pure core and the reconcilers. It holds no secrets (the
+//! private key stays with the agent), is ordered deterministically (two equal plans compare and
+//! print equal), and is what the reconcilers, `kg --dry-run`, the goldens and the benchmarks
+//! consume.
 //!
-//! The builder ([`plan_for`], the one entry point of the agent, and [`build`]) computes it with
-//! Kilo's `Conf()`/`Routes()`/`Rules()` semantics; its module docs (`build.rs`, `datapath.rs`) list
-//! the deliberate differences from Kilo (truncated destinations, one route and one WireGuard peer
-//! per CIDR, merged duplicate keys, IPv4-only IPIP). `Route`, `Rule` and `Device` print in the
-//! golden files' layout (`Device` as Kilo's test names kilo0/eth0/tunl0) for tests and dry runs.
-mod build;
+//! [`plan_for`] (the agent's entry point) and [`from_topology`] compute it with Kilo's
+//! `Conf()`/`Routes()`/`Rules()` semantics; `compute.rs` and `datapath.rs` list the deliberate
+//! differences from Kilo (truncated destinations, one route and one WireGuard peer per CIDR,
+//! merged duplicate keys, IPv4-only IPIP). `Route`, `Rule` and `Device` print in the golden
+//! files' layout (`Device` as Kilo's test names kilo0/eth0/tunl0) for tests and dry runs.
+mod compute;
+mod conf;
 mod datapath;
 mod settings;
 
@@ -20,7 +21,7 @@ use std::{
     net::{IpAddr, Ipv4Addr},
 };
 
-pub use build::{build, normalize_wireguard, plan_for, topology_for};
+pub use compute::{from_topology, normalize_wireguard, plan_for, topology_for};
 pub use datapath::ipip_sources;
 pub use settings::{Compatibility, Encapsulation, KeepaliveSource, PlanError, Planned, Settings};
 

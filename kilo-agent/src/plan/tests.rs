@@ -37,7 +37,7 @@ fn settings(enc: Encapsulation, local: bool) -> Settings {
 fn cross_plan_from_a() {
     let (n, p) = cross_fixture();
     let t = topo(&n, &p, Granularity::Cross, "a", "10.4.0.0/16");
-    let plan = build(&t, &settings(Encapsulation::Never, true));
+    let plan = from_topology(&t, &settings(Encapsulation::Never, true));
     assert_eq!(plan.addresses, nets("10.4.0.1/16"));
     assert_eq!(
         routes(&plan),
@@ -81,7 +81,7 @@ fn cross_plan_from_a() {
         "b",
         "10.4.0.0/16",
     );
-    let pb = build(&tb, &settings(Encapsulation::Never, true));
+    let pb = from_topology(&tb, &settings(Encapsulation::Never, true));
     assert_eq!(pb.datapath.masquerade_destinations.len(), 1);
     assert_eq!(
         pb.addresses,
@@ -94,7 +94,7 @@ fn cross_plan_from_a() {
 fn cross_plan_from_c_encapsulated() {
     let (n, p) = cross_fixture();
     let t = topo(&n, &p, Granularity::Cross, "c", "10.4.0.0/16");
-    let plan = build(&t, &settings(Encapsulation::Always, true));
+    let plan = from_topology(&t, &settings(Encapsulation::Always, true));
     assert_eq!(
         routes(&plan),
         set(&[
@@ -160,9 +160,9 @@ fn cross_plan_from_c_encapsulated() {
         compatibility: Compatibility::Flannel,
         ..settings(Encapsulation::Always, true)
     };
-    assert_eq!(build(&t, &flannel).ipip, IpipPlan::default());
+    assert_eq!(from_topology(&t, &flannel).ipip, IpipPlan::default());
     // crosssubnet: d is inside c's /24, so no encapsulation (but d may still send IPIP).
-    let plan = build(&t, &settings(Encapsulation::CrossSubnet, true));
+    let plan = from_topology(&t, &settings(Encapsulation::CrossSubnet, true));
     let r = routes(&plan);
     assert!(r.contains("route 10.2.4.0/24 via 192.168.2.2 dev eth0 onlink"));
     assert!(r.contains("route 10.4.0.4/32 via 192.168.2.2 dev eth0 onlink"));
@@ -170,18 +170,18 @@ fn cross_plan_from_c_encapsulated() {
     assert!(plan.ipip.encapsulate.is_empty());
     assert_eq!(keys(&plan.ipip.sources), nets("192.168.2.2/32"));
     assert_eq!(
-        build(&t, &settings(Encapsulation::Never, true)).ipip,
+        from_topology(&t, &settings(Encapsulation::Never, true)).ipip,
         IpipPlan::default()
     );
     // --local=false: nothing inside the location.
-    let plan = build(&t, &settings(Encapsulation::Always, false));
+    let plan = from_topology(&t, &settings(Encapsulation::Always, false));
     assert!(!routes(&plan).iter().any(|r| r.contains("192.168.2.2 dev")));
 }
 
 #[test]
 fn dual_stack_plan_leader() {
     let t = dual_topo("a");
-    let plan = build(&t, &settings(Encapsulation::Always, true));
+    let plan = from_topology(&t, &settings(Encapsulation::Always, true));
     assert_eq!(plan.addresses, nets("fd04::1/64"));
     assert_eq!(
         routes(&plan),
@@ -209,7 +209,7 @@ fn dual_stack_plan_leader() {
 #[test]
 fn dual_stack_plan_non_leader() {
     let t = dual_topo("b");
-    let plan = build(&t, &settings(Encapsulation::Always, true));
+    let plan = from_topology(&t, &settings(Encapsulation::Always, true));
     assert!(plan.addresses.is_empty() && plan.wireguard.peers.is_empty());
     assert_eq!(
         routes(&plan),
@@ -240,7 +240,7 @@ fn dual_stack_plan_non_leader() {
 #[test]
 fn dual_stack_plan_ipv6_only_leader() {
     let t = dual_topo("c");
-    let plan = build(&t, &settings(Encapsulation::Always, true));
+    let plan = from_topology(&t, &settings(Encapsulation::Always, true));
     assert_eq!(
         routes(&plan),
         set(&[
@@ -387,7 +387,7 @@ proptest! {
     #[test]
     fn one_destination_one_place(c in cluster()) {
         let t = topo(&c.nodes, &c.peers, c.granularity, &c.nodes[c.host].name, "10.4.0.0/16");
-        let plan = build(&t, &settings(c.enc, c.local));
+        let plan = from_topology(&t, &settings(c.enc, c.local));
         let mut seen = BTreeSet::new();
         for r in &plan.routes {
             prop_assert!(seen.insert((r.table, r.dst)), "{} routed twice", r.dst);
@@ -411,7 +411,7 @@ proptest! {
     fn every_allowed_ip_exactly_once(c in cluster()) {
         let host = &c.nodes[c.host];
         let t = topo(&c.nodes, &c.peers, c.granularity, &host.name, "10.4.0.0/16");
-        let plan = build(&t, &settings(c.enc, c.local));
+        let plan = from_topology(&t, &settings(c.enc, c.local));
         let mut count: BTreeMap<IpNet, usize> = BTreeMap::new();
         for p in &plan.wireguard.peers {
             for ip in &p.allowed_ips {
@@ -445,7 +445,7 @@ proptest! {
     fn next_hops(c in cluster()) {
         let host = &c.nodes[c.host];
         let t: Topology = topo(&c.nodes, &c.peers, c.granularity, &host.name, "10.4.0.0/16");
-        let plan = build(&t, &Settings { service_cidrs: nets("10.96.0.0/12"), ..settings(c.enc, c.local) });
+        let plan = from_topology(&t, &Settings { service_cidrs: nets("10.96.0.0/12"), ..settings(c.enc, c.local) });
         let local: BTreeSet<String> = c.nodes.iter().filter(|n| group_of(c.granularity, n) == group_of(c.granularity, host)).map(|n| n.name.clone()).collect();
         for (k, e) in &plan.datapath.mesh_destinations {
             match e.kind {

@@ -39,7 +39,7 @@ pub use fake::FakeKernel;
 use self::{
     netlink::EventFilter,
     state::{KRoute, KRule, KernelDiff, KernelState, LinkState, LinkWant},
-    wireguard::{Resolver, WgDiff, WireGuard},
+    wireguard::{DnsLookup, WgDiff, WireGuard},
 };
 use crate::{
     datapath::{DatapathSync, forward::ForwardRules},
@@ -88,7 +88,7 @@ pub trait Kernel {
 }
 
 /// What the reconciler needs beyond the plan.
-pub struct Settings {
+pub struct DeviceSettings {
     pub devices: Devices,
     /// Create the WireGuard link when it is missing (kernel module required).
     pub create_interface: bool,
@@ -96,7 +96,7 @@ pub struct Settings {
     pub mtu: Option<u32>,
     /// The node's private key; never logged.
     pub private_key: Key,
-    pub resolver: Box<Resolver>,
+    pub dns: Box<DnsLookup>,
 }
 
 /// The result of one reconcile: what was written and what could not be done.
@@ -164,7 +164,7 @@ pub struct Reconciler<K, W, D> {
     kernel: K,
     wireguard: W,
     datapath: D,
-    settings: Settings,
+    settings: DeviceSettings,
     cni: Option<cni::CniFile>,
     forward: Option<Box<dyn ForwardRules + Send>>,
     realms: Realms,
@@ -207,7 +207,7 @@ impl<K, W, D> Reconciler<K, W, D> {
 }
 
 impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
-    pub fn new(kernel: K, wireguard: W, datapath: D, settings: Settings) -> Self {
+    pub fn new(kernel: K, wireguard: W, datapath: D, settings: DeviceSettings) -> Self {
         let events = EventFilter::new(&settings.devices, kernel.echo_port());
         Reconciler {
             kernel,
@@ -351,7 +351,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                     &plan.wireguard,
                     self.settings.private_key,
                     Some(&dev),
-                    &*self.settings.resolver,
+                    &*self.settings.dns,
                     &mut report.problems,
                 );
                 let d = wireguard::diff(&want, &dev);
@@ -458,7 +458,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             &plan.wireguard,
             self.settings.private_key,
             Some(&dev),
-            &*self.settings.resolver,
+            &*self.settings.dns,
             &mut out.problems,
         );
         out.wireguard = wireguard::diff(&want, &dev);

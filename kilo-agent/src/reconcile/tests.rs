@@ -44,7 +44,7 @@ fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, NoDatapath> {
         FakeKernel::default(),
         FakeWireGuard::default(),
         NoDatapath,
-        Settings {
+        DeviceSettings {
             devices: Devices {
                 wireguard: "kilo0".into(),
                 private: None,
@@ -53,7 +53,7 @@ fn reconciler() -> Reconciler<FakeKernel, FakeWireGuard, NoDatapath> {
             create_interface: true,
             mtu: Some(1420),
             private_key: Key([9; 32]),
-            resolver: Box::new(wireguard::system_resolver),
+            dns: Box::new(wireguard::system_resolver),
         },
     )
 }

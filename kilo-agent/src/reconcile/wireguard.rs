@@ -19,7 +19,7 @@ use std::{collections::BTreeMap, sync::Arc};
 pub use device::{WgApi, WgControl, uapi_socket};
 pub use fake::FakeWireGuard;
 pub use state::{
-    DeviceState, PeerChange, PeerState, PeerStats, Resolver, WgDiff, count, desired, diff,
+    DeviceState, DnsLookup, PeerChange, PeerState, PeerStats, WgDiff, count, desired, diff,
     system_resolver,
 };
 

@@ -31,11 +31,10 @@
 //! - `isPublic` treats all of `fc00::/7` (RFC 4193) as private; Kilo checks only `fd00::/16`.
 //! - Running out of WireGuard IPs is an error; Kilo's allocator hands out an empty IP once
 //!   before failing.
-//! - `conf()` stays byte-compatible with Kilo (CIDRs as written, duplicates kept); the plan
-//!   normalizes (see `plan`).
+//! - The topology as WireGuard peers (`conf()`, in `plan/conf.rs`) stays byte-compatible with
+//!   Kilo (CIDRs as written, duplicates kept); the plan normalizes it.
 mod addresses;
 mod allowed_ips;
-mod conf;
 
 use std::{
     collections::{BTreeMap, HashSet},

@@ -5,7 +5,7 @@ use kilo_agent::{
     agent::{Local, PlanOutcome},
     mesh::{Key, ObjectError, ObjectKind, Snapshot, annotations::KEY as ANNOTATION_KEY},
     plan::{DatapathEntry, Device, Devices, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
-    reconcile::{Settings, wireguard::system_resolver},
+    reconcile::{DeviceSettings, wireguard::system_resolver},
 };
 
 pub const ENDPOINT_ANNOTATION: &str = "kilo.squat.ai/endpoint";
@@ -105,8 +105,8 @@ pub fn settings(
     private: Option<&str>,
     create_interface: bool,
     private_key: Key,
-) -> Settings {
-    Settings {
+) -> DeviceSettings {
+    DeviceSettings {
         devices: Devices {
             wireguard: wireguard.into(),
             private: private.map(str::to_owned),
@@ -115,7 +115,7 @@ pub fn settings(
         create_interface,
         mtu: Some(1420),
         private_key,
-        resolver: Box::new(system_resolver),
+        dns: Box::new(system_resolver),
     }
 }
 

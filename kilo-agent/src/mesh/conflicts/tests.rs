@@ -234,7 +234,7 @@ fn a_peer_cannot_take_a_node_range_in_the_plan() {
         "b",
         "10.4.0.0/16",
     );
-    let plan = plan::build(&t, &Settings::default());
+    let plan = plan::from_topology(&t, &Settings::default());
     let p_ips: Vec<IpNet> = plan
         .wireguard
         .peers
@@ -357,7 +357,7 @@ proptest! {
         let host = kept[0].name.clone();
         let t = topo(&values(&n), &values(&p), Granularity::Full, &host, "10.4.0.0/16");
         ranges.extend(t.segments.iter().map(|s| IpNet::from(s.wireguard_ip)));
-        let plan = plan::build(&t, &Settings::default());
+        let plan = plan::from_topology(&t, &Settings::default());
         let peer_keys: Vec<_> = p.values().map(|p| p.public_key).collect();
         for w in plan.wireguard.peers.iter().filter(|w| peer_keys.contains(&w.public_key)) {
             for ip in &w.allowed_ips {

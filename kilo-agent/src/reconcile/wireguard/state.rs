@@ -133,7 +133,7 @@ impl fmt::Display for WgDiff {
 }
 
 /// Resolves DNS endpoints; returns every address the name has (empty when it does not resolve).
-pub type Resolver = dyn Fn(&str, u16) -> Vec<SocketAddr> + Send + Sync;
+pub type DnsLookup = dyn Fn(&str, u16) -> Vec<SocketAddr> + Send + Sync;
 
 /// The system resolver (getaddrinfo; no process).
 pub fn system_resolver(name: &str, port: u16) -> Vec<SocketAddr> {
@@ -151,7 +151,7 @@ pub fn desired(
     plan: &WireGuardPlan,
     private_key: Key,
     observed: Option<&DeviceState>,
-    resolve: &Resolver,
+    resolve: &DnsLookup,
     problems: &mut Vec<String>,
 ) -> DeviceState {
     let mut peers = BTreeMap::new();

@@ -1,9 +1,9 @@
 //! The topology as WireGuard peers: Kilo's `Conf()`, `PeerConf()`, `AsPeer()` and
 //! `updateEndpoint`.
-use super::{Segment, Topology};
+use super::WireGuardPeer;
 use crate::{
     mesh::{Endpoint, Key, MeshPeer},
-    plan::WireGuardPeer,
+    topology::{Segment, Topology},
 };
 
 impl Topology {

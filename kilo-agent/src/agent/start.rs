@@ -1,5 +1,5 @@
 //! Start-up, apart from the running loop: from `kg`'s flags to an [`Agent`] wired to its
-//! backend, reconcilers and metrics ([`build`]: the host name, the key file, address
+//! backend, reconcilers and metrics ([`start`]: the host name, the key file, address
 //! detection, the datapath, the WireGuard and tunnel devices), then the lock-down before the
 //! loop ([`Started::run`]: capabilities dropped, seccomp); likewise for `kg webhook`
 //! ([`webhook`]). The functions that decide something from the flags are pure and tested here.
@@ -9,7 +9,7 @@ use super::{
     Agent, AgentError, Local, LoopSettings, Planner, Stats, caps,
     config::{BackendKind, Compatibility, Encapsulate, Flags, LogLevel, Mtu, WebhookFlags},
     detect::{self, Detected},
-    key, planner, prerequisites, seccomp,
+    key_file, planner, prerequisites, seccomp,
 };
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
@@ -21,7 +21,7 @@ use crate::{
     mesh::Key,
     plan::{self, Devices},
     reconcile::{
-        KernelError, Reconciler, Settings,
+        DeviceSettings, KernelError, Reconciler,
         netlink::{self, NetlinkKernel},
         wireguard::{WgApi, WgControl, WgError, system_resolver},
     },
@@ -35,7 +35,7 @@ pub enum StartError {
     #[error("reading the host name")]
     Hostname(#[source] std::io::Error),
     #[error(transparent)]
-    Key(#[from] key::KeyFileError),
+    Key(#[from] key_file::KeyFileError),
     #[error(transparent)]
     Detect(#[from] detect::DetectError),
     #[error(transparent)]
@@ -158,9 +158,9 @@ fn hostname(flags: &Flags) -> Result<String, StartError> {
 /// file, and uses a throwaway key when there is none yet.
 fn private_key(flags: &Flags) -> Result<Key, StartError> {
     if !flags.dry_run {
-        return Ok(key::load_or_generate(&flags.private_key)?.0);
+        return Ok(key_file::load_or_generate(&flags.private_key)?.0);
     }
-    Ok(match key::load(&flags.private_key)? {
+    Ok(match key_file::load(&flags.private_key)? {
         Some(k) => k,
         None => {
             tracing::warn!(path = %flags.private_key.display(), "no key yet; the dry run uses a throwaway one");
@@ -227,12 +227,12 @@ pub struct Started<P> {
 /// Builds the agent `flags` describe: reads the host name and the key, detects this node's
 /// addresses, starts the backend, opens the WireGuard device, the datapath and the netlink
 /// connection.
-pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
+pub async fn start(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
     warn_missing_capabilities(flags);
     prerequisites::warn_missing(flags);
     let hostname = hostname(flags)?;
     let private_key = private_key(flags)?;
-    let public_key = key::public_key(&private_key);
+    let public_key = key_file::public_key(&private_key);
 
     let host = detect::observe().await?;
     let ignored = [flags.interface.as_str(), "tunl0", "kube-bridge"];
@@ -281,12 +281,12 @@ pub async fn build(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
         kernel,
         wireguard,
         datapath,
-        Settings {
+        DeviceSettings {
             devices,
             create_interface: flags.create_interface,
             mtu: Some(mtu),
             private_key,
-            resolver: Box::new(system_resolver),
+            dns: Box::new(system_resolver),
         },
     );
     let reconciler = if flags.cni {
