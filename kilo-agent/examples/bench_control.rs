@@ -18,7 +18,7 @@
 //!   static and left out.)
 //! - nftables set (interval): from empty, one `nft -f -`; verify, one `nft list set` compared
 //!   as a set; change, one `nft add element`.
-//! - ours: `Datapath::sync` of a plan with N mesh destinations; idle, it compares the plan with
+//! - ours: `Datapath::apply` of a plan with N mesh destinations; idle, it compares the plan with
 //!   its record of what it wrote, and every `READ_BACK_EVERY`-th sync reads the trie back (both
 //!   shown); a change is one map write after one ordered pass over the plan. The maps exist
 //!   from the agent's start and the plans are built beforehand (planning, not the datapath's
@@ -308,9 +308,9 @@ struct Ours {
 
 impl Ours {
     /// Syncs the prepared plan of `n` CIDRs.
-    fn sync(&mut self, n: usize) -> Writes {
+    fn apply(&mut self, n: usize) -> Writes {
         let plan = self.plans.get(&n).expect("prepared");
-        self.dp.sync(plan, &NoResolver).expect("sync")
+        self.dp.apply(plan, &NoResolver).expect("apply")
     }
 }
 
@@ -348,19 +348,19 @@ impl Mechanism for Ours {
             .collect();
     }
     fn apply_empty(&mut self, cidrs: &[Ipv4Net]) {
-        let w = self.sync(cidrs.len());
+        let w = self.apply(cidrs.len());
         assert_eq!(w.total(), cidrs.len() as u64, "{w}");
     }
     fn verify(&mut self, cidrs: &[Ipv4Net]) -> bool {
         // One idle sync (from the record; the read-backs are timed apart, see `idle_syncs`).
-        self.sync(cidrs.len()).is_empty()
+        self.apply(cidrs.len()).is_empty()
     }
     fn change(&mut self, cidrs: &[Ipv4Net]) {
-        let w = self.sync(cidrs.len() + 1);
+        let w = self.apply(cidrs.len() + 1);
         assert_eq!(w.total(), 1, "a 1-entry change is one map write: {w}");
     }
     fn clear(&mut self) {
-        self.dp.sync(&plan(&[]), &NoResolver).expect("sync");
+        self.dp.apply(&plan(&[]), &NoResolver).expect("apply");
     }
 }
 
@@ -456,11 +456,11 @@ fn idle_syncs(
     let mut dp = open();
     for &n in sizes {
         let p = plan(&cidrs(n));
-        dp.sync(&p, &NoResolver).expect("sync");
+        dp.apply(&p, &NoResolver).expect("apply");
         let mut times = Vec::new();
         for _ in 0..READ_BACK_EVERY * if quick { 2 } else { 5 } {
             let t = Instant::now();
-            assert!(dp.sync(&p, &NoResolver).expect("sync").is_empty());
+            assert!(dp.apply(&p, &NoResolver).expect("apply").is_empty());
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         // Every READ_BACK_EVERY-th sync reads back: the slowest of each cycle.
@@ -473,7 +473,7 @@ fn idle_syncs(
                 .or_default()
                 .extend_from_slice(&s[..s.len() - 1]);
         }
-        dp.sync(&plan(&[]), &NoResolver).expect("sync");
+        dp.apply(&plan(&[]), &NoResolver).expect("apply");
     }
     (ours_record, ours_readback)
 }

@@ -7,7 +7,7 @@
 //! `cargo xtask bench datapath [--quick] [-- --repeat N --rounds R]` (root). An idle resync
 //! compares the plan with the sync's record of what it wrote (no system call); every
 //! `READ_BACK_EVERY`-th also reads all the tries back and compares them (which repairs
-//! entries changed behind its back), and so does the first sync and the one after a failed
+//! entries changed behind its back), and so does the first apply and the one after a failed
 //! write. `--quick`: 10 and 1,000 entries, 1,000 for the sync, fewer repetitions.
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -105,7 +105,7 @@ fn open(slots: u32) -> Datapath {
 /// Syncs `plan`; (ms, map writes).
 fn timed(dp: &mut Datapath, plan: &DatapathPlan) -> (f64, u64) {
     let t = Instant::now();
-    let w = dp.sync(plan, &NoResolver).unwrap();
+    let w = dp.apply(plan, &NoResolver).unwrap();
     (t.elapsed().as_secs_f64() * 1e3, w.total())
 }
 
@@ -174,7 +174,7 @@ fn main() {
     for &n in sizes {
         let mut dp = open(131_072);
         let p = plan(n);
-        let w = dp.sync(&p, &NoResolver).expect("sync");
+        let w = dp.apply(&p, &NoResolver).expect("apply");
         assert_eq!(w.get("map_insert"), p.mesh_destinations.len() as u64 + 3);
         let floor = support::lookups(&mut dp);
         let lookups = support::baseline(&floor, kilo_common::PROG_LOOKUPS);
@@ -255,7 +255,7 @@ fn main() {
         let mut cpu = Vec::new();
         for _ in 0..READ_BACK_EVERY * 2 {
             let t = cpu_time();
-            assert!(dp.sync(&p, &NoResolver).unwrap().is_empty());
+            assert!(dp.apply(&p, &NoResolver).unwrap().is_empty());
             cpu.push((cpu_time() - t).as_secs_f64() * 1e3);
         }
         for cycle in cpu.chunks(READ_BACK_EVERY as usize) {
@@ -304,7 +304,7 @@ fn main() {
         &format!(
             "An idle resync compares the plan with the record of what the sync wrote (no system \
              call); every {READ_BACK_EVERY}th reads all the tries back and compares them with \
-             the plan (and repairs what differs), as do the first sync and the one after a failed \
+             the plan (and repairs what differs), as do the first apply and the one after a failed \
              write. CPU ms: the calling thread's CPU time."
         ),
     );

@@ -105,14 +105,14 @@ impl Lab {
                     })
                     .expect("load the datapath");
                     let nat = DatapathPlan::default();
-                    dp.sync(
+                    dp.apply(
                         Plans {
                             nat: &nat,
                             ipip: &plan,
                         },
                         &NoResolver,
                     )
-                    .expect("sync");
+                    .expect("apply");
                     dp.set_route_realm(true).expect("route realms");
                     for hook in [Hook::Decap, Hook::Encap] {
                         dp.attach_hook("eth0", hook).expect("attach");
@@ -245,14 +245,14 @@ fn main() {
     .expect("load the datapath");
     let nat = DatapathPlan::default();
     let plan = ipip(1);
-    dp.sync(
+    dp.apply(
         Plans {
             nat: &nat,
             ipip: &plan,
         },
         &NoResolver,
     )
-    .expect("sync");
+    .expect("apply");
     let noop = support::noop();
     let empty = support::noop_program(&noop);
     let frame = |p: Vec<u8>| {

@@ -1544,7 +1544,7 @@ fn main() {
     let mut router = Router::new(&lab.rtr);
     let out0 = ifindex("out0").unwrap();
     let resolver = move |d: Device| (d == Device::Private).then_some(out0);
-    router.dp.sync(&plan(1_000), &resolver).expect("sync");
+    router.dp.apply(&plan(1_000), &resolver).expect("apply");
     router.lookups = Some(support::lookups(&mut router.dp));
 
     println!(
@@ -1627,7 +1627,7 @@ fn main() {
         let mut p2: BTreeMap<(usize, usize, FlowCase), Vec<f64>> = BTreeMap::new();
         let mut flow_rounds_done = Vec::new();
         for (i, &n) in ns_list.iter().enumerate() {
-            let w = router.dp.sync(&plan(n), &resolver).expect("sync");
+            let w = router.dp.apply(&plan(n), &resolver).expect("apply");
             eprintln!("part 2: {n} entries ({} map writes)", w.total());
             let mut done = 0;
             while done < flow_rounds

@@ -3,7 +3,7 @@
 //! entries), a second pass writes nothing, a map entry deleted behind its back (here by a second
 //! loader that adopts the pins, as an operator's tool would) is restored with exactly one write
 //! at the next read-back (within `READ_BACK_EVERY` reconciles; idle ones compare the plan with
-//! the agent's record), and clean-up removes programs, pins and the NAT table. A first sync that
+//! the agent's record), and clean-up removes programs, pins and the NAT table. A first apply that
 //! fails part-way attaches no program. The IPIP programs are attached to the private interface
 //! only while the plan has a location neighbour, adopted by a restarted agent without a write,
 //! and detached when the neighbours are gone.
@@ -14,7 +14,7 @@ use std::{collections::BTreeMap, path::PathBuf};
 use ipnet::IpNet;
 use kilo_agent::{
     datapath::{
-        Datapath, DatapathConfig, DatapathMaps as _, DatapathReconciler, DatapathSync as _, Trie,
+        Datapath, DatapathConfig, DatapathMaps as _, DatapathOps as _, DatapathReconciler, Trie,
     },
     mesh::Key,
     plan::{DatapathEntry, DatapathPlan, Devices, EntryKind, IpipPlan, NextHop, Plan},
@@ -158,8 +158,8 @@ fn attached(ifname: &str) -> bool {
     !progs.is_empty()
 }
 
-/// Fresh maps whose first sync fails part-way (a trie too small for the plan) get no program:
-/// it would decide on half a topology. The first sync that completes attaches it.
+/// Fresh maps whose first apply fails part-way (a trie too small for the plan) get no program:
+/// it would decide on half a topology. The first apply that completes attaches it.
 #[test]
 fn no_program_is_attached_to_maps_whose_first_sync_failed() {
     if !support::require_root("no_program_is_attached_to_maps_whose_first_sync_failed") {
@@ -201,16 +201,16 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
             &["kube-bridge".to_string()],
             false,
         );
-        let failed = dp.sync(&too_big, &Default::default(), None).is_err();
+        let failed = dp.apply(&too_big, &Default::default(), None).is_err();
         let after_failure = [attached("kwg0"), attached("kube-bridge")];
         let writes = dp
-            .sync(&fits, &Default::default(), None)
+            .apply(&fits, &Default::default(), None)
             .expect("a plan that fits");
         let after_success = [attached("kwg0"), attached("kube-bridge")];
         dp.clean_up().unwrap();
         (failed, after_failure, writes, after_success)
     });
-    assert!(failed, "the first sync overflows the trie");
+    assert!(failed, "the first apply overflows the trie");
     assert_eq!(
         after_failure,
         [false, false],
@@ -279,14 +279,14 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         };
         let mut dp = open();
         // Alone in its location: nothing on eth0.
-        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
+        let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!(w.get("link_attach"), 1, "kwg0 only: {w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         // A neighbour: both programs, three entries; then idle.
-        let w = dp.sync(&nat, &neighbour, None).unwrap();
+        let w = dp.apply(&nat, &neighbour, None).unwrap();
         assert_eq!((w.get("link_attach"), w.get("map_insert")), (2, 3), "{w}");
         assert!(attached_at("eth0", Egress) && attached_at("eth0", Ingress));
-        assert!(dp.sync(&nat, &neighbour, None).unwrap().is_empty());
+        assert!(dp.apply(&nat, &neighbour, None).unwrap().is_empty());
         // A restarted agent adopts the pinned links and maps: nothing to write.
         drop(dp);
         assert!(
@@ -294,10 +294,10 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
             "pinned links outlive the agent"
         );
         let mut dp = open();
-        let w = dp.sync(&nat, &neighbour, None).unwrap();
+        let w = dp.apply(&nat, &neighbour, None).unwrap();
         assert!(w.is_empty(), "adopting wrote {w}");
         // The neighbour leaves: entries deleted, programs detached.
-        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
+        let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!((w.get("link_detach"), w.get("map_delete")), (2, 3), "{w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         dp.clean_up().unwrap();
@@ -343,16 +343,16 @@ fn ipip_programs_attach_and_detach_as_netlink_filters() {
             false,
         );
         let nat = DatapathPlan::default();
-        let w = dp.sync(&nat, &neighbour, None).unwrap();
+        let w = dp.apply(&nat, &neighbour, None).unwrap();
         assert_eq!(w.get("link_attach"), 3, "kwg0 and both on eth0: {w}");
         let attached = filters(&ns);
-        let w = dp.sync(&nat, &IpipPlan::default(), None).unwrap();
+        let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
         assert_eq!(w.get("link_detach"), 2, "{w}");
         let show =
             || String::from_utf8_lossy(&ns.try_sh("tc qdisc show dev eth0").stdout).into_owned();
         let mut detached = show();
         // Clean-up takes them (and the qdisc) too.
-        dp.sync(&nat, &neighbour, None).unwrap();
+        dp.apply(&nat, &neighbour, None).unwrap();
         dp.clean_up().unwrap();
         detached += &show();
         (attached, detached)

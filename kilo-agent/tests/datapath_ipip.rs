@@ -59,14 +59,14 @@ fn open() -> Datapath {
     .expect("load the datapath");
     let nat = DatapathPlan::default();
     let ipip = ipip();
-    dp.sync(
+    dp.apply(
         Plans {
             nat: &nat,
             ipip: &ipip,
         },
         &NoResolver,
     )
-    .expect("sync");
+    .expect("apply");
     dp
 }
 

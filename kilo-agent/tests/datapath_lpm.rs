@@ -159,7 +159,7 @@ proptest! {
         for seed in seeds {
             let mut rng = StdRng::seed_from_u64(seed);
             let (plan, anchors) = random_plan(&mut rng);
-            dp.sync(&plan, &NoResolver).expect("sync");
+            dp.apply(&plan, &NoResolver).expect("apply");
             for _ in 0..24 {
                 let v6 = rng.random_bool(0.5);
                 let (src, dst) = (address(&mut rng, &anchors, v6), address(&mut rng, &anchors, v6));
@@ -250,7 +250,7 @@ fn syncing_between_two_topologies_never_changes_a_shared_decision() {
         ..Default::default()
     };
     let mut writer = Datapath::open(config.clone()).unwrap();
-    writer.sync(&a, &NoResolver).unwrap();
+    writer.apply(&a, &NoResolver).unwrap();
     // A second load on the same pins: its program reads the maps the writer changes.
     let reader = Datapath::open(config).unwrap();
     let frames: Vec<Vec<u8>> = packets.iter().map(|(s, d)| frame(&[], *s, *d)).collect();
@@ -274,7 +274,7 @@ fn syncing_between_two_topologies_never_changes_a_shared_decision() {
     let mut syncs = 0;
     for _ in 0..200 {
         for p in [&b, &a] {
-            let w = writer.sync(p, &NoResolver).unwrap();
+            let w = writer.apply(p, &NoResolver).unwrap();
             assert!(!w.is_empty());
             syncs += 1;
         }

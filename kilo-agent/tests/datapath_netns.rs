@@ -108,7 +108,7 @@ fn start(lab: &Lab, cfg: DatapathConfig) -> (Datapath, u64) {
         let (mut dp, mut writes) = Datapath::open_counted(cfg).expect("open");
         writes += dp.attach("pod0").expect("attach");
         writes += dp.ensure_masquerade().expect("nft");
-        writes += dp.sync(&plan(None), &NoResolver).expect("sync");
+        writes += dp.apply(&plan(None), &NoResolver).expect("apply");
         let total = writes.total();
         (dp, total)
     })
@@ -161,7 +161,7 @@ fn lifecycle(attach: AttachMode) {
     // Idempotent: a second pass writes nothing.
     let dp = lab.node.run(move || {
         let mut dp = dp;
-        assert!(dp.sync(&plan(None), &NoResolver).unwrap().is_empty());
+        assert!(dp.apply(&plan(None), &NoResolver).unwrap().is_empty());
         assert!(dp.ensure_masquerade().unwrap().is_empty());
         assert!(dp.attach("pod0").unwrap().is_empty() || attach == AttachMode::Netlink);
         dp
@@ -184,7 +184,7 @@ fn lifecycle(attach: AttachMode) {
             writes += attach_writes;
         }
         writes += dp.ensure_masquerade().unwrap();
-        writes += dp.sync(&plan(None), &NoResolver).unwrap();
+        writes += dp.apply(&plan(None), &NoResolver).unwrap();
         assert!(writes.is_empty(), "adoption wrote {writes}");
         dp
     });
@@ -372,9 +372,9 @@ fn fast_path_redirects_mesh_past_a_forward_drop_but_not_services() {
         dp.ensure_masquerade().unwrap();
         let mesh0 = kilo_agent::datapath::ifindex("mesh0").unwrap();
         let resolver = move |d: Device| (d == Device::Private).then_some(mesh0);
-        dp.sync(&plan(hop), &resolver).unwrap();
-        // A second sync with the same plan and resolver writes nothing.
-        assert!(dp.sync(&plan(hop), &resolver).unwrap().is_empty());
+        dp.apply(&plan(hop), &resolver).unwrap();
+        // A second apply with the same plan and resolver writes nothing.
+        assert!(dp.apply(&plan(hop), &resolver).unwrap().is_empty());
         dp
     });
 
@@ -491,7 +491,7 @@ fn raw_ip_device_traffic_is_classified_like_wireguard() {
             ]),
             masquerade_destinations: BTreeMap::new(),
         };
-        dp.sync(&p, &NoResolver).unwrap();
+        dp.apply(&p, &NoResolver).unwrap();
         dp
     });
     let mut send = |src: &str, dst: &str, port: u16| {
@@ -568,7 +568,7 @@ fn services_are_decided_on_the_cluster_ip_before_kube_proxy_dnat() {
     without.mesh_destinations.remove(&net("10.96.0.0/24"));
     let dp = lab.node.run(move || {
         let mut dp = dp;
-        dp.sync(&without, &NoResolver).unwrap();
+        dp.apply(&without, &NoResolver).unwrap();
         dp
     });
     assert_eq!(sources(7110), (Some(ip("10.20.0.1")), Some(ip(NODE_INET))));

@@ -71,7 +71,7 @@ fn open() -> Datapath {
         ..Default::default()
     })
     .expect("load the datapath");
-    dp.sync(&plan(), &NoResolver).expect("sync");
+    dp.apply(&plan(), &NoResolver).expect("apply");
     dp
 }
 
@@ -550,7 +550,7 @@ fn counters_land_in_the_region_of_the_cpu_that_ran() {
         ..Default::default()
     })
     .unwrap();
-    dp.sync(&plan(), &NoResolver).unwrap();
+    dp.apply(&plan(), &NoResolver).unwrap();
     let net: IpNet = "10.244.1.0/24".parse().unwrap();
     let slot = dp
         .maps()
@@ -622,7 +622,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
     })
     .unwrap();
     let old = plan();
-    dp.sync(&old, &NoResolver).unwrap();
+    dp.apply(&old, &NoResolver).unwrap();
     // A whole new mesh of 8 entries: with the 8 old destinations still in, the trie overflows.
     let mut new = old.clone();
     new.mesh_destinations = (0..8u8)
@@ -633,7 +633,7 @@ fn a_full_table_fails_naming_the_entry_and_keeps_the_old_topology() {
             )
         })
         .collect();
-    let err = dp.sync(&new, &NoResolver).unwrap_err().to_string();
+    let err = dp.apply(&new, &NoResolver).unwrap_err().to_string();
     // The entry named is one of the new plan's: a new one, or (on kernels before the LPM trie
     // took in-place updates when full, such as 5.10) an existing one whose value changed.
     let named = (new.mesh_destinations.iter())
@@ -756,7 +756,7 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         // A first generation, attached and pinned.
         let mut first = Datapath::open(config.clone()).unwrap();
         first.attach("veth0").unwrap();
-        first.sync(&plan(), &NoResolver).unwrap();
+        first.apply(&plan(), &NoResolver).unwrap();
         drop(first);
         // An upgrade changed a map's layout: its pin is of another value size.
         let pin = dir.join("maps").join(kilo_common::MAP_CONFIG);
@@ -767,10 +767,10 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         ));
         let mut second = Datapath::open(config.clone()).expect("pins of another layout replaced");
         // The pinned link still runs the first generation's program on the old maps: it moves
-        // to the program of the new ones, which the first sync fills.
+        // to the program of the new ones, which the first apply fills.
         let w = second.attach("veth0").unwrap();
         assert_eq!(w.get("link_update"), 1, "{w}");
-        let w = second.sync(&plan(), &NoResolver).unwrap();
+        let w = second.apply(&plan(), &NoResolver).unwrap();
         assert_eq!(w.get("map_insert"), 10, "{w}");
         let r = run(
             second.program(Framing::L2),
@@ -796,7 +796,7 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         assert!(!stale.exists(), "the stale pin is removed");
         let w = third.attach("veth0").unwrap();
         assert!(w.is_empty() || netlink && w.get("link_attach") == 0, "{w}");
-        assert!(third.sync(&plan(), &NoResolver).unwrap().is_empty());
+        assert!(third.apply(&plan(), &NoResolver).unwrap().is_empty());
         drop(third);
         // An upgrade changed what the maps mean, not their definitions: the pinned config's
         // layout version says so, and the pins are replaced rather than adopted.
@@ -809,7 +809,7 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         drop(pinned);
         let mut fourth = Datapath::open(config).unwrap();
         assert!(!fourth.synced(), "fresh maps");
-        let w = fourth.sync(&plan(), &NoResolver).unwrap();
+        let w = fourth.apply(&plan(), &NoResolver).unwrap();
         assert_eq!(w.get("map_insert"), 10, "{w}");
         fourth.clean_up().unwrap();
     });

@@ -2,12 +2,12 @@
 use super::{ANNOTATION_REMOVAL_TIMEOUT, Agent, AgentError, Planner};
 use crate::{
     backend::{Annotations, BackendError},
-    datapath::DatapathSync,
+    datapath::DatapathOps,
     mesh::annotations,
     reconcile::{Kernel, Report, wireguard::WireGuard},
 };
 
-impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     /// Removes our kernel state and our annotations.
     pub async fn clean_up(&mut self) -> Result<Report, AgentError> {
         let report = self

@@ -1,11 +1,11 @@
 //! The event loop, in the shape of a kube-rs controller: triggers (backend updates, kernel
 //! notifications about our objects, the `--resync-period` and check-in timers, the next liveness
-//! expiry) wake a [`reconcile`](Agent::reconcile) step that returns what to do next
+//! expiry) wake a [`turn`](Agent::turn) (kube-rs: reconcile) that returns what to do next
 //! ([`Action`]); failures go through an [`error_policy`](Agent::error_policy) that retries
 //! with backoff ([`Requeue`]).
 //!
 //! Debounce: the first backend or kernel change after a quiet [`DEBOUNCE`](super::DEBOUNCE)
-//! is reconciled at once; what follows it within the window coalesces into one more pass. A
+//! starts a pass at once; what follows it within the window coalesces into one more pass. A
 //! timer's pass (resync, retry, expiry, check-in) starts at once. When nothing changed, a pass
 //! writes nothing.
 use std::{future::Future, ops::ControlFlow, pin::Pin, time::Duration};
@@ -19,7 +19,7 @@ use tokio::{
 use super::{Agent, AgentError, LoopSettings, Planner, Stats};
 use crate::{
     backend::Update,
-    datapath::DatapathSync,
+    datapath::DatapathOps,
     reconcile::{Kernel, wireguard::WireGuard},
     telemetry::Trigger,
 };
@@ -107,7 +107,7 @@ impl<S: Future<Output = ()>> Triggers<S> {
     }
 }
 
-impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     /// Runs until `shutdown` completes (or the backend stops), then cleans up when
     /// `--clean-up` is set.
     pub async fn run(
@@ -133,7 +133,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
                 break;
             }
             if next != Next::Wait && t.updates.borrow_and_update().generation > 0 {
-                let action = match self.reconcile().await {
+                let action = match self.turn().await {
                     Ok(action) => action,
                     Err(e) => self.error_policy(&e),
                 };
@@ -156,11 +156,11 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         self.stats.clone()
     }
 
-    /// The loop's reconcile: one pass, then what next. Something that could not be applied
+    /// The loop's turn: one pass, then what next. Something that could not be applied
     /// or published is retried.
-    async fn reconcile(&mut self) -> Result<Action, AgentError> {
+    async fn turn(&mut self) -> Result<Action, AgentError> {
         self.publish_failed = false;
-        let report = self.reconcile_once().await?;
+        let report = self.pass().await?;
         self.failing = None;
         Ok(if report.problems.is_empty() && !self.publish_failed {
             Action::AwaitChange

@@ -50,7 +50,7 @@ pub use self::{
 };
 use crate::{
     backend::Backend,
-    datapath::DatapathSync,
+    datapath::DatapathOps,
     mesh::{Key, Snapshot},
     plan::Plan,
     reconcile::{Kernel, Reconciler, netlink::EventFilter, wireguard::WireGuard},
@@ -194,7 +194,7 @@ pub struct Agent<P, K, W, D> {
 pub type CniProbe =
     Box<dyn FnMut() -> futures::future::BoxFuture<'static, Result<Option<IpNet>, String>> + Send>;
 
-impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     pub fn new(
         backend: Arc<dyn Backend>,
         planner: P,

@@ -10,12 +10,12 @@ use ipnet::IpNet;
 use super::{Agent, AgentError, PlanOutcome, Planner};
 use crate::{
     backend::Update,
-    datapath::DatapathSync,
+    datapath::DatapathOps,
     mesh::Snapshot,
     reconcile::{Kernel, Report, wireguard::WireGuard},
 };
 
-impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     /// Records the heartbeats and connection state of `update`. A change of the latter is a
     /// debug line: the backend names the outage and its end.
     fn observe(&mut self, update: &Update, now: i64) {
@@ -113,9 +113,9 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
     /// One pass: plan from the latest snapshot, publish, reconcile. The duration of a pass that
     /// reached the reconcilers (one `kilo_reconciles_total` counts) is observed in
     /// `kilo_reconcile_duration_seconds`.
-    pub async fn reconcile_once(&mut self) -> Result<Report, AgentError> {
+    pub async fn pass(&mut self) -> Result<Report, AgentError> {
         let (start, reconciles) = (std::time::Instant::now(), self.stats.reconciles);
-        let result = self.pass().await;
+        let result = self.plan_and_apply().await;
         if self.stats.reconciles != reconciles {
             self.metrics
                 .reconcile_duration
@@ -124,7 +124,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
         result
     }
 
-    async fn pass(&mut self) -> Result<Report, AgentError> {
+    async fn plan_and_apply(&mut self) -> Result<Report, AgentError> {
         self.refresh_cni_compatibility_ip().await;
         let update = self.backend.updates().borrow().clone();
         if update.generation != self.seen_generation {

@@ -8,7 +8,7 @@ use ipnet::IpNet;
 use super::{Agent, CniProbe, PlanOutcome, Planner};
 use crate::{
     backend::{Annotations, BackendError},
-    datapath::DatapathSync,
+    datapath::DatapathOps,
     mesh::{Key, Snapshot, annotations},
     reconcile::{Kernel, wireguard::WireGuard},
 };
@@ -80,7 +80,7 @@ pub fn discovered_endpoints_json(endpoints: &BTreeMap<&Key, &SocketAddr>) -> Str
     serde_json::Value::Object(map).to_string()
 }
 
-impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathSync> Agent<P, K, W, D> {
+impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     /// Re-reads the local node's `cni-compatibility-ip` with `probe` at every pass, as Kilo
     /// re-reads `cilium_host` whenever it handles its own node: a new address is published
     /// and planned with at once.

@@ -14,7 +14,7 @@ use super::{
 use crate::{
     backend::{Backend, BackendError, file::FileBackend, kubernetes},
     datapath::{
-        Datapath, DatapathConfig, DatapathError, DatapathReconciler, DatapathSync, NoDatapath,
+        Datapath, DatapathConfig, DatapathError, DatapathOps, DatapathReconciler, NoDatapath,
         forward::ForwardKeeper, kernel, logs,
     },
     http::ServeError,
@@ -170,7 +170,7 @@ fn private_key(flags: &Flags) -> Result<Key, StartError> {
 }
 
 /// The eBPF datapath, or none (see [`loads_datapath`]).
-fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathSync>, StartError> {
+fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathOps>, StartError> {
     if !loads_datapath(flags) {
         return Ok(Box::new(NoDatapath));
     }
@@ -217,7 +217,7 @@ async fn backend(flags: &Flags, metrics: &Metrics) -> Result<Arc<dyn Backend>, S
 
 /// The agent `kg` runs, built and not yet running.
 pub struct Started<P> {
-    agent: Agent<P, NetlinkKernel, WgControl, Box<dyn DatapathSync>>,
+    agent: Agent<P, NetlinkKernel, WgControl, Box<dyn DatapathOps>>,
     changes: netlink::Changes,
     listen: SocketAddr,
     datapath: bool,

@@ -240,7 +240,7 @@ async fn cni_compatibility_ip_is_read_at_every_pass() {
         Box::pin(async move { Ok(ip) })
     }));
     for next in [Some("10.0.1.78/32"), None, None] {
-        agent.reconcile_once().await.unwrap();
+        agent.pass().await.unwrap();
         *address.lock().unwrap() = next;
     }
     let want = ["10.0.1.77/32", "10.0.1.78/32", ""];

@@ -1,6 +1,6 @@
 //! In-memory stand-ins for fast tests: [`FakeMaps`] (the tries, counters and config as
-//! plain collections) and [`FakeDatapath`] (the [`DatapathSync`] the reconciler drives, over
-//! `FakeMaps` with the same [`MapSync`] as the kernel's: its record, read back every
+//! plain collections) and [`FakeDatapath`] (the [`DatapathOps`] the reconciler drives, over
+//! `FakeMaps` with the same [`Tries`] as the kernel's: its record, read back every
 //! [`READ_BACK_EVERY`](crate::writes::READ_BACK_EVERY) syncs).
 use std::{
     collections::BTreeMap,
@@ -11,12 +11,12 @@ use ipnet::IpNet;
 use kilo_common::{Config, Counter, Decision, EntryValue};
 
 use super::{
-    DatapathError, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError, Trie,
+    DatapathError, DatapathOps, DatapathOpsError, DatapathStats, DatapathStatsSource, Trie,
     encode::NoResolver,
     maps::DatapathMaps,
     plans::Plans,
     reconciler::{failed, stats},
-    sync::MapSync,
+    tries::Tries,
 };
 use crate::{
     plan::{DatapathPlan, IpipPlan},
@@ -110,7 +110,7 @@ impl DatapathMaps for FakeMaps {
     }
 }
 
-/// An in-memory datapath: the real map diff ([`MapSync`], with its record) over [`FakeMaps`],
+/// An in-memory datapath: the real map diff ([`Tries`], with its record) over [`FakeMaps`],
 /// so it writes (and counts) what the kernel's maps would; its stats source reads the record
 /// and those maps, as the kernel's does. Clones share the maps.
 #[derive(Debug, Clone, Default)]
@@ -119,11 +119,11 @@ pub struct FakeDatapath(Arc<Mutex<FakeShared>>);
 #[derive(Debug)]
 struct FakeShared {
     maps: FakeMaps,
-    sync: MapSync,
+    tries: Tries,
     /// The last plan synced (for the owner labels).
     plan: DatapathPlan,
     ipip: IpipPlan,
-    /// The last [`DatapathSync::route_realm`].
+    /// The last [`DatapathOps::route_realm`].
     route_realm: bool,
 }
 
@@ -131,7 +131,7 @@ impl Default for FakeShared {
     fn default() -> Self {
         FakeShared {
             maps: FakeMaps::new(kilo_common::DEFAULT_MAX_ENTRIES as usize, 1 << 12),
-            sync: MapSync::default(),
+            tries: Tries::default(),
             plan: DatapathPlan::default(),
             ipip: IpipPlan::default(),
             route_realm: false,
@@ -162,24 +162,24 @@ impl FakeDatapath {
         self.len() == 0
     }
 
-    /// What the last [`DatapathSync::route_realm`] said.
+    /// What the last [`DatapathOps::route_realm`] said.
     pub fn route_realm(&self) -> bool {
         self.lock().route_realm
     }
 }
 
-impl DatapathSync for FakeDatapath {
-    fn sync(
+impl DatapathOps for FakeDatapath {
+    fn apply(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
         _: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
+    ) -> Result<Writes, DatapathOpsError> {
         let mut guard = self.lock();
         let shared = &mut *guard;
         let writes = shared
-            .sync
-            .sync(&mut shared.maps, Plans { nat: plan, ipip }, &NoResolver)
+            .tries
+            .apply(&mut shared.maps, Plans { nat: plan, ipip }, &NoResolver)
             .map_err(failed);
         if shared.plan != *plan {
             shared.plan = plan.clone();
@@ -189,17 +189,17 @@ impl DatapathSync for FakeDatapath {
         }
         writes
     }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError> {
         let mut guard = self.lock();
         let shared = &mut *guard;
         shared.plan = DatapathPlan::default();
         shared.ipip = IpipPlan::default();
         shared
-            .sync
-            .sync(&mut shared.maps, &DatapathPlan::default(), &NoResolver)
+            .tries
+            .apply(&mut shared.maps, &DatapathPlan::default(), &NoResolver)
             .map_err(failed)
     }
-    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathOpsError> {
         let mut shared = self.lock();
         let mut writes = Writes::default();
         if shared.route_realm != hold {
@@ -214,9 +214,9 @@ impl DatapathSync for FakeDatapath {
 }
 
 impl DatapathStatsSource for FakeDatapath {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
+    fn read(&self) -> Result<DatapathStats, DatapathOpsError> {
         let shared = self.lock();
-        let counters = shared.sync.counters(&shared.maps).map_err(failed)?;
+        let counters = shared.tries.counters(&shared.maps).map_err(failed)?;
         Ok(stats(
             &counters,
             Plans {

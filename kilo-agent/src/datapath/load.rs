@@ -25,7 +25,7 @@ use super::{
     nft,
     pins::{ensure_bpffs, list_dir, remove_pins},
     plans::Plans,
-    sync::{Counters, MapSync},
+    tries::{Counters, Tries},
 };
 use crate::writes::{READ_BACK_EVERY, Writes};
 
@@ -38,7 +38,7 @@ pub struct Datapath {
     pub(super) config: DatapathConfig,
     pub(super) ebpf: Ebpf,
     pub(super) maps: KernelMaps,
-    pub(super) sync: MapSync,
+    pub(super) tries: Tries,
     /// The tries have held a whole plan once ([`CONFIG_SYNCED`]).
     pub(super) synced: bool,
     /// Attachments this process holds (only without pins; pinned ones live on their own).
@@ -120,7 +120,7 @@ impl Datapath {
             config,
             ebpf,
             maps,
-            sync: MapSync::default(),
+            tries: Tries::default(),
             synced,
             held: BTreeMap::new(),
             verified: BTreeMap::new(),
@@ -153,15 +153,15 @@ impl Datapath {
             .expect("programs are loaded in open")
     }
 
-    /// Makes the maps equal to `plan` (see [`MapSync`]; a [`DatapathPlan`](crate::plan::DatapathPlan)
-    /// alone clears the IPIP maps); the first sync to complete marks the maps
+    /// Makes the maps equal to `plan` (see [`Tries`]; a [`DatapathPlan`](crate::plan::DatapathPlan)
+    /// alone clears the IPIP maps); the first apply to complete marks the maps
     /// [`CONFIG_SYNCED`] (one config write).
-    pub fn sync<'a>(
+    pub fn apply<'a>(
         &mut self,
         plan: impl Into<Plans<'a>>,
         resolver: &dyn Resolver,
     ) -> Result<Writes, DatapathError> {
-        let mut writes = self.sync.sync(&mut self.maps, plan, resolver)?;
+        let mut writes = self.tries.apply(&mut self.maps, plan, resolver)?;
         if !self.synced {
             self.synced = true;
             writes += self.write_config()?;
@@ -175,9 +175,9 @@ impl Datapath {
         self.synced
     }
 
-    /// Every counter, for the entries the last sync left (see [`MapSync::counters`]).
+    /// Every counter, for the entries the last apply left (see [`Tries::counters`]).
     pub fn counters(&self) -> Result<Counters, DatapathError> {
-        self.sync.counters(&self.maps)
+        self.tries.counters(&self.maps)
     }
 
     /// Installs the static masquerade rule (in the network namespace of the first call) unless

@@ -13,11 +13,11 @@
 //! encode.rs      plan entries as trie keys and values; Resolver: devices to interface indices
 //! plans.rs       Plans: what each trie should hold
 //! pins.rs        the bpf filesystem: checked, mounted, pins listed and removed
-//! sync.rs        MapSync: the diff between the plans and the tries, from a record of the writes
+//! tries.rs       Tries: the diff between the plans and the tries, from a record of the writes
 //! counters.rs    Counters: every counter read from the maps, labelled with its entry
 //! nft.rs         the static masquerade rule (nftables), kept with the program's mark
 //! forward.rs     --iptables-forward-rules: ACCEPTs in iptables-nft's FORWARD chain (nftables)
-//! reconciler.rs  DatapathSync: the datapath as the reconciler drives it; DatapathReconciler
+//! reconciler.rs  DatapathOps: the datapath as the reconciler drives it; DatapathReconciler
 //! fake.rs        FakeMaps, FakeDatapath: the same in memory, for fast tests
 //! logs.rs        the program's aya-log records as `tracing` events
 //! ```
@@ -36,7 +36,7 @@ mod pins;
 mod plans;
 mod reconciler;
 mod rtnl;
-mod sync;
+mod tries;
 
 use std::{
     io,
@@ -55,10 +55,10 @@ pub use maps::{DatapathMaps, KernelMaps};
 pub use pins::is_bpffs;
 pub use plans::Plans;
 pub use reconciler::{
-    DatapathReconciler, DatapathStats, DatapathStatsSource, DatapathSync, DatapathSyncError,
+    DatapathOps, DatapathOpsError, DatapathReconciler, DatapathStats, DatapathStatsSource,
     EntryStats, MapUsage, NoDatapath, stats,
 };
-pub use sync::{Counters, EntryCounter, MapSync};
+pub use tries::{Counters, EntryCounter, Tries};
 
 /// What an entry stands for (Kilo's rule it replaces): a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -1,4 +1,4 @@
-//! The datapath as one of the agent's reconcilers: the [`DatapathSync`] trait the reconciler
+//! The datapath as one of the agent's reconcilers: the [`DatapathOps`] trait the reconciler
 //! drives, the stats the metrics read ([`DatapathStatsSource`]), and [`DatapathReconciler`], the
 //! real one over a loaded [`Datapath`]: keeps the static masquerade rule and the fast-path flag,
 //! syncs the maps with the plan, attaches the NAT program to the WireGuard and pod-facing
@@ -6,9 +6,9 @@
 //! programs to the private interface while the plan has a location neighbour. Each step writes
 //! only when the kernel differs. [`NoDatapath`] does nothing; `fake.rs` has one in memory.
 //!
-//! The stats source reads the counters at scrape time from the same maps (under a mutex a sync
-//! holds while it writes), labelled with the owners of the last plan synced, the entries taken
-//! from the sync's record (no system call per entry).
+//! The stats source reads the counters at scrape time from the same maps (under a mutex an apply
+//! holds while it writes), labelled with the owners of the last plan applied, the entries taken
+//! from the apply's record (no system call per entry).
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
@@ -19,7 +19,7 @@ use kilo_common::Counter;
 
 use super::{
     Datapath, DatapathError, Hook, Role, Trie, ifindex, maps::DatapathMaps as _, plans::Plans,
-    sync::Counters,
+    tries::Counters,
 };
 use crate::{
     plan::{DatapathPlan, Device, Devices, IpipPlan},
@@ -27,7 +27,7 @@ use crate::{
 };
 
 #[derive(Debug, thiserror::Error)]
-pub enum DatapathSyncError {
+pub enum DatapathOpsError {
     #[error("datapath: {0}")]
     Failed(String),
     #[error(transparent)]
@@ -35,29 +35,29 @@ pub enum DatapathSyncError {
 }
 
 /// The eBPF datapath as the agent sees it; the datapath module provides the real one.
-pub trait DatapathSync {
+pub trait DatapathOps {
     /// Makes the maps (and the static NAT rule) match the plan; writes only the difference.
     /// `links`: every link's index by name, as just read from the kernel (a name not in it is
     /// not there); `None` to ask the kernel.
-    fn sync(
+    fn apply(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
         links: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError>;
-    /// Lines describing what `sync` would change (for `--dry-run`).
+    ) -> Result<Writes, DatapathOpsError>;
+    /// Lines describing what `apply` would change (for `--dry-run`).
     fn describe(
         &mut self,
         _plan: &DatapathPlan,
         _ipip: &IpipPlan,
-    ) -> Result<Vec<String>, DatapathSyncError> {
+    ) -> Result<Vec<String>, DatapathOpsError> {
         Ok(Vec::new())
     }
     /// Removes map entries, programs, pins and the NAT rule.
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError>;
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError>;
     /// Whether the kernel keeps the realm of the routes it encapsulates (so the encapsulation
     /// may skip packets routed otherwise); writes only a change.
-    fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathSyncError> {
+    fn route_realm(&mut self, _hold: bool) -> Result<Writes, DatapathOpsError> {
         Ok(Writes::default())
     }
     /// A reader of the datapath's traffic counters and map occupancy, for the metrics (read at
@@ -67,26 +67,26 @@ pub trait DatapathSync {
     }
 }
 
-impl DatapathSync for Box<dyn DatapathSync> {
-    fn sync(
+impl DatapathOps for Box<dyn DatapathOps> {
+    fn apply(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
         links: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
-        (**self).sync(plan, ipip, links)
+    ) -> Result<Writes, DatapathOpsError> {
+        (**self).apply(plan, ipip, links)
     }
     fn describe(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
-    ) -> Result<Vec<String>, DatapathSyncError> {
+    ) -> Result<Vec<String>, DatapathOpsError> {
         (**self).describe(plan, ipip)
     }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError> {
         (**self).clean_up()
     }
-    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathOpsError> {
         (**self).route_realm(hold)
     }
     fn stats_source(&self) -> Option<Arc<dyn DatapathStatsSource>> {
@@ -98,23 +98,23 @@ impl DatapathSync for Box<dyn DatapathSync> {
 #[derive(Debug, Default)]
 pub struct NoDatapath;
 
-impl DatapathSync for NoDatapath {
-    fn sync(
+impl DatapathOps for NoDatapath {
+    fn apply(
         &mut self,
         _: &DatapathPlan,
         _: &IpipPlan,
         _: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
+    ) -> Result<Writes, DatapathOpsError> {
         Ok(Writes::default())
     }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError> {
         Ok(Writes::default())
     }
 }
 
 /// Reads [`DatapathStats`]; only reads, so any thread may call it at any time.
 pub trait DatapathStatsSource: std::fmt::Debug + Send + Sync {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError>;
+    fn read(&self) -> Result<DatapathStats, DatapathOpsError>;
 }
 
 /// Traffic counters and map occupancy, labelled for the metrics.
@@ -180,12 +180,12 @@ impl Stats {
 }
 
 impl DatapathStatsSource for Stats {
-    fn read(&self) -> Result<DatapathStats, DatapathSyncError> {
+    fn read(&self) -> Result<DatapathStats, DatapathOpsError> {
         let shared = self.lock();
         let datapath = shared
             .datapath
             .as_ref()
-            .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))?;
+            .ok_or_else(|| DatapathOpsError::Failed("the datapath was cleaned up".into()))?;
         let counters = datapath.counters().map_err(failed)?;
         Ok(stats(
             &counters,
@@ -244,7 +244,7 @@ pub struct DatapathReconciler {
     /// Interfaces whose pinned link went with its pin and that are not attached again yet.
     lost: BTreeSet<String>,
     /// The private interface's index while the IPIP programs are attached there; `None` before
-    /// the first sync (a pinned attachment of an earlier run may exist).
+    /// the first apply (a pinned attachment of an earlier run may exist).
     ipip: Option<Option<u32>>,
 }
 
@@ -316,7 +316,7 @@ impl DatapathReconciler {
     }
 }
 
-/// The links a sync sees: those read with the plan ([`DatapathSync::sync`]), or the kernel's.
+/// The links an apply sees: those read with the plan ([`DatapathOps::apply`]), or the kernel's.
 #[derive(Clone, Copy)]
 struct Links<'a>(Option<&'a BTreeMap<String, u32>>);
 
@@ -329,24 +329,24 @@ impl Links<'_> {
     }
 }
 
-fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathSyncError> {
+fn loaded(shared: &mut Shared) -> Result<&mut Datapath, DatapathOpsError> {
     shared
         .datapath
         .as_mut()
-        .ok_or_else(|| DatapathSyncError::Failed("the datapath was cleaned up".into()))
+        .ok_or_else(|| DatapathOpsError::Failed("the datapath was cleaned up".into()))
 }
 
-pub(super) fn failed(e: DatapathError) -> DatapathSyncError {
-    DatapathSyncError::Other(Box::new(e))
+pub(super) fn failed(e: DatapathError) -> DatapathOpsError {
+    DatapathOpsError::Other(Box::new(e))
 }
 
-impl DatapathSync for DatapathReconciler {
-    fn sync(
+impl DatapathOps for DatapathReconciler {
+    fn apply(
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
         links: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
+    ) -> Result<Writes, DatapathOpsError> {
         let links = Links(links);
         let mut writes = Writes::default();
         let shared = self.shared.clone();
@@ -354,12 +354,12 @@ impl DatapathSync for DatapathReconciler {
         let datapath = loaded(&mut shared)?;
         writes += datapath.ensure_masquerade().map_err(failed)?;
         writes += datapath.set_fast_path(self.fast_path).map_err(failed)?;
-        // Each device resolved once per sync, not once per entry.
+        // Each device resolved once per apply, not once per entry.
         let index = [Device::WireGuard, Device::Private, Device::Tunnel]
             .map(|d| (d, self.devices.name(d).and_then(|n| links.index(n))));
         let resolver = |device: Device| index.iter().find(|(d, _)| *d == device)?.1;
         let synced = datapath
-            .sync(Plans { nat: plan, ipip }, &resolver)
+            .apply(Plans { nat: plan, ipip }, &resolver)
             .map_err(failed);
         // Attached only to maps that have held a whole plan: a program bound to fresh maps
         // (first start, or pins replaced by an upgrade) never decides on empty or half-written
@@ -387,7 +387,7 @@ impl DatapathSync for DatapathReconciler {
                             self.lost.remove(name);
                         }
                         // The old link lingers (and runs) while another mount of that bpffs
-                        // still holds its pin: tried again at the next sync.
+                        // still holds its pin: tried again at the next apply.
                         Err(e) if self.lost.contains(name) => not_yet.push(format!("{name} ({e})")),
                         Err(e) => return Err(failed(e)),
                     }
@@ -427,7 +427,7 @@ impl DatapathSync for DatapathReconciler {
             } else {
                 message += &format!("; not attached again yet: {}", not_yet.join(", "));
             }
-            return Err(DatapathSyncError::Failed(message));
+            return Err(DatapathOpsError::Failed(message));
         }
         Ok(writes)
     }
@@ -436,7 +436,7 @@ impl DatapathSync for DatapathReconciler {
         &mut self,
         plan: &DatapathPlan,
         ipip: &IpipPlan,
-    ) -> Result<Vec<String>, DatapathSyncError> {
+    ) -> Result<Vec<String>, DatapathOpsError> {
         let mut shared = self.lock();
         let maps = loaded(&mut shared)?.maps();
         let mut lines = Vec::new();
@@ -461,13 +461,13 @@ impl DatapathSync for DatapathReconciler {
         Ok(lines)
     }
 
-    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathOpsError> {
         let shared = self.shared.clone();
         let mut shared = shared.lock();
         loaded(&mut shared)?.set_route_realm(hold).map_err(failed)
     }
 
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError> {
         self.attached.clear();
         self.lost.clear();
         self.ipip = None;

@@ -52,9 +52,9 @@ impl CniFile {
 
     /// Brings the file in step with `ranges` (nothing to do when empty: `--cni=false`, or no
     /// pod CIDR yet). Returns the writes (`cni_config`) and a problem when there is a new one.
-    pub fn reconcile(&mut self, ranges: &[IpNet]) -> (Writes, Option<String>) {
+    pub fn apply(&mut self, ranges: &[IpNet]) -> (Writes, Option<String>) {
         let mut writes = Writes::default();
-        match sync(&self.path, ranges) {
+        match write_ranges(&self.path, ranges) {
             Ok(wrote) => {
                 if wrote {
                     tracing::info!(path = %self.path.display(), ?ranges, "set the pod CIDRs in the CNI configuration");
@@ -139,7 +139,7 @@ fn rewritten(path: &Path, pod_cidrs: &[IpNet]) -> Result<Option<String>, CniErro
 }
 
 /// Brings the file at `path` to carry `pod_cidrs`; returns whether it wrote.
-pub fn sync(path: &Path, pod_cidrs: &[IpNet]) -> Result<bool, CniError> {
+pub fn write_ranges(path: &Path, pod_cidrs: &[IpNet]) -> Result<bool, CniError> {
     if pod_cidrs.is_empty() {
         return Ok(false);
     }
@@ -249,44 +249,44 @@ mod tests {
         let path = dir.path().join("10-kilo.conflist");
         let mut file = CniFile::new(path.clone());
         let pods = cidrs(&["10.2.1.0/24"]);
-        let (w, p) = file.reconcile(&pods);
+        let (w, p) = file.apply(&pods);
         assert!(w.is_empty());
         assert!(p.unwrap().contains("10-kilo.conflist"));
-        assert_eq!(file.reconcile(&pods).1, None, "reported once");
+        assert_eq!(file.apply(&pods).1, None, "reported once");
         std::fs::write(&path, KILO).unwrap();
-        let (w, p) = file.reconcile(&pods);
+        let (w, p) = file.apply(&pods);
         assert_eq!((w.get("cni_config"), p), (1, None));
-        assert!(file.reconcile(&pods).0.is_empty());
+        assert!(file.apply(&pods).0.is_empty());
         std::fs::write(&path, "{").unwrap();
-        assert!(
-            file.reconcile(&pods).1.is_some(),
-            "a new problem is reported"
-        );
+        assert!(file.apply(&pods).1.is_some(), "a new problem is reported");
     }
 
     #[test]
-    fn sync_writes_once_atomically_and_never_over_a_bad_file() {
+    fn ranges_written_once_atomically_and_never_over_a_bad_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("10-kilo.conflist");
         let pods = cidrs(&["10.2.1.0/24"]);
         // Missing: an error naming the file.
-        let err = sync(&path, &pods).unwrap_err().to_string();
+        let err = write_ranges(&path, &pods).unwrap_err().to_string();
         assert!(err.contains("10-kilo.conflist"), "{err}");
         assert!(!path.exists());
         // Malformed: an error, and the file is left as it was.
         std::fs::write(&path, "{ not json").unwrap();
-        assert!(matches!(sync(&path, &pods), Err(CniError::Invalid { .. })));
+        assert!(matches!(
+            write_ranges(&path, &pods),
+            Err(CniError::Invalid { .. })
+        ));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{ not json");
         // Kilo's file: one write, keeping the file's mode; then nothing more to do.
         std::fs::write(&path, KILO).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
-        assert!(sync(&path, &pods).unwrap());
-        assert!(!sync(&path, &pods).unwrap());
+        assert!(write_ranges(&path, &pods).unwrap());
+        assert!(!write_ranges(&path, &pods).unwrap());
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o640);
         let entries: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(entries.len(), 1, "no temporary file left behind");
         // No pod CIDR yet: nothing written.
-        assert!(!sync(&path, &[]).unwrap());
+        assert!(!write_ranges(&path, &[]).unwrap());
     }
 }

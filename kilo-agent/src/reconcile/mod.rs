@@ -1,7 +1,7 @@
 //! Reconcilers: observe kernel state, diff it against the plan, apply only the difference.
 //! Each effect sits behind a small trait with a real implementation and an in-memory fake:
 //! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
-//! (the device, per peer), [`DatapathSync`] (the eBPF maps and NAT rule: the datapath
+//! (the device, per peer), [`DatapathOps`] (the eBPF maps and NAT rule: the datapath
 //! module's trait; the datapath never imports this module) and, optionally, [`ForwardRules`]
 //! (`--iptables-forward-rules`, also the datapath module's). [`Reconciler`] runs them in order
 //! and returns the [`Writes`] it made.
@@ -42,7 +42,7 @@ use self::{
     wireguard::{DnsLookup, WgDiff, WireGuard},
 };
 use crate::{
-    datapath::{DatapathSync, forward::ForwardRules},
+    datapath::{DatapathOps, forward::ForwardRules},
     mesh::Key,
     plan::{Devices, Plan},
     writes::Writes,
@@ -206,7 +206,7 @@ impl<K, W, D> Reconciler<K, W, D> {
     }
 }
 
-impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
+impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
     pub fn new(kernel: K, wireguard: W, datapath: D, settings: DeviceSettings) -> Self {
         let events = EventFilter::new(&settings.devices, kernel.echo_port());
         Reconciler {
@@ -320,9 +320,9 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
                 // attached to the link once it is back) and the CNI file.
                 let missing = KernelError::NoInterface(devices.wireguard.clone());
                 report.problems.push(missing.to_string());
-                self.sync_datapath(plan, &observed.indexes, &mut report);
-                self.sync_cni(plan, &mut report);
-                self.sync_forward(plan, &mut report);
+                self.apply_datapath(plan, &observed.indexes, &mut report);
+                self.apply_cni(plan, &mut report);
+                self.apply_forward(plan, &mut report);
                 self.observed_links(&mut report, observed.links);
                 return Ok(report);
             }
@@ -368,7 +368,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
 
         // The datapath before the routes: what they send out of the private interface must find
         // the encapsulation there already.
-        self.sync_datapath(plan, &observed.indexes, &mut report);
+        self.apply_datapath(plan, &observed.indexes, &mut report);
 
         self.learn_realms(&observed.routes, &[]);
         let underlay = self.underlay(plan, &observed).await;
@@ -407,31 +407,36 @@ impl<K: Kernel, W: WireGuard, D: DatapathSync> Reconciler<K, W, D> {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
         }
-        self.sync_cni(plan, &mut report);
-        self.sync_forward(plan, &mut report);
+        self.apply_cni(plan, &mut report);
+        self.apply_forward(plan, &mut report);
         self.observed_links(&mut report, observed.links);
         Ok(report)
     }
 
-    fn sync_datapath(&mut self, plan: &Plan, indexes: &BTreeMap<String, u32>, report: &mut Report) {
+    fn apply_datapath(
+        &mut self,
+        plan: &Plan,
+        indexes: &BTreeMap<String, u32>,
+        report: &mut Report,
+    ) {
         match self
             .datapath
-            .sync(&plan.datapath, &plan.ipip, Some(indexes))
+            .apply(&plan.datapath, &plan.ipip, Some(indexes))
         {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),
         }
     }
 
-    fn sync_cni(&mut self, plan: &Plan, report: &mut Report) {
+    fn apply_cni(&mut self, plan: &Plan, report: &mut Report) {
         if let Some(cni) = &mut self.cni {
-            let (w, problem) = cni.reconcile(&plan.cni_ranges);
+            let (w, problem) = cni.apply(&plan.cni_ranges);
             report.writes += w;
             report.problems.extend(problem);
         }
     }
 
-    fn sync_forward(&mut self, plan: &Plan, report: &mut Report) {
+    fn apply_forward(&mut self, plan: &Plan, report: &mut Report) {
         if let Some(forward) = &mut self.forward {
             match forward.ensure(&plan.forward) {
                 Ok(w) => report.writes += w,

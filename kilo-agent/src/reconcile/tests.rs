@@ -1,6 +1,6 @@
 //! The reconcilers on the in-memory kernel and WireGuard: convergence, realms, the CNI file.
 use super::{wireguard::FakeWireGuard, *};
-use crate::datapath::{DatapathSyncError, NoDatapath};
+use crate::datapath::{DatapathOpsError, NoDatapath};
 use crate::plan::{
     DatapathPlan, Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan,
 };
@@ -190,19 +190,19 @@ fn our_address_on_another_link_is_a_problem_and_still_added() {
 #[derive(Default)]
 struct RealmDatapath(bool);
 
-impl DatapathSync for RealmDatapath {
-    fn sync(
+impl DatapathOps for RealmDatapath {
+    fn apply(
         &mut self,
         _: &DatapathPlan,
         _: &crate::plan::IpipPlan,
         _: Option<&BTreeMap<String, u32>>,
-    ) -> Result<Writes, DatapathSyncError> {
+    ) -> Result<Writes, DatapathOpsError> {
         Ok(Writes::default())
     }
-    fn clean_up(&mut self) -> Result<Writes, DatapathSyncError> {
+    fn clean_up(&mut self) -> Result<Writes, DatapathOpsError> {
         Ok(Writes::default())
     }
-    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathSyncError> {
+    fn route_realm(&mut self, hold: bool) -> Result<Writes, DatapathOpsError> {
         let mut w = Writes::default();
         if self.0 != hold {
             self.0 = hold;

@@ -96,7 +96,7 @@ fn graph_like_kilo() {
 struct Source(Mutex<u64>);
 
 impl DatapathStatsSource for Source {
-    fn read(&self) -> Result<DatapathStats, crate::datapath::DatapathSyncError> {
+    fn read(&self) -> Result<DatapathStats, crate::datapath::DatapathOpsError> {
         // Each read sees more traffic, as the kernel's counters would.
         let mut n = self.0.lock().unwrap();
         *n += 1;

@@ -10,13 +10,13 @@ use crate::{
     writes::READ_BACK_EVERY,
 };
 
-/// Makes the maps equal to `plan` after reading them all back, as a first sync does.
+/// Makes the maps equal to `plan` after reading them all back, as a first apply does.
 fn sync_maps<'a>(
     maps: &mut FakeMaps,
     plan: impl Into<Plans<'a>>,
     resolver: &dyn Resolver,
 ) -> Result<Writes, DatapathError> {
-    MapSync::default().sync(maps, plan, resolver)
+    Tries::default().apply(maps, plan, resolver)
 }
 
 fn entry(kind: EntryKind, owner: &str) -> DatapathEntry {
@@ -63,8 +63,8 @@ proptest::proptest! {
     /// Syncs from one record (no read-back in between) keep the tries equal to the plan,
     /// give no two entries one slot of their own and a newly given slot a zeroed counter,
     /// and a covered entry the slot of the mesh destination covering it; an entry is left
-    /// without a slot only while all are held (slots freed by a sync's deletes are handed
-    /// out from the next sync on).
+    /// without a slot only while all are held (slots freed by an apply's deletes are handed
+    /// out from the next apply on).
     #[test]
     fn syncs_from_the_record_keep_slots_distinct_and_zeroed(
         plans in proptest::collection::vec(
@@ -73,7 +73,7 @@ proptest::proptest! {
         ),
     ) {
         let mut maps = FakeMaps::new(100, 8);
-        let mut sync = MapSync::default();
+        let mut tries = Tries::default();
         let mut before = BTreeSet::new();
         for sets in plans {
             let [mesh, nat, masq] = sets.map(|s| s.iter().map(|i| NESTED[*i]).collect::<Vec<_>>());
@@ -85,7 +85,7 @@ proptest::proptest! {
             let want: BTreeSet<(Trie, IpNet)> = wants.iter().map(|(t, n, _)| (*t, *n)).collect();
             let own = wants.iter().filter(|w| !w.2).count();
             for _ in 0..2 {
-                sync.sync(&mut maps, &p, &NoResolver).unwrap();
+                tries.apply(&mut maps, &p, &NoResolver).unwrap();
                 let held: BTreeSet<(Trie, IpNet, u32, bool)> = Trie::ALL
                     .iter()
                     .flat_map(|t| maps.tries[t].iter().map(move |(n, v)| {
@@ -104,7 +104,7 @@ proptest::proptest! {
                 for h in held.difference(&before).filter(|h| h.2 != NO_COUNTER && !h.3) {
                     proptest::prop_assert_eq!(maps.counters[h.2 as usize], Counter::default());
                 }
-                // Traffic on every slot before the next sync.
+                // Traffic on every slot before the next apply.
                 maps.counters.fill(Counter { packets: 1, bytes: 1 });
                 before = held;
             }
@@ -148,7 +148,7 @@ fn one_change_is_one_write_and_slots_are_stable() {
         (1, 1, 2)
     );
     assert_eq!(slot(&maps, Trie::Destination, "10.0.2.0/24"), keep);
-    // The new entry did not take the slot of the one deleted in the same sync.
+    // The new entry did not take the slot of the one deleted in the same apply.
     assert_ne!(slot(&maps, Trie::Destination, "10.0.3.0/24"), keep);
 }
 
@@ -181,7 +181,7 @@ fn destinations_go_in_first_and_out_last() {
 #[test]
 fn masquerade_destinations_inside_mesh_destinations_are_covered() {
     let mut maps = FakeMaps::new(100, 100);
-    let mut sync = MapSync::default();
+    let mut tries = Tries::default();
     let masq = ["10.1.0.0/16", "192.168.0.0/16", "172.16.0.0/12"];
     let mut p = plan(
         &["10.0.0.0/8", "192.168.1.0/24", "172.16.0.0/12"],
@@ -193,7 +193,7 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
         .unwrap()
         .next_hop = Some(NextHop::WireGuard);
     let resolver = |_| Some(7);
-    sync.sync(&mut maps, &p, &resolver).unwrap();
+    tries.apply(&mut maps, &p, &resolver).unwrap();
     let dst = |maps: &FakeMaps, net: &str| maps.tries[&Trie::Destination][&net.parse().unwrap()];
     assert_eq!(maps.tries[&Trie::Destination].len(), 5);
     let outer = dst(&maps, "10.0.0.0/8");
@@ -203,8 +203,8 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
     assert_eq!(dst(&maps, "192.168.0.0/16").flags, ENTRY_MASQUERADE);
     assert_eq!(dst(&maps, "192.168.1.0/24").flags, 0);
     assert_eq!(dst(&maps, "172.16.0.0/12").flags, 0);
-    assert!(sync.sync(&mut maps, &p, &resolver).unwrap().is_empty());
-    let c = sync.counters(&maps).unwrap();
+    assert!(tries.apply(&mut maps, &p, &resolver).unwrap().is_empty());
+    let c = tries.counters(&maps).unwrap();
     let roles: Vec<(Role, String)> = c
         .entries
         .iter()
@@ -236,7 +236,7 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
     without
         .mesh_destinations
         .remove(&"10.0.0.0/8".parse().unwrap());
-    let w = sync.sync(&mut maps, &without, &resolver).unwrap();
+    let w = tries.apply(&mut maps, &without, &resolver).unwrap();
     assert_eq!((w.get("map_update"), w.get("map_delete")), (1, 1), "{w}");
     let now = dst(&maps, "10.1.0.0/16");
     assert_eq!(now.flags, ENTRY_MASQUERADE);
@@ -244,7 +244,7 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
     assert_eq!(maps.counters[now.counter as usize], Counter::default());
     assert!(distinct(&maps));
     // And comes back: covered again, its own slot freed for the next entry.
-    sync.sync(&mut maps, &p, &resolver).unwrap();
+    tries.apply(&mut maps, &p, &resolver).unwrap();
     let again = dst(&maps, "10.1.0.0/16");
     assert_eq!(again.counter, dst(&maps, "10.0.0.0/8").counter);
     assert!(again.flags & ENTRY_COVERED != 0 && distinct(&maps));
@@ -253,7 +253,7 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
         "10.244.0.0/24".parse().unwrap(),
         entry(EntryKind::LocalPods, "n"),
     );
-    sync.sync(&mut maps, &more, &resolver).unwrap();
+    tries.apply(&mut maps, &more, &resolver).unwrap();
     assert_eq!(slot(&maps, Trie::NatSource, "10.244.0.0/24"), now.counter);
 }
 
@@ -263,10 +263,10 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
 fn counters_come_from_the_record_and_the_counter_slots() {
     let mut maps = FakeMaps::new(100, 4);
     let p = plan(&["10.1.0.0/16", "10.2.0.0/16"], &["10.244.0.0/24"], &[]);
-    let mut sync = MapSync::default();
-    let before = sync.counters(&maps).unwrap();
+    let mut tries = Tries::default();
+    let before = tries.counters(&maps).unwrap();
     assert!(before.entries.is_empty() && before.capacity == 100 && before.slots == 4);
-    sync.sync(&mut maps, &p, &NoResolver).unwrap();
+    tries.apply(&mut maps, &p, &NoResolver).unwrap();
     let s = slot(&maps, Trie::Destination, "10.2.0.0/16") as usize;
     maps.counters[s] = Counter {
         packets: 3,
@@ -274,7 +274,7 @@ fn counters_come_from_the_record_and_the_counter_slots() {
     };
     // Gone from the maps behind the agent's back: still in the record.
     maps.tries.get_mut(&Trie::NatSource).unwrap().clear();
-    let c = sync.counters(&maps).unwrap();
+    let c = tries.counters(&maps).unwrap();
     assert_eq!(c.entries.len(), 3, "{c:?}");
     assert_eq!((c.slots_used, c.slots, c.capacity), (3, 4, 100));
     let net = "10.2.0.0/16".parse().unwrap();
@@ -282,18 +282,18 @@ fn counters_come_from_the_record_and_the_counter_slots() {
     assert_eq!(read_counters(&maps).unwrap().entries.len(), 2);
 }
 
-/// An idle sync compares the plan with the record; a change behind the agent's back is
+/// An idle apply compares the plan with the record; a change behind the agent's back is
 /// repaired at the next read-back.
 #[test]
 fn idle_syncs_trust_the_record_until_the_next_read_back() {
     let mut maps = FakeMaps::new(100, 100);
     let p = plan(&["10.1.0.0/16"], &["10.244.0.0/24"], &[]);
-    let mut sync = MapSync::default();
-    assert_eq!(sync.sync(&mut maps, &p, &NoResolver).unwrap().total(), 2);
+    let mut tries = Tries::default();
+    assert_eq!(tries.apply(&mut maps, &p, &NoResolver).unwrap().total(), 2);
     maps.tries.get_mut(&Trie::Destination).unwrap().clear();
     let mut repaired_at = None;
     for i in 1..=READ_BACK_EVERY {
-        let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
+        let w = tries.apply(&mut maps, &p, &NoResolver).unwrap();
         if !w.is_empty() {
             assert_eq!(w.get("map_insert"), 1, "{w}");
             repaired_at = Some(i);
@@ -305,14 +305,14 @@ fn idle_syncs_trust_the_record_until_the_next_read_back() {
 }
 
 #[test]
-fn a_failed_write_reads_back_at_the_next_sync() {
+fn a_failed_write_reads_back_at_the_next_apply() {
     let mut maps = FakeMaps::new(1, 100);
-    let mut sync = MapSync::default();
+    let mut tries = Tries::default();
     let p = plan(&["10.1.0.0/16", "10.2.0.0/16"], &[], &[]);
-    assert!(sync.sync(&mut maps, &p, &NoResolver).is_err());
+    assert!(tries.apply(&mut maps, &p, &NoResolver).is_err());
     maps.capacity = 2;
     maps.tries.get_mut(&Trie::Destination).unwrap().clear();
-    let w = sync.sync(&mut maps, &p, &NoResolver).unwrap();
+    let w = tries.apply(&mut maps, &p, &NoResolver).unwrap();
     assert_eq!(w.get("map_insert"), 2, "{w}");
 }
 

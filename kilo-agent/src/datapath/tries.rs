@@ -1,6 +1,6 @@
 //! The map diff: make the tries equal to a [`DatapathPlan`] and an [`IpipPlan`] ([`Plans`]),
 //! writing only the difference (one write per changed entry, none when nothing changed), found
-//! in one ordered pass per trie over the plan and [`MapSync`]'s record of what the maps hold;
+//! in one ordered pass per trie over the plan and [`Tries`]'s record of what the maps hold;
 //! behind the [`DatapathMaps`] trait so it runs against the kernel or in memory.
 //!
 //! The destination trie holds the mesh destinations and the masquerade destinations (flagged
@@ -15,13 +15,13 @@
 //! marked that neither topology would mark, and a failure part-way (a full trie) leaves
 //! everything the old topology had plus some of the new.
 //!
-//! The record is read back from the maps at the first sync, after a failed write, and every
+//! The record is read back from the maps at the first apply, after a failed write, and every
 //! [`READ_BACK_EVERY`](crate::writes::READ_BACK_EVERY) syncs (which repairs entries someone else changed in our pinned maps; the
 //! kernel sends no notification about map contents). Per-entry counter slots are stored in the
 //! entry values, so they survive syncs and adoption by a new agent (a covered entry holds none
-//! of its own); the record also knows which slots are held, and a slot freed by a sync's deletes is handed out from the next sync on,
+//! of its own); the record also knows which slots are held, and a slot freed by an apply's deletes is handed out from the next apply on,
 //! zeroed (only if non-zero) first. The metrics read the entries from the record too
-//! ([`MapSync::counters`]): no system call per entry.
+//! ([`Tries::counters`]): no system call per entry.
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
@@ -108,16 +108,16 @@ impl Record {
 
 /// The diff with its record of what the maps hold (see the module doc).
 #[derive(Debug, Default)]
-pub struct MapSync {
-    /// `None` until the maps are read back (first sync, after a failure).
+pub struct Tries {
+    /// `None` until the maps are read back (first apply, after a failure).
     record: Option<Record>,
     read_back: ReadBack,
 }
 
-impl MapSync {
+impl Tries {
     /// Makes the maps equal to `plan`, writing only the difference. Writes are counted as
     /// `map_insert`, `map_update`, `map_delete` and `counter_reset`.
-    pub fn sync<'a, M: DatapathMaps + ?Sized>(
+    pub fn apply<'a, M: DatapathMaps + ?Sized>(
         &mut self,
         maps: &mut M,
         plan: impl Into<Plans<'a>>,
@@ -154,7 +154,7 @@ impl MapSync {
     }
 
     /// Every counter, with the entries taken from the record (no system call per entry); from
-    /// the maps themselves while there is no record (before the first sync, after a failure).
+    /// the maps themselves while there is no record (before the first apply, after a failure).
     pub fn counters<M: DatapathMaps + ?Sized>(&self, maps: &M) -> Result<Counters, DatapathError> {
         match &self.record {
             Some(record) => counters_of(maps, &record.tries),
@@ -249,7 +249,7 @@ struct Diff<'a, M: ?Sized> {
     maps: &'a mut M,
     record: Record,
     writes: Writes,
-    /// Whether an entry found no free counter slot in this sync (warned once).
+    /// Whether an entry found no free counter slot in this apply (warned once).
     exhausted: bool,
 }
 
