@@ -1,5 +1,6 @@
-//! `kg`'s flags: Kilo's names and defaults (kilo.md 2.1) where they still mean something, plus
-//! ours (`--backend-dir`, `--dry-run`, `--private-key`, `--seccomp`, `--check-in-period`).
+//! `kg`'s flags: Kilo's names and defaults (Kilo's `cmd/kg/main.go`) where they still mean
+//! something, plus ours (`--backend-dir`, `--dry-run`, `--private-key`, `--seccomp`,
+//! `--check-in-period`).
 //! Flags are read as Go's flag package reads Kilo's: booleans ([`go_bool_flag`]), durations
 //! ([`parse_duration`]), listen addresses ([`parse_listen`]) and `--mtu` take Go's forms.
 use std::{
@@ -154,6 +155,9 @@ impl Shell {
         clap_complete::generate(shell, &mut cmd, name, out);
     }
 }
+
+/// The default `--resync-period` and `--check-in-period` (Kilo's 30 s).
+pub const DEFAULT_PERIOD: &str = "30s";
 
 /// Parses Go's duration syntax as Kilo's flags take it: `30s`, `1m30s`, `500ms`, `2h`, `0`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -350,11 +354,11 @@ pub struct Flags {
     #[arg(long, default_value = "10.4.0.0/16")]
     pub subnet: IpNet,
     /// Periodic reconcile (0 disables; events still trigger reconciles).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_PERIOD, value_parser = parse_duration)]
     pub resync_period: Duration,
     /// How often to refresh the kilo.squat.ai/last-seen heartbeat (Kilo's fixed 30s); a node
     /// without one for 2 × this is down. 0 writes none and judges nodes by their Ready condition.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_PERIOD, value_parser = parse_duration)]
     pub check_in_period: Duration,
     /// Use the private IP as the endpoint.
     #[arg(long, default_value_t = false)]

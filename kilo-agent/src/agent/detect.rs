@@ -1,4 +1,5 @@
-//! Local IP auto-detection, as Kilo does it (kilo.md 1.5), over netlink (no `ip` process).
+//! Local IP auto-detection, as Kilo's `pkg/mesh/discoverips.go` does it, over netlink (no `ip`
+//! process).
 //!
 //! Candidates in order: the addresses the host name resolves to (when assigned locally), the
 //! addresses of the default-route interfaces, then every interface's. Loopback and link-local

@@ -70,10 +70,9 @@ pub const ANNOTATION_REMOVAL_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct PlanOutcome {
     /// `None` when no plan can be made yet (e.g. the local node is not in the snapshot).
     pub plan: Option<Plan>,
-    /// Invalid fields (each naming its object) and topology errors.
-    pub errors: Vec<String>,
-    /// The invalid fields among `errors`: a node's was ignored, a peer's left the peer out.
-    pub invalid: Vec<crate::mesh::ObjectError>,
+    /// Invalid fields (each naming its object: a node's was ignored, a peer's left the peer
+    /// out) and topology errors.
+    pub errors: Vec<crate::plan::PlanError>,
     /// The topology, rendered on `/graph`.
     pub graph: Option<crate::telemetry::Graph>,
     pub ready_nodes: usize,
@@ -115,10 +114,11 @@ pub struct LoopSettings {
 
 impl Default for LoopSettings {
     fn default() -> Self {
+        let period = config::parse_duration(config::DEFAULT_PERIOD).ok();
         LoopSettings {
             debounce: DEBOUNCE,
-            resync: Some(Duration::from_secs(30)),
-            check_in: Some(Duration::from_secs(30)),
+            resync: period,
+            check_in: period,
             clean_up: true,
             clean_up_interface: false,
             clock: Clock::default(),

@@ -12,6 +12,7 @@ use crate::{
     backend::Update,
     datapath::DatapathOps,
     mesh::Snapshot,
+    plan::PlanError,
     reconcile::{Kernel, Report, wireguard::WireGuard},
 };
 
@@ -83,14 +84,17 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             self.metrics.set_graph(outcome.graph.clone());
             self.metrics.set_peer_names(outcome.peer_names.clone());
         }
-        let now: BTreeSet<String> = outcome.errors.iter().cloned().collect();
-        for e in now.difference(&self.invalid) {
+        let mut now = BTreeSet::new();
+        for e in &outcome.errors {
+            let text = e.to_string();
+            // Each error is told once: when it first appears.
+            if !now.insert(text.clone()) || self.invalid.contains(&text) {
+                continue;
+            }
             self.metrics.error("validate");
-            tracing::warn!(error = %e, "invalid value in the mesh's objects");
-        }
-        for e in &outcome.invalid {
-            if !self.invalid.contains(&e.to_string()) {
-                self.metrics.invalid_field(&e.kind.to_string(), &e.field);
+            tracing::warn!(error = %text, "invalid value in the mesh's objects");
+            if let PlanError::Object(o) = e {
+                self.metrics.invalid_field(&o.kind.to_string(), &o.field);
             }
         }
         self.invalid = now;
@@ -140,13 +144,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
         let Some(plan) = outcome.plan.as_ref() else {
             self.publish(&update.snapshot, &outcome, false, &BTreeMap::new())
                 .await;
-            return Err(AgentError::NoPlan(
-                outcome
-                    .errors
-                    .first()
-                    .cloned()
-                    .unwrap_or_else(|| "the planner made none".into()),
-            ));
+            return Err(AgentError::NoPlan(outcome.errors.first().map_or_else(
+                || "the planner made none".into(),
+                ToString::to_string,
+            )));
         };
         self.metrics.reconciles.inc();
         self.stats.reconciles += 1;
@@ -228,7 +229,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
                     self.local.hostname
                 )
             } else {
-                outcome.errors.join("; ")
+                let errors: Vec<String> = outcome.errors.iter().map(ToString::to_string).collect();
+                errors.join("; ")
             })
         })?;
         out.push_str(&self.reconciler.dry_run(plan).await?.to_string());

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use super::{PlanOutcome, Planner};
 use crate::{
     mesh::Snapshot,
-    plan::{PlanError, Planned, Settings, plan_for},
+    plan::{Planned, Settings, plan_for},
     telemetry::Graph,
 };
 
@@ -67,15 +67,7 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
             .topology
             .map(|t| Graph::new(move || crate::graph::render_dot(&t))),
         plan: planned.plan,
-        errors: planned.errors.iter().map(ToString::to_string).collect(),
-        invalid: planned
-            .errors
-            .iter()
-            .filter_map(|e| match e {
-                PlanError::Object(o) => Some(o.clone()),
-                PlanError::Topology(_) => None,
-            })
-            .collect(),
+        errors: planned.errors,
         ready_nodes: planned.ready_nodes,
         ready_peers: planned.ready_peers,
         leader,

@@ -6,6 +6,7 @@ use kilo_agent::{
     mesh::{Key, ObjectError, ObjectKind, Snapshot, annotations::KEY as ANNOTATION_KEY},
     plan::{DatapathEntry, Device, Devices, EntryKind, MAIN_TABLE, Plan, Route, WireGuardPeer},
     reconcile::{DeviceSettings, wireguard::system_resolver},
+    topology::TopologyError,
 };
 
 pub const ENDPOINT_ANNOTATION: &str = "kilo.squat.ai/endpoint";
@@ -17,7 +18,8 @@ pub fn planner(me: &'static str, wait_for_self: bool) -> impl FnMut(&Snapshot) -
     move |s: &Snapshot| {
         let mut out = PlanOutcome::default();
         if wait_for_self && !s.nodes.contains_key(me) {
-            out.errors.push(format!("node {me} not seen yet"));
+            out.errors
+                .push(TopologyError::LocalNodeMissing(me.to_string()).into());
             return out;
         }
         let mut plan = Plan {
@@ -67,7 +69,10 @@ pub fn planner(me: &'static str, wait_for_self: bool) -> impl FnMut(&Snapshot) -
                 .map(String::as_str);
             match (k, cidr) {
                 (Some(k), Some(c)) => add(k, c, endpoint, 0, EntryKind::Node, name),
-                _ => out.errors.push(format!("node {name}: no key or podCIDR")),
+                _ => out.errors.push(
+                    ObjectError::new(ObjectKind::Node, name, "spec.podCIDR", "no key or podCIDR")
+                        .into(),
+                ),
             }
         }
         for (name, p) in &s.peers {
@@ -83,8 +88,7 @@ pub fn planner(me: &'static str, wait_for_self: bool) -> impl FnMut(&Snapshot) -
                         "spec.publicKey",
                         "invalid publicKey or allowedIPs",
                     );
-                    out.errors.push(e.to_string());
-                    out.invalid.push(e);
+                    out.errors.push(e.into());
                 }
             }
         }
