@@ -24,7 +24,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kilo_agent::{
     datapath::{Datapath, DatapathConfig, Framing, NoResolver},
     plan::{DatapathEntry, DatapathPlan, EntryKind},
-    writes::READ_BACK_EVERY,
+    writes::{READ_BACK_EVERY, Write},
 };
 use packets::{frame, time, v4, v6};
 
@@ -175,7 +175,10 @@ fn main() {
         let mut dp = open(131_072);
         let p = plan(n);
         let w = dp.apply(&p, &NoResolver).expect("apply");
-        assert_eq!(w.get("map_insert"), p.mesh_destinations.len() as u64 + 3);
+        assert_eq!(
+            w.get(Write::MapInsert),
+            p.mesh_destinations.len() as u64 + 3
+        );
         let floor = support::lookups(&mut dp);
         let lookups = support::baseline(&floor, kilo_common::PROG_LOOKUPS);
         let prog = dp.program(Framing::L2);

@@ -22,7 +22,7 @@ use kilo_agent::{
         DeviceSettings, Reconciler, netlink::NetlinkKernel, wireguard::FakeWireGuard,
         wireguard::system_resolver,
     },
-    writes::READ_BACK_EVERY,
+    writes::{READ_BACK_EVERY, Write},
 };
 use support::netns::NetNs;
 
@@ -123,15 +123,15 @@ fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
         })
     });
     assert!(first.problems.is_empty(), "{:?}", first.problems);
-    assert_eq!(first.writes.get("map_insert"), 4, "{}", first.writes);
-    assert_eq!(first.writes.get("link_attach"), 2, "{}", first.writes);
-    assert_eq!(first.writes.get("nft_rule"), 1, "{}", first.writes);
+    assert_eq!(first.writes.get(Write::MapInsert), 4, "{}", first.writes);
+    assert_eq!(first.writes.get(Write::LinkAttach), 2, "{}", first.writes);
+    assert_eq!(first.writes.get(Write::NftRule), 1, "{}", first.writes);
     assert!(
         second.writes.is_empty(),
         "idle pass wrote {}",
         second.writes
     );
-    assert_eq!(third.writes.get("map_insert"), 1, "{}", third.writes);
+    assert_eq!(third.writes.get(Write::MapInsert), 1, "{}", third.writes);
     assert_eq!(
         third.writes.total(),
         1,
@@ -216,7 +216,7 @@ fn no_program_is_attached_to_maps_whose_first_sync_failed() {
         [false, false],
         "attached to half-written maps"
     );
-    assert_eq!(writes.get("link_attach"), 2, "{writes}");
+    assert_eq!(writes.get(Write::LinkAttach), 2, "{writes}");
     assert_eq!(after_success, [true, true]);
 }
 
@@ -280,11 +280,15 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         let mut dp = open();
         // Alone in its location: nothing on eth0.
         let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
-        assert_eq!(w.get("link_attach"), 1, "kwg0 only: {w}");
+        assert_eq!(w.get(Write::LinkAttach), 1, "kwg0 only: {w}");
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         // A neighbour: both programs, three entries; then idle.
         let w = dp.apply(&nat, &neighbour, None).unwrap();
-        assert_eq!((w.get("link_attach"), w.get("map_insert")), (2, 3), "{w}");
+        assert_eq!(
+            (w.get(Write::LinkAttach), w.get(Write::MapInsert)),
+            (2, 3),
+            "{w}"
+        );
         assert!(attached_at("eth0", Egress) && attached_at("eth0", Ingress));
         assert!(dp.apply(&nat, &neighbour, None).unwrap().is_empty());
         // A restarted agent adopts the pinned links and maps: nothing to write.
@@ -298,7 +302,11 @@ fn ipip_programs_attach_only_with_a_location_neighbour_and_are_adopted() {
         assert!(w.is_empty(), "adopting wrote {w}");
         // The neighbour leaves: entries deleted, programs detached.
         let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
-        assert_eq!((w.get("link_detach"), w.get("map_delete")), (2, 3), "{w}");
+        assert_eq!(
+            (w.get(Write::LinkDetach), w.get(Write::MapDelete)),
+            (2, 3),
+            "{w}"
+        );
         assert!(!attached_at("eth0", Egress) && !attached_at("eth0", Ingress));
         dp.clean_up().unwrap();
     });
@@ -344,10 +352,10 @@ fn ipip_programs_attach_and_detach_as_netlink_filters() {
         );
         let nat = DatapathPlan::default();
         let w = dp.apply(&nat, &neighbour, None).unwrap();
-        assert_eq!(w.get("link_attach"), 3, "kwg0 and both on eth0: {w}");
+        assert_eq!(w.get(Write::LinkAttach), 3, "kwg0 and both on eth0: {w}");
         let attached = filters(&ns);
         let w = dp.apply(&nat, &IpipPlan::default(), None).unwrap();
-        assert_eq!(w.get("link_detach"), 2, "{w}");
+        assert_eq!(w.get(Write::LinkDetach), 2, "{w}");
         let show =
             || String::from_utf8_lossy(&ns.try_sh("tc qdisc show dev eth0").stdout).into_owned();
         let mut detached = show();

@@ -16,7 +16,7 @@ use kilo_agent::{
         netlink::{Changes, EventFilter, NetlinkKernel, watch},
         wireguard::{WgApi, WgControl, WireGuard},
     },
-    writes::READ_BACK_EVERY,
+    writes::{READ_BACK_EVERY, Write},
 };
 use support::netns::{NetNs, WgGo, sh, veth};
 
@@ -175,12 +175,12 @@ fn converges_writes_nothing_twice_and_repairs_tampering() {
     });
     ok(&first);
     for (kind, n) in [
-        ("link_set", 1),
-        ("address_add", 1),
-        ("route_add", 2),
-        ("rule_add", 1),
-        ("wireguard_device_set", 1),
-        ("wireguard_peer_add", 2),
+        (Write::LinkSet, 1),
+        (Write::AddressAdd, 1),
+        (Write::RouteAdd, 2),
+        (Write::RuleAdd, 1),
+        (Write::WireguardDeviceSet, 1),
+        (Write::WireguardPeerAdd, 2),
     ] {
         assert_eq!(first.writes.get(kind), n, "{kind} in {}", first.writes);
     }
@@ -229,16 +229,16 @@ fn converges_writes_nothing_twice_and_repairs_tampering() {
         async move |r: &mut Real| r.reconcile(&p).await.unwrap()
     });
     ok(&repair);
-    assert_eq!(repair.writes.get("route_add"), 2, "{}", repair.writes); // flushing the address dropped the onlink route too
+    assert_eq!(repair.writes.get(Write::RouteAdd), 2, "{}", repair.writes); // flushing the address dropped the onlink route too
     assert_eq!(
-        repair.writes.get("wireguard_peer_add"),
+        repair.writes.get(Write::WireguardPeerAdd),
         1,
         "{}",
         repair.writes
     );
-    assert_eq!(repair.writes.get("address_add"), 1, "{}", repair.writes);
+    assert_eq!(repair.writes.get(Write::AddressAdd), 1, "{}", repair.writes);
     assert_eq!(
-        repair.writes.get("route_del"),
+        repair.writes.get(Write::RouteDel),
         0,
         "foreign route touched: {}",
         repair.writes
@@ -305,7 +305,7 @@ fn adding_a_peer_keeps_the_other_sessions() {
     });
     ok(&second);
     assert_eq!(second.writes.total(), 1, "{}", second.writes);
-    assert_eq!(second.writes.get("wireguard_peer_add"), 1);
+    assert_eq!(second.writes.get(Write::WireguardPeerAdd), 1);
     // The endpoint WireGuard uses for the handshaken remote (Kilo's discovered endpoint).
     assert_eq!(
         second.handshaken_endpoints.get(&remote),
@@ -400,9 +400,9 @@ fn clean_up_leaves_the_namespace_as_before() {
     ok(&converged);
     assert!(keep.writes.is_empty());
     ok(&clean);
-    assert_eq!(clean.writes.get("route_del"), 2, "{}", clean.writes);
-    assert_eq!(clean.writes.get("rule_del"), 1, "{}", clean.writes);
-    assert_eq!(clean.writes.get("link_del"), 1, "{}", clean.writes);
+    assert_eq!(clean.writes.get(Write::RouteDel), 2, "{}", clean.writes);
+    assert_eq!(clean.writes.get(Write::RuleDel), 1, "{}", clean.writes);
+    assert_eq!(clean.writes.get(Write::LinkDel), 1, "{}", clean.writes);
     assert_eq!(before, snapshot(&a));
 }
 
@@ -438,7 +438,7 @@ fn kernel_events_about_our_objects_trigger_and_foreign_churn_does_not() {
         let mut more = plan(remote, &[public(&key())]);
         more.routes.push(route_through_remote());
         let more = r.reconcile(&more).await.unwrap();
-        assert!(more.writes.get("route_add") > 0, "{}", more.writes);
+        assert!(more.writes.get(Write::RouteAdd) > 0, "{}", more.writes);
         sh(&format!(
             "ip netns exec {name} sh -c 'for i in $(seq 1 50); do ip route add 198.51.100.$i/32 dev eth0 proto bird; done; \
              ip rule add from 198.51.100.0/24 lookup 300; ip route del 10.0.0.2/32 table 1107'"
@@ -512,7 +512,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
         sh(&format!("{ip} ip route del 10.0.0.2/32 table 1107"));
         settle().await;
         let repair = r.reconcile(&p).await.unwrap();
-        assert_eq!(repair.writes.get("route_add"), 1, "{}", repair.writes);
+        assert_eq!(repair.writes.get(Write::RouteAdd), 1, "{}", repair.writes);
         settle().await;
         ok(&r.reconcile(&p).await.unwrap());
 
@@ -523,7 +523,7 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
         sh(&format!("{ip} ip route del 10.0.0.2/32 table 1107"));
         let mut repaired_at = None;
         for i in 1..=READ_BACK_EVERY {
-            if r.reconcile(&p).await.unwrap().writes.get("route_add") == 1 {
+            if r.reconcile(&p).await.unwrap().writes.get(Write::RouteAdd) == 1 {
                 repaired_at.get_or_insert(i);
             }
         }
@@ -533,7 +533,14 @@ fn idle_reconciles_read_the_kernel_only_after_a_notification_or_every_nth() {
         // Still unwatched: after a write the next pass reads what it wrote, not the record.
         let mut more = p.clone();
         more.routes.push(route_through_remote());
-        assert_eq!(r.reconcile(&more).await.unwrap().writes.get("route_add"), 1);
+        assert_eq!(
+            r.reconcile(&more)
+                .await
+                .unwrap()
+                .writes
+                .get(Write::RouteAdd),
+            1
+        );
         let after = r.reconcile(&more).await.unwrap();
         ok(&after);
         assert!(after.writes.is_empty(), "{}", after.writes);

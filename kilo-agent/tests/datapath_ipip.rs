@@ -9,6 +9,7 @@ mod support;
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use ipnet::IpNet;
+use kilo_agent::writes::Write;
 use kilo_agent::{
     datapath::{Counters, Datapath, DatapathConfig, Decision, NoResolver, Plans, Role},
     plan::{DatapathEntry, DatapathPlan, EntryKind, IpipPlan, NextHop},
@@ -253,7 +254,7 @@ fn with_route_realms_on_a_packet_without_our_realm_passes_untouched() {
         return;
     }
     let mut dp = open();
-    assert_eq!(dp.set_route_realm(true).unwrap().get("map_config"), 1);
+    assert_eq!(dp.set_route_realm(true).unwrap().get(Write::MapConfig), 1);
     assert!(dp.set_route_realm(true).unwrap().is_empty(), "unchanged");
     let pkts = ["10.42.2.7", NEIGHBOUR]
         .into_iter()

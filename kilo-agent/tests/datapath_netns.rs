@@ -7,6 +7,7 @@ mod support;
 use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use ipnet::IpNet;
+use kilo_agent::writes::Write;
 use kilo_agent::{
     datapath::{
         AttachMode, Datapath, DatapathConfig, Decision, NoResolver, Role,
@@ -179,7 +180,7 @@ fn lifecycle(attach: AttachMode) {
         let attach_writes = dp.attach("pod0").expect("adopt");
         if attach == AttachMode::Netlink {
             // A netlink filter cannot be compared, only replaced (atomically).
-            assert_eq!(attach_writes.get("link_attach"), 0, "{attach_writes}");
+            assert_eq!(attach_writes.get(Write::LinkAttach), 0, "{attach_writes}");
         } else {
             writes += attach_writes;
         }
@@ -198,7 +199,7 @@ fn lifecycle(attach: AttachMode) {
     // Clean-up: no pins, no programs on the device, no table; the pod is no longer masqueraded.
     let writes = lab.node.run(move || dp.clean_up().expect("clean up"));
     assert!(
-        writes.get("nft_table_delete") == 1 && writes.get("link_detach") == 1,
+        writes.get(Write::NftTableDelete) == 1 && writes.get(Write::LinkDetach) == 1,
         "{writes}"
     );
     assert!(!dir.exists(), "pin dir left: {:?}", pins(&dir));
@@ -236,7 +237,7 @@ fn nft_rule_is_idempotent_repaired_and_removed() {
     let rule = MasqueradeRule::new(0x1000, 0x1000);
     let r = rule.clone();
     let w = ns.run(move || nft::ensure_masquerade(&r).unwrap());
-    assert_eq!(w.get("nft_rule"), 1);
+    assert_eq!(w.get(Write::NftRule), 1);
     let listing = ns.sh("nft list table inet kilo");
     assert!(
         listing.contains("meta mark & 0x00001000 == 0x00001000 masquerade"),
@@ -256,7 +257,7 @@ fn nft_rule_is_idempotent_repaired_and_removed() {
     let r = rule.clone();
     assert_eq!(
         ns.run(move || nft::ensure_masquerade(&r).unwrap())
-            .get("nft_rule"),
+            .get(Write::NftRule),
         1
     );
     assert!(!ns.sh("nft list table inet kilo").contains("accept\n"));
@@ -264,7 +265,7 @@ fn nft_rule_is_idempotent_repaired_and_removed() {
     let o = other.clone();
     assert_eq!(
         ns.run(move || nft::ensure_masquerade(&o).unwrap())
-            .get("nft_rule"),
+            .get(Write::NftRule),
         1
     );
     let listing = ns.sh("nft list table inet kilo");
@@ -280,7 +281,7 @@ fn nft_rule_is_idempotent_repaired_and_removed() {
     // Removal, twice.
     assert_eq!(
         ns.run(|| nft::remove_masquerade("kilo").unwrap())
-            .get("nft_table_delete"),
+            .get(Write::NftTableDelete),
         1
     );
     assert!(
@@ -301,7 +302,7 @@ fn nft_keeper_reads_the_ruleset_only_when_announced_or_due() {
         ns.run(move || {
             let mut k = k;
             let w = k.ensure().unwrap();
-            (k, w.get("nft_rule"))
+            (k, w.get(Write::NftRule))
         })
     };
     let k = nft::Keeper::new(MasqueradeRule::new(0x1000, 0x1000), 4);
@@ -384,7 +385,7 @@ fn fast_path_redirects_mesh_past_a_forward_drop_but_not_services() {
     assert!(dropped(&lab) > d0);
 
     // On: mesh traffic is redirected past FORWARD and arrives with the pod's address.
-    assert_eq!(dp.set_fast_path(true).unwrap().get("map_config"), 1);
+    assert_eq!(dp.set_fast_path(true).unwrap().get(Write::MapConfig), 1);
     let before = dp.counters().unwrap();
     let d1 = dropped(&lab);
     assert_eq!(

@@ -6,6 +6,7 @@ mod support;
 use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
+use kilo_agent::writes::Write;
 use kilo_agent::{
     datapath::{
         Counter, Counters, Datapath, DatapathConfig, DatapathMaps, Decision, Framing, NoResolver,
@@ -701,7 +702,7 @@ fn program_logs_reach_userspace_only_at_the_level_asked() {
     assert!(captured.take().is_empty());
     // Debug, switched on at run time (one config write): the malformed packet is logged, the
     // well-formed one is not.
-    assert_eq!(dp.set_log_level(4).unwrap().get("map_config"), 1);
+    assert_eq!(dp.set_log_level(4).unwrap().get(Write::MapConfig), 1);
     run(dp.program(Framing::L2), &bad_ihl, 0, 0, 1);
     run(dp.program(Framing::L2), &to_mesh, 0, 0, 1);
     logger.flush();
@@ -769,9 +770,9 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         // The pinned link still runs the first generation's program on the old maps: it moves
         // to the program of the new ones, which the first apply fills.
         let w = second.attach("veth0").unwrap();
-        assert_eq!(w.get("link_update"), 1, "{w}");
+        assert_eq!(w.get(Write::LinkUpdate), 1, "{w}");
         let w = second.apply(&plan(), &NoResolver).unwrap();
-        assert_eq!(w.get("map_insert"), 10, "{w}");
+        assert_eq!(w.get(Write::MapInsert), 10, "{w}");
         let r = run(
             second.program(Framing::L2),
             &eth_ip("10.244.1.5", "8.8.8.8"),
@@ -781,7 +782,10 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         );
         assert_eq!(r.mark, MARK);
         // The agent has seen that route realms hold.
-        assert_eq!(second.set_route_realm(true).unwrap().get("map_config"), 1);
+        assert_eq!(
+            second.set_route_realm(true).unwrap().get(Write::MapConfig),
+            1
+        );
         drop(second);
         // An older version pinned a map this one no longer has: its pin goes.
         let stale = dir.join("maps").join("KILO_DECISIONS");
@@ -795,7 +799,10 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         assert!(third.config().route_realm, "the realm bit is kept");
         assert!(!stale.exists(), "the stale pin is removed");
         let w = third.attach("veth0").unwrap();
-        assert!(w.is_empty() || netlink && w.get("link_attach") == 0, "{w}");
+        assert!(
+            w.is_empty() || netlink && w.get(Write::LinkAttach) == 0,
+            "{w}"
+        );
         assert!(third.apply(&plan(), &NoResolver).unwrap().is_empty());
         drop(third);
         // An upgrade changed what the maps mean, not their definitions: the pinned config's
@@ -810,7 +817,7 @@ fn pins_of_another_layout_are_replaced_and_links_follow_the_maps() {
         let mut fourth = Datapath::open(config).unwrap();
         assert!(!fourth.synced(), "fresh maps");
         let w = fourth.apply(&plan(), &NoResolver).unwrap();
-        assert_eq!(w.get("map_insert"), 10, "{w}");
+        assert_eq!(w.get(Write::MapInsert), 10, "{w}");
         fourth.clean_up().unwrap();
     });
 }
@@ -861,8 +868,8 @@ fn netlink_clean_up_removes_the_clsact_qdisc_it_added_unless_shared() {
         p.detach(id).unwrap();
         (writes, qdiscs)
     });
-    assert_eq!(writes.get("qdisc_delete"), 1, "{writes}");
-    assert_eq!(writes.get("link_detach"), 2, "{writes}");
+    assert_eq!(writes.get(Write::QdiscDelete), 1, "{writes}");
+    assert_eq!(writes.get(Write::LinkDetach), 2, "{writes}");
     // Ours alone on veth0: gone with our filter; shared on veth2: kept.
     assert!(!qdiscs[0].contains("clsact"), "{qdiscs:?}");
     assert!(qdiscs[1].contains("clsact"), "{qdiscs:?}");

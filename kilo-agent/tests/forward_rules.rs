@@ -8,6 +8,7 @@
 //! Tests may run `iptables-nft` and `busybox ping`; kg itself never starts a process.
 mod support;
 
+use kilo_agent::writes::Write;
 use kilo_agent::{
     datapath::forward::{self, ForwardKeeper, ForwardRules as _},
     plan::{ForwardAccept, ForwardWhat},
@@ -222,7 +223,7 @@ fn the_keeper_writes_both_families_and_only_the_difference() {
         let idle = k.ensure(&[v4, v6]).unwrap();
         (first, idle, k.checks() - checks)
     });
-    assert_eq!(first.get("forward_rule_add"), 4, "{first}");
+    assert_eq!(first.get(Write::ForwardRuleAdd), 4, "{first}");
     assert!(idle.is_empty(), "{idle}");
     assert_eq!(checks, 0, "nothing announced, nothing new: no read");
     // iptables escapes the apostrophe of Kilo's comment.
@@ -250,7 +251,7 @@ fn the_keeper_writes_both_families_and_only_the_difference() {
         (w, k.ensure(&[moved, v6]).unwrap())
     });
     assert_eq!(
-        (w.get("forward_rule_add"), w.get("forward_rule_del")),
+        (w.get(Write::ForwardRuleAdd), w.get(Write::ForwardRuleDel)),
         (2, 2),
         "{w}"
     );
@@ -262,7 +263,7 @@ fn the_keeper_writes_both_families_and_only_the_difference() {
     let bare = NetNs::new("fwb");
     bare.sh("iptables-nft -P FORWARD DROP");
     let w = bare.run(|| ForwardKeeper::new(100).ensure(&[v4, v6]).unwrap());
-    assert_eq!(w.get("forward_rule_add"), 2, "{w}");
+    assert_eq!(w.get(Write::ForwardRuleAdd), 2, "{w}");
     assert!(!bare.sh("nft list tables").contains("ip6 filter"));
 }
 

@@ -22,7 +22,7 @@ use super::{
     pins::{ensure_bpffs, list_dir},
     rtnl,
 };
-use crate::writes::Writes;
+use crate::writes::{Write, Writes};
 
 /// Priority and handle of the netlink (clsact) filter, fixed so a restart can replace it.
 const NL_PRIORITY: u16 = 1107;
@@ -220,7 +220,7 @@ impl Datapath {
         };
         let id = match existing.map(|l| prog.attach_to_link(l)) {
             Some(Ok(id)) => {
-                writes.add("link_update", 1);
+                writes.add(Write::LinkUpdate, 1);
                 id
             }
             _ => {
@@ -241,7 +241,7 @@ impl Datapath {
                         },
                     },
                 };
-                writes.add("link_attach", 1);
+                writes.add(Write::LinkAttach, 1);
                 prog.attach(ifindex, how).map_err(prog_err)?
             }
         };
@@ -290,7 +290,7 @@ impl Datapath {
     pub(super) fn detach_attachment(&mut self, attachment: &str) -> Result<Writes, DatapathError> {
         let mut writes = Writes::default();
         if self.held.remove(attachment).is_some() {
-            writes.add("link_detach", 1);
+            writes.add(Write::LinkDetach, 1);
         }
         if let Some(dir) = self.config.pin_dir.clone() {
             writes += detach_pinned(&dir, attachment)?;
@@ -329,7 +329,7 @@ fn adopt_tcx(
         Ok(id) => {
             // Still pinned: dropping our handle keeps the link.
             drop(prog.take_link(id));
-            writes.add("link_update", 1);
+            writes.add(Write::LinkUpdate, 1);
             Ok(Some(writes))
         }
         // Unread, the device may be gone: the kernel says so.
@@ -404,7 +404,7 @@ pub(super) fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, Data
         let link = PinnedLink::from_pin(&pin).map_err(link_err(ifname))?;
         // Unpinned and dropped: the last reference goes and the link detaches.
         drop(link.unpin().map_err(io_err(&pin))?);
-        writes.add("link_detach", 1);
+        writes.add(Write::LinkDetach, 1);
     }
     let marker = dir.join("netlink").join(attachment);
     if !marker.exists() {
@@ -422,7 +422,7 @@ pub(super) fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, Data
         )
     });
     if link.is_some_and(|l| l.is_ok_and(|l| aya::programs::Link::detach(l).is_ok())) {
-        writes.add("link_detach", 1);
+        writes.add(Write::LinkDetach, 1);
     }
     // A clsact qdisc we added goes with our filter, unless someone else filters through it.
     let owned = marker.join(QDISC_MARK);
@@ -431,7 +431,7 @@ pub(super) fn detach_pinned(dir: &Path, attachment: &str) -> Result<Writes, Data
             && rtnl::filters(index).map_err(link_err(ifname))? == 0
         {
             rtnl::delete_clsact(index).map_err(link_err(ifname))?;
-            writes.add("qdisc_delete", 1);
+            writes.add(Write::QdiscDelete, 1);
         }
         fs::remove_dir(&owned).map_err(io_err(&owned))?;
     }

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::{
     plan::{DatapathPlan, IpipPlan},
-    writes::Writes,
+    writes::{Write, Writes},
 };
 
 /// In-memory maps for fast tests of the diff, with a per-trie capacity like the kernel's.
@@ -204,7 +204,7 @@ impl DatapathOps for FakeDatapath {
         let mut writes = Writes::default();
         if shared.route_realm != hold {
             shared.route_realm = hold;
-            writes.add("map_config", 1);
+            writes.add(Write::MapConfig, 1);
         }
         Ok(writes)
     }

@@ -39,7 +39,7 @@ use super::nft::{
 use crate::{
     plan::ForwardAccept,
     sys::netlink::messages,
-    writes::{ReadBack, Writes},
+    writes::{ReadBack, Write, Writes},
 };
 
 /// The start of the comment of every rule kg owns in the FORWARD chain.
@@ -440,8 +440,8 @@ fn apply(c: &mut Conn, change: &Change) -> Result<Writes, NftError> {
         false,
         "FORWARD rules batch",
     )?;
-    writes.add("forward_rule_del", change.delete.len() as u64);
-    writes.add("forward_rule_add", change.insert.len() as u64);
+    writes.add(Write::ForwardRuleDel, change.delete.len() as u64);
+    writes.add(Write::ForwardRuleAdd, change.insert.len() as u64);
     Ok(writes)
 }
 
@@ -685,11 +685,11 @@ impl ForwardRules for FakeForward {
         let want: BTreeSet<ForwardRule> = rules(want).into_iter().collect();
         let mut writes = Writes::default();
         writes.add(
-            "forward_rule_del",
+            Write::ForwardRuleDel,
             self.rules.difference(&want).count() as u64,
         );
         writes.add(
-            "forward_rule_add",
+            Write::ForwardRuleAdd,
             want.difference(&self.rules).count() as u64,
         );
         self.rules = want;
@@ -706,7 +706,7 @@ impl ForwardRules for FakeForward {
 
     fn clean_up(&mut self) -> Result<Writes, NftError> {
         let mut writes = Writes::default();
-        writes.add("forward_rule_del", self.rules.len() as u64);
+        writes.add(Write::ForwardRuleDel, self.rules.len() as u64);
         self.rules.clear();
         Ok(writes)
     }

@@ -27,7 +27,7 @@ use super::{
     plans::Plans,
     tries::{Counters, Tries},
 };
-use crate::writes::{READ_BACK_EVERY, Writes};
+use crate::writes::{READ_BACK_EVERY, Write, Writes};
 
 /// The `kilo-ebpf` object, built by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf"));
@@ -221,7 +221,7 @@ impl Datapath {
         let mut writes = Writes::default();
         if self.maps.config()? != want {
             self.maps.set_config(&want)?;
-            writes.add("map_config", 1);
+            writes.add(Write::MapConfig, 1);
         }
         Ok(writes)
     }
@@ -247,7 +247,7 @@ impl Datapath {
                 writes += detach_pinned(&dir, &attachment)?;
             }
         }
-        writes.add("pin_remove", remove_pins(&dir.join("maps"), &[])?);
+        writes.add(Write::PinRemove, remove_pins(&dir.join("maps"), &[])?);
         drop(self);
         for sub in ["links", "netlink", "maps", ""] {
             let path = dir.join(sub);

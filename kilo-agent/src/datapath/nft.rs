@@ -24,7 +24,7 @@ use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 
 use crate::{
     sys::netlink::{self, NetlinkError, messages},
-    writes::{ReadBack, Writes},
+    writes::{ReadBack, Write, Writes},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -464,9 +464,9 @@ fn ensure_masquerade_with(c: &mut Conn, rule: &MasqueradeRule) -> Result<Writes,
     }
     let batch = replace_batch(rule, &mut c.seq);
     c.exchange(&batch, 5, false, "masquerade table batch")?;
-    writes.add("nft_table", 1);
-    writes.add("nft_chain", 1);
-    writes.add("nft_rule", 1);
+    writes.add(Write::NftTable, 1);
+    writes.add(Write::NftChain, 1);
+    writes.add(Write::NftRule, 1);
     Ok(writes)
 }
 
@@ -612,7 +612,7 @@ pub fn remove_masquerade(table: &str) -> Result<Writes, NftError> {
         Err(e) if not_found(&e) => return Ok(writes),
         Err(e) => return Err(e),
     }
-    writes.add("nft_table_delete", 1);
+    writes.add(Write::NftTableDelete, 1);
     Ok(writes)
 }
 

@@ -34,7 +34,7 @@ use super::{
     maps::DatapathMaps,
     plans::{Plans, Want},
 };
-use crate::writes::{ReadBack, Writes};
+use crate::writes::{ReadBack, Write, Writes};
 
 pub use super::counters::{Counters, EntryCounter};
 
@@ -324,7 +324,7 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         };
         if fresh && self.maps.entry_counter(counter).map_err(wrap)? != Counter::default() {
             self.maps.reset_entry_counter(counter).map_err(wrap)?;
-            self.writes.add("counter_reset", 1);
+            self.writes.add(Write::CounterReset, 1);
         }
         self.maps.insert(trie, net, &value).map_err(wrap)?;
         self.record
@@ -337,9 +337,9 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
             self.record.hold(c, false);
         }
         let kind = if old.is_some() {
-            "map_update"
+            Write::MapUpdate
         } else {
-            "map_insert"
+            Write::MapInsert
         };
         self.writes.add(kind, 1);
         Ok(())
@@ -362,7 +362,7 @@ impl<M: DatapathMaps + ?Sized> Diff<'_, M> {
         if let Some(v) = gone {
             self.record.hold_own(&v, false);
         }
-        self.writes.add("map_delete", 1);
+        self.writes.add(Write::MapDelete, 1);
         Ok(())
     }
 }

@@ -17,6 +17,7 @@ use ipnet::IpNet;
 use serde_json::{Value, json};
 
 use super::Writes;
+use crate::writes::Write;
 
 /// The configuration file kg keeps (`--cni-path`), and the problem last reported about it, so
 /// that a file that stays missing or malformed is reported once, not at every reconcile.
@@ -58,7 +59,7 @@ impl CniFile {
             Ok(wrote) => {
                 if wrote {
                     tracing::info!(path = %self.path.display(), ?ranges, "set the pod CIDRs in the CNI configuration");
-                    writes.add("cni_config", 1);
+                    writes.add(Write::CniConfig, 1);
                 }
                 self.reported = None;
                 (writes, None)
@@ -255,7 +256,7 @@ mod tests {
         assert_eq!(file.apply(&pods).1, None, "reported once");
         std::fs::write(&path, KILO).unwrap();
         let (w, p) = file.apply(&pods);
-        assert_eq!((w.get("cni_config"), p), (1, None));
+        assert_eq!((w.get(Write::CniConfig), p), (1, None));
         assert!(file.apply(&pods).0.is_empty());
         std::fs::write(&path, "{").unwrap();
         assert!(file.apply(&pods).1.is_some(), "a new problem is reported");

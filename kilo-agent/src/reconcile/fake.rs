@@ -3,7 +3,10 @@ use super::{
     Kernel, KernelError,
     state::{KRoute, KernelDiff, KernelState, LinkState},
 };
-use crate::{plan::Devices, writes::Writes};
+use crate::{
+    plan::Devices,
+    writes::{Write, Writes},
+};
 
 /// An in-memory kernel: links, addresses, our routes and rules, with write counting.
 #[derive(Debug, Default)]
@@ -33,7 +36,7 @@ impl Kernel for FakeKernel {
             },
         );
         let mut w = Writes::default();
-        w.add("link_add", 1);
+        w.add(Write::LinkAdd, 1);
         Ok(w)
     }
 
@@ -42,7 +45,7 @@ impl Kernel for FakeKernel {
         self.state.addresses.clear();
         self.state.routes.retain(|r| r.oif != index);
         let mut w = Writes::default();
-        w.add("link_del", 1);
+        w.add(Write::LinkDel, 1);
         Ok(w)
     }
 
@@ -60,12 +63,12 @@ impl Kernel for FakeKernel {
                     l.mtu = m;
                 }
             }
-            w.add("link_set", 1);
+            w.add(Write::LinkSet, 1);
         }
         for a in &d.address_add {
             self.state.addresses.insert(*a);
         }
-        w.add("address_add", d.address_add.len() as u64);
+        w.add(Write::AddressAdd, d.address_add.len() as u64);
         for (r, replace) in &d.route_add {
             if *replace {
                 self.state
@@ -76,9 +79,9 @@ impl Kernel for FakeKernel {
             self.state.routes.insert(KRoute { realm, ..r.clone() });
             w.add(
                 if *replace {
-                    "route_replace"
+                    Write::RouteReplace
                 } else {
-                    "route_add"
+                    Write::RouteAdd
                 },
                 1,
             );
@@ -86,19 +89,19 @@ impl Kernel for FakeKernel {
         for r in &d.rule_add {
             self.state.rules.insert(r.clone(), Some(32000));
         }
-        w.add("rule_add", d.rule_add.len() as u64);
+        w.add(Write::RuleAdd, d.rule_add.len() as u64);
         for (r, _) in &d.rule_del {
             self.state.rules.remove(r);
         }
-        w.add("rule_del", d.rule_del.len() as u64);
+        w.add(Write::RuleDel, d.rule_del.len() as u64);
         for r in &d.route_del {
             self.state.routes.remove(r);
         }
-        w.add("route_del", d.route_del.len() as u64);
+        w.add(Write::RouteDel, d.route_del.len() as u64);
         for a in &d.address_del {
             self.state.addresses.remove(a);
         }
-        w.add("address_del", d.address_del.len() as u64);
+        w.add(Write::AddressDel, d.address_del.len() as u64);
         (w, Vec::new())
     }
 }

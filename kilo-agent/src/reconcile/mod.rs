@@ -6,11 +6,8 @@
 //! (`--iptables-forward-rules`, also the datapath module's). [`Reconciler`] runs them in order
 //! and returns the [`Writes`] it made.
 //!
-//! Write kinds counted in [`Writes`]: `link_add`, `link_set`, `link_del`, `address_add`,
-//! `address_del`, `route_add`, `route_replace`, `route_del`, `rule_add`, `rule_del`,
-//! `wireguard_device_set` (private key / listen port), `wireguard_peer_add`,
-//! `wireguard_peer_update`, `wireguard_peer_remove`, `forward_rule_add`, `forward_rule_del`,
-//! `cni_config`, plus whatever the datapath reports (`map_insert`, `map_delete`, ...). A reconcile of a node that matches its plan returns none.
+//! The writes are counted by kind ([`Write`](crate::writes::Write)); a reconcile of a node that
+//! matches its plan returns none.
 //!
 //! Route realms: the routes the datapath encapsulates carry [`KILO_REALM`], so its
 //! encapsulation skips the host's other traffic after one helper call ([`Realms`]). A kernel

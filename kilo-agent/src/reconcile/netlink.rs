@@ -30,7 +30,7 @@ use super::{
 };
 use crate::{
     plan::Devices,
-    writes::{READ_BACK_EVERY, Writes},
+    writes::{READ_BACK_EVERY, Write, Writes},
 };
 mod messages;
 mod watch;
@@ -203,7 +203,7 @@ async fn set_address(
     index: u32,
     add: bool,
     a: &IpNet,
-) -> Result<&'static str, (String, std::io::Error)> {
+) -> Result<Write, (String, std::io::Error)> {
     use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
     let m = address_message(index, a);
     let (msg, flags, kind, op) = if add {
@@ -211,14 +211,14 @@ async fn set_address(
         (
             RouteNetlinkMessage::NewAddress(m),
             flags,
-            "address_add",
+            Write::AddressAdd,
             "add",
         )
     } else {
         (
             RouteNetlinkMessage::DelAddress(m),
             0,
-            "address_del",
+            Write::AddressDel,
             "delete",
         )
     };
@@ -282,7 +282,7 @@ impl Kernel for NetlinkKernel {
             .await
             .map_err(err("create WireGuard link"))?;
         let mut w = Writes::default();
-        w.add("link_add", 1);
+        w.add(Write::LinkAdd, 1);
         Ok(w)
     }
 
@@ -342,7 +342,7 @@ impl Kernel for NetlinkKernel {
             .await
             .map_err(err("delete link"))?;
         let mut w = Writes::default();
-        w.add("link_del", 1);
+        w.add(Write::LinkDel, 1);
         Ok(w)
     }
 
@@ -367,7 +367,7 @@ impl Kernel for NetlinkKernel {
                 b = b.mtu(m);
             }
             match h.link().set(b.build()).execute().await {
-                Ok(()) => w.add("link_set", 1),
+                Ok(()) => w.add(Write::LinkSet, 1),
                 Err(e) => fail("set link up/mtu".into(), std::io::Error::other(e)),
             }
         }
@@ -417,9 +417,9 @@ impl Kernel for NetlinkKernel {
             match request(h, msg, flags).await {
                 Ok(()) => w.add(
                     if *replace {
-                        "route_replace"
+                        Write::RouteReplace
                     } else {
-                        "route_add"
+                        Write::RouteAdd
                     },
                     1,
                 ),
@@ -438,21 +438,21 @@ impl Kernel for NetlinkKernel {
         for r in &d.rule_add {
             let msg = RouteNetlinkMessage::NewRule(rule_message(r, None));
             match request(h, msg, NLM_F_CREATE | NLM_F_EXCL).await {
-                Ok(()) => w.add("rule_add", 1),
+                Ok(()) => w.add(Write::RuleAdd, 1),
                 Err(e) => fail(format!("add rule {r}"), e),
             }
         }
         for (r, prio) in &d.rule_del {
             let msg = RouteNetlinkMessage::DelRule(rule_message(r, *prio));
             match request(h, msg, 0).await {
-                Ok(()) => w.add("rule_del", 1),
+                Ok(()) => w.add(Write::RuleDel, 1),
                 Err(e) => fail(format!("delete rule {r}"), e),
             }
         }
         for r in &d.route_del {
             let msg = RouteNetlinkMessage::DelRoute(route_message(r));
             match request(h, msg, 0).await {
-                Ok(()) => w.add("route_del", 1),
+                Ok(()) => w.add(Write::RouteDel, 1),
                 Err(e) => fail(format!("delete route {r}"), e),
             }
         }

@@ -4,6 +4,7 @@ use crate::datapath::{DatapathOpsError, NoDatapath};
 use crate::plan::{
     DatapathPlan, Device, KILO_TABLE, MAIN_TABLE, Route, Rule, WireGuardPeer, WireGuardPlan,
 };
+use crate::writes::Write;
 
 fn plan() -> Plan {
     Plan {
@@ -72,23 +73,23 @@ fn converges_then_writes_nothing_then_cleans_up() {
         let first = r.reconcile(&plan()).await.unwrap();
         assert!(first.problems.is_empty(), "{:?}", first.problems);
         for kind in [
-            "link_add",
-            "link_set",
-            "address_add",
-            "route_add",
-            "rule_add",
+            Write::LinkAdd,
+            Write::LinkSet,
+            Write::AddressAdd,
+            Write::RouteAdd,
+            Write::RuleAdd,
         ] {
             assert_eq!(first.writes.get(kind), 1, "{kind}: {}", first.writes);
         }
-        assert_eq!(first.writes.get("wireguard_peer_add"), 1);
+        assert_eq!(first.writes.get(Write::WireguardPeerAdd), 1);
         let second = r.reconcile(&plan()).await.unwrap();
         assert!(second.writes.is_empty(), "{}", second.writes);
         assert!(r.dry_run(&plan()).await.unwrap().to_string().is_empty());
 
         let clean = r.clean_up(true).await.unwrap();
-        assert_eq!(clean.writes.get("route_del"), 1);
-        assert_eq!(clean.writes.get("rule_del"), 1);
-        assert_eq!(clean.writes.get("link_del"), 1);
+        assert_eq!(clean.writes.get(Write::RouteDel), 1);
+        assert_eq!(clean.writes.get(Write::RuleDel), 1);
+        assert_eq!(clean.writes.get(Write::LinkDel), 1);
         assert!(r.kernel.state.routes.is_empty() && r.kernel.state.rules.is_empty());
     });
 }
@@ -121,14 +122,24 @@ fn forward_rules_follow_the_plan_and_go_on_clean_up() {
             "{dry}"
         );
         let first = r.reconcile(&with(&["10.2.0.0/24"])).await.unwrap();
-        assert_eq!(first.writes.get("forward_rule_add"), 2, "{}", first.writes);
+        assert_eq!(
+            first.writes.get(Write::ForwardRuleAdd),
+            2,
+            "{}",
+            first.writes
+        );
         let again = r.reconcile(&with(&["10.2.0.0/24"])).await.unwrap();
         assert!(again.writes.is_empty(), "{}", again.writes);
         let moved = r.reconcile(&with(&["10.2.9.0/24"])).await.unwrap();
-        assert_eq!(moved.writes.get("forward_rule_add"), 2);
-        assert_eq!(moved.writes.get("forward_rule_del"), 2);
+        assert_eq!(moved.writes.get(Write::ForwardRuleAdd), 2);
+        assert_eq!(moved.writes.get(Write::ForwardRuleDel), 2);
         let clean = r.clean_up(true).await.unwrap();
-        assert_eq!(clean.writes.get("forward_rule_del"), 2, "{}", clean.writes);
+        assert_eq!(
+            clean.writes.get(Write::ForwardRuleDel),
+            2,
+            "{}",
+            clean.writes
+        );
     });
 }
 
@@ -148,7 +159,7 @@ fn the_cni_configuration_follows_the_plans_pod_cidrs() {
             ..plan()
         };
         let first = r.reconcile(&plan).await.unwrap();
-        assert_eq!(first.writes.get("cni_config"), 1, "{}", first.writes);
+        assert_eq!(first.writes.get(Write::CniConfig), 1, "{}", first.writes);
         assert!(
             std::fs::read_to_string(&path)
                 .unwrap()
@@ -164,7 +175,11 @@ fn the_cni_configuration_follows_the_plans_pod_cidrs() {
         let dry = r.dry_run(&moved).await.unwrap().to_string();
         assert!(dry.contains("10.2.9.0/24"), "{dry}");
         assert_eq!(
-            r.reconcile(&moved).await.unwrap().writes.get("cni_config"),
+            r.reconcile(&moved)
+                .await
+                .unwrap()
+                .writes
+                .get(Write::CniConfig),
             1
         );
     });
@@ -176,7 +191,7 @@ fn our_address_on_another_link_is_a_problem_and_still_added() {
         let mut r = reconciler();
         (r.kernel.state.elsewhere).insert("10.4.0.1".parse().unwrap(), "eth0".into());
         let report = r.reconcile(&plan()).await.unwrap();
-        assert_eq!(report.writes.get("address_add"), 1, "{}", report.writes);
+        assert_eq!(report.writes.get(Write::AddressAdd), 1, "{}", report.writes);
         assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
         assert!(
             report.problems[0].contains("10.4.0.1 is also on eth0"),
@@ -206,7 +221,7 @@ impl DatapathOps for RealmDatapath {
         let mut w = Writes::default();
         if self.0 != hold {
             self.0 = hold;
-            w.add("map_config", 1);
+            w.add(Write::MapConfig, 1);
         }
         Ok(w)
     }
@@ -262,14 +277,19 @@ fn tunnel_routes_carry_our_realm_and_the_datapath_learns_it_holds() {
         // Read back in the same pass: the datapath checks realms from now on.
         assert_eq!(r.realms(), Realms::Hold);
         assert!(r.datapath.0);
-        assert_eq!(first.writes.get("map_config"), 1, "{}", first.writes);
+        assert_eq!(first.writes.get(Write::MapConfig), 1, "{}", first.writes);
         assert!(r.reconcile(&plan).await.unwrap().writes.is_empty());
         // A new agent (restart) learns it from the routes it finds.
         let (mut again, _) = realm_reconciler(false);
         again.kernel.state = r.kernel.state.clone();
         let report = again.reconcile(&plan).await.unwrap();
         assert_eq!(again.realms(), Realms::Hold);
-        assert_eq!(report.writes.get("route_replace"), 0, "{}", report.writes);
+        assert_eq!(
+            report.writes.get(Write::RouteReplace),
+            0,
+            "{}",
+            report.writes
+        );
         assert!(again.datapath.0);
     });
 }

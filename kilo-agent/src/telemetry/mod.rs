@@ -327,7 +327,9 @@ impl Metrics {
     pub fn record_writes(&self, w: &Writes) {
         for (kind, n) in w.iter() {
             self.writes
-                .get_or_create(&KindLabel { kind: kind.into() })
+                .get_or_create(&KindLabel {
+                    kind: kind.name().into(),
+                })
                 .inc_by(n);
         }
     }

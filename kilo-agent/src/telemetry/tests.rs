@@ -4,6 +4,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
 use crate::datapath::DatapathStats;
+use crate::writes::Write;
 
 #[test]
 fn kilo_metric_names_are_exposed() {
@@ -12,7 +13,7 @@ fn kilo_metric_names_are_exposed() {
     m.reconciles.inc();
     m.error("apply");
     let mut w = Writes::default();
-    w.add("route_add", 2);
+    w.add(Write::RouteAdd, 2);
     m.record_writes(&w);
     m.trigger(Trigger::Kernel);
     m.reconcile_duration.observe(0.003);

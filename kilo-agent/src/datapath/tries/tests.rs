@@ -7,7 +7,7 @@ use super::*;
 use crate::{
     datapath::{FakeMaps, NoResolver, Role},
     plan::{DatapathEntry, DatapathPlan, EntryKind, NextHop},
-    writes::READ_BACK_EVERY,
+    writes::{READ_BACK_EVERY, Write},
 };
 
 /// Makes the maps equal to `plan` after reading them all back, as a first apply does.
@@ -123,7 +123,7 @@ fn first_sync_inserts_second_writes_nothing() {
         &["192.168.0.0/16"],
     );
     let w = sync_maps(&mut maps, &p, &NoResolver).unwrap();
-    assert_eq!(w.get("map_insert"), 4);
+    assert_eq!(w.get(Write::MapInsert), 4);
     assert_eq!(w.total(), 4);
     assert!(sync_maps(&mut maps, &p, &NoResolver).unwrap().is_empty());
     // Distinct slots across roles.
@@ -144,7 +144,7 @@ fn one_change_is_one_write_and_slots_are_stable() {
     let p2 = plan(&["10.0.2.0/24", "10.0.3.0/24"], &[], &[]);
     let w = sync_maps(&mut maps, &p2, &NoResolver).unwrap();
     assert_eq!(
-        (w.get("map_insert"), w.get("map_delete"), w.total()),
+        (w.get(Write::MapInsert), w.get(Write::MapDelete), w.total()),
         (1, 1, 2)
     );
     assert_eq!(slot(&maps, Trie::Destination, "10.0.2.0/24"), keep);
@@ -237,7 +237,11 @@ fn masquerade_destinations_inside_mesh_destinations_are_covered() {
         .mesh_destinations
         .remove(&"10.0.0.0/8".parse().unwrap());
     let w = tries.apply(&mut maps, &without, &resolver).unwrap();
-    assert_eq!((w.get("map_update"), w.get("map_delete")), (1, 1), "{w}");
+    assert_eq!(
+        (w.get(Write::MapUpdate), w.get(Write::MapDelete)),
+        (1, 1),
+        "{w}"
+    );
     let now = dst(&maps, "10.1.0.0/16");
     assert_eq!(now.flags, ENTRY_MASQUERADE);
     assert_ne!(now.counter, outer.counter);
@@ -295,7 +299,7 @@ fn idle_syncs_trust_the_record_until_the_next_read_back() {
     for i in 1..=READ_BACK_EVERY {
         let w = tries.apply(&mut maps, &p, &NoResolver).unwrap();
         if !w.is_empty() {
-            assert_eq!(w.get("map_insert"), 1, "{w}");
+            assert_eq!(w.get(Write::MapInsert), 1, "{w}");
             repaired_at = Some(i);
             break;
         }
@@ -313,7 +317,7 @@ fn a_failed_write_reads_back_at_the_next_apply() {
     maps.capacity = 2;
     maps.tries.get_mut(&Trie::Destination).unwrap().clear();
     let w = tries.apply(&mut maps, &p, &NoResolver).unwrap();
-    assert_eq!(w.get("map_insert"), 2, "{w}");
+    assert_eq!(w.get(Write::MapInsert), 2, "{w}");
 }
 
 #[test]
@@ -330,7 +334,7 @@ fn changed_value_is_an_update_and_reused_slots_are_zeroed() {
     let mut p2 = p1.clone();
     p2.mesh_destinations.values_mut().next().unwrap().next_hop = Some(NextHop::WireGuard);
     let w = sync_maps(&mut maps, &p2, &|_| Some(9)).unwrap();
-    assert_eq!((w.get("map_update"), w.total()), (1, 1));
+    assert_eq!((w.get(Write::MapUpdate), w.total()), (1, 1));
     assert_eq!(maps.counters[s].packets, 3);
     // Remove it, then add two new entries: one reuses the slot, which is zeroed first.
     sync_maps(&mut maps, &plan(&[], &[], &[]), &NoResolver).unwrap();
@@ -340,7 +344,7 @@ fn changed_value_is_an_update_and_reused_slots_are_zeroed() {
         &NoResolver,
     )
     .unwrap();
-    assert_eq!(w.get("counter_reset"), 1);
+    assert_eq!(w.get(Write::CounterReset), 1);
     assert!(maps.counters.iter().all(|c| *c == Counter::default()));
 }
 

@@ -12,7 +12,7 @@ use ipnet::IpNet;
 use crate::{
     mesh::{Host, Key},
     plan::WireGuardPlan,
-    writes::Writes,
+    writes::{Write, Writes},
 };
 
 /// One peer as configured on (or wanted for) the device.
@@ -249,11 +249,11 @@ pub fn diff(desired: &DeviceState, observed: &DeviceState) -> WgDiff {
 pub fn count(diff: &WgDiff) -> Writes {
     let mut w = Writes::default();
     w.add(
-        "wireguard_device_set",
+        Write::WireguardDeviceSet,
         u64::from(diff.private_key.is_some() || diff.listen_port.is_some()),
     );
-    w.add("wireguard_peer_add", diff.add.len() as u64);
-    w.add("wireguard_peer_update", diff.update.len() as u64);
-    w.add("wireguard_peer_remove", diff.remove.len() as u64);
+    w.add(Write::WireguardPeerAdd, diff.add.len() as u64);
+    w.add(Write::WireguardPeerUpdate, diff.update.len() as u64);
+    w.add(Write::WireguardPeerRemove, diff.remove.len() as u64);
     w
 }

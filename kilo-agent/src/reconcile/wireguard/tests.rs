@@ -2,6 +2,7 @@
 use std::net::SocketAddr;
 
 use super::*;
+use crate::writes::Write;
 use crate::{
     mesh::Endpoint,
     plan::{WireGuardPeer, WireGuardPlan},
@@ -35,7 +36,7 @@ fn second_pass_is_empty_and_one_change_touches_one_peer() {
     let want = desired(&plan, Key([9; 32]), None, &no_dns, &mut problems);
     let d = diff(&want, &fake.observe().unwrap().unwrap_or_default());
     let w = fake.apply(&d).unwrap();
-    assert_eq!(w.get("wireguard_peer_add"), 2);
+    assert_eq!(w.get(Write::WireguardPeerAdd), 2);
     let observed = fake.observe().unwrap().unwrap();
     assert!(diff(&want, &observed).is_empty());
 
