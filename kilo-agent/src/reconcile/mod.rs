@@ -344,14 +344,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
                     })
                     .filter_map(|(k, p)| Some((*k, p.endpoint?)))
                     .collect();
-                let want = wireguard::desired(
-                    &plan.wireguard,
-                    self.settings.private_key,
-                    Some(&dev),
-                    &*self.settings.dns,
-                    &mut report.problems,
-                );
-                let d = wireguard::diff(&want, &dev);
+                let d = self.wireguard_diff(plan, &dev, &mut report.problems);
                 if !d.is_empty() {
                     tracing::info!(changes = %d.to_string().trim_end(), "updating WireGuard device");
                     match self.wireguard.apply(&d) {
@@ -368,21 +361,9 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
         self.apply_datapath(plan, &observed.indexes, &mut report);
 
         self.learn_realms(&observed.routes, &[]);
-        let underlay = self.underlay(plan, &observed).await;
-        let want = state::desired(plan, &devices, &observed.links, &underlay, self.realm());
-        report.problems.extend(want.problems.iter().cloned());
-        // Added anyway (the kernel allows it), but the other link's prefix route may take the
-        // mesh's traffic: somebody has to remove one of them.
-        for a in &want.addresses {
-            if let Some(other) = observed.elsewhere.get(&a.addr()) {
-                report.problems.push(format!(
-                    "address {a} of {}: {} is also on {other}, whose routes may take the mesh's traffic",
-                    devices.wireguard,
-                    a.addr()
-                ));
-            }
-        }
-        let d = state::diff(&link, self.link_want(), &want, &observed);
+        let d = self
+            .kernel_diff(plan, &observed, &link, &mut report.problems)
+            .await;
         if !d.is_empty() {
             tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
             let (w, errors) = self.kernel.apply(&d).await;
@@ -408,6 +389,50 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
         self.apply_forward(plan, &mut report);
         self.observed_links(&mut report, observed.links);
         Ok(report)
+    }
+
+    /// What the WireGuard device lacks of the plan (the same for a reconcile and a dry run).
+    fn wireguard_diff(
+        &self,
+        plan: &Plan,
+        device: &wireguard::DeviceState,
+        problems: &mut Vec<String>,
+    ) -> WgDiff {
+        let want = wireguard::desired(
+            &plan.wireguard,
+            self.settings.private_key,
+            Some(device),
+            &*self.settings.dns,
+            problems,
+        );
+        wireguard::diff(&want, device)
+    }
+
+    /// What the links, addresses, routes and rules lack of the plan (the same for a reconcile
+    /// and a dry run), with the problems seen on the way.
+    async fn kernel_diff(
+        &mut self,
+        plan: &Plan,
+        observed: &KernelState,
+        link: &LinkState,
+        problems: &mut Vec<String>,
+    ) -> KernelDiff {
+        let underlay = self.underlay(plan, observed).await;
+        let devices = &self.settings.devices;
+        let want = state::desired(plan, devices, &observed.links, &underlay, self.realm());
+        problems.extend(want.problems.iter().cloned());
+        // Added anyway (the kernel allows it), but the other link's prefix route may take the
+        // mesh's traffic: somebody has to remove one of them.
+        for a in &want.addresses {
+            if let Some(other) = observed.elsewhere.get(&a.addr()) {
+                problems.push(format!(
+                    "address {a} of {}: {} is also on {other}, whose routes may take the mesh's traffic",
+                    devices.wireguard,
+                    a.addr()
+                ));
+            }
+        }
+        state::diff(link, self.link_want(), &want, observed)
     }
 
     fn apply_datapath(
@@ -456,14 +481,7 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let want = wireguard::desired(
-            &plan.wireguard,
-            self.settings.private_key,
-            Some(&dev),
-            &*self.settings.dns,
-            &mut out.problems,
-        );
-        out.wireguard = wireguard::diff(&want, &dev);
+        out.wireguard = self.wireguard_diff(plan, &dev, &mut out.problems);
         let link = match observed.links.get(&devices.wireguard) {
             Some(l) => *l,
             None => {
@@ -475,10 +493,9 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
                 }
             }
         };
-        let underlay = self.underlay(plan, &observed).await;
-        let want = state::desired(plan, &devices, &observed.links, &underlay, self.realm());
-        out.problems.extend(want.problems.iter().cloned());
-        out.kernel = state::diff(&link, self.link_want(), &want, &observed);
+        out.kernel = self
+            .kernel_diff(plan, &observed, &link, &mut out.problems)
+            .await;
         match self.datapath.describe(&plan.datapath, &plan.ipip) {
             Ok(lines) => out.datapath = lines,
             Err(e) => out.problems.push(e.to_string()),
