@@ -26,7 +26,7 @@ use std::{collections::BTreeSet, fmt, io, net::IpAddr};
 use ipnet::IpNet;
 use netlink_sys::Socket;
 
-use super::nft::{
+use super::netfilter::{
     AF_UNSPEC, Conn, Msg, NF_ACCEPT, NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END,
     NFNL_SUBSYS_NFTABLES, NFT_CMP_EQ, NFT_MSG_GETCHAIN, NFT_MSG_GETRULE, NFT_MSG_NEWRULE,
     NFT_REG_1, NFTA_BITWISE_DREG, NFTA_BITWISE_LEN, NFTA_BITWISE_MASK, NFTA_BITWISE_SREG,

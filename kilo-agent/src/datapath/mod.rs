@@ -15,6 +15,7 @@
 //! pins.rs        the bpf filesystem: checked, mounted, pins listed and removed
 //! tries.rs       Tries: the diff between the plans and the tries, from a record of the writes
 //! counters.rs    Counters: every counter read from the maps, labelled with its entry
+//! netfilter.rs   nf_tables over netlink: wire constants, messages, parser, socket
 //! nft.rs         the static masquerade rule (nftables), kept with the program's mark
 //! forward.rs     --iptables-forward-rules: ACCEPTs in iptables-nft's FORWARD chain (nftables)
 //! reconciler.rs  DatapathOps: the datapath as the reconciler drives it; DatapathReconciler
@@ -31,6 +32,7 @@ pub mod kernel;
 mod load;
 pub mod logs;
 mod maps;
+mod netfilter;
 pub mod nft;
 mod pins;
 mod plans;
