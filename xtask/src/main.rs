@@ -5,6 +5,7 @@
 mod bench;
 mod e2e;
 mod image;
+mod install;
 mod kernels;
 mod pins;
 mod soak;
@@ -17,6 +18,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
+use install::{
+    bpf_linker_dir, cache_dir, cargo_fuzz_dir, install_cargo_fuzz, install_debian_packages,
+    install_kube_cluster, is_root, setup, setup_build, setup_mesh, setup_tests,
+};
 
 #[derive(Parser)]
 #[command(about = "kilo-rs developer tasks")]
@@ -150,18 +155,6 @@ fn root_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// Where expensive tools are cached, outside git, keyed on their version.
-fn cache_dir() -> PathBuf {
-    env::var_os("KILO_CACHE_DIR").map_or_else(
-        || PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs"),
-        PathBuf::from,
-    )
-}
-
-fn bpf_linker_dir() -> PathBuf {
-    cache_dir().join(format!("bpf-linker-{}-{}", pins::BPF_LINKER, pins::NIGHTLY))
-}
-
 fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {cmd:?}");
     let status = cmd
@@ -187,241 +180,6 @@ fn cargo() -> Command {
         .env("RUSTUP_TOOLCHAIN", pins::STABLE)
         .env("KILO_CACHE_DIR", cache_dir());
     cmd
-}
-
-/// Everything: what the tests need, the e2e cluster and cargo-fuzz (`cargo xtask test` runs
-/// them all).
-fn setup() -> Result<()> {
-    setup_mesh()?;
-    if is_root() {
-        // One Go build gives the e2e cluster's binaries and the tests' kube-apiserver.
-        install_kube_cluster()?;
-    }
-    setup_tests()?;
-    install_cargo_fuzz()
-}
-
-/// What building kg needs: the toolchains and bpf-linker (the eBPF object is embedded).
-fn setup_build() -> Result<()> {
-    install_toolchains()?;
-    install_bpf_linker()
-}
-
-/// What the demo's mesh needs: the build, and the tools its scripts run.
-fn setup_mesh() -> Result<()> {
-    setup_build()?;
-    install_debian_packages(pins::DEMO_PACKAGES)
-}
-
-/// What the tests and benchmarks run: the mesh's tools and the rest, and the test API server.
-fn setup_tests() -> Result<()> {
-    setup_mesh()?;
-    install_debian_packages(pins::TEST_PACKAGES)?;
-    install_kube_apiserver()
-}
-
-fn cargo_fuzz_dir() -> PathBuf {
-    cache_dir().join(format!("cargo-fuzz-{}", pins::CARGO_FUZZ))
-}
-
-fn install_cargo_fuzz() -> Result<()> {
-    let dir = cargo_fuzz_dir();
-    if dir.join("bin/cargo-fuzz").exists() {
-        return Ok(());
-    }
-    let staging = dir.with_extension("partial");
-    run(cargo()
-        .args([
-            "install",
-            "cargo-fuzz",
-            "--locked",
-            "--version",
-            pins::CARGO_FUZZ,
-        ])
-        .arg("--root")
-        .arg(&staging))?;
-    std::fs::rename(&staging, &dir)?;
-    Ok(())
-}
-
-fn install_toolchains() -> Result<()> {
-    let installed = output(Command::new("rustup").args(["toolchain", "list"]))?;
-    let has = |name: &str| installed.lines().any(|l| l.starts_with(name));
-    if !has(pins::STABLE) {
-        run(Command::new("rustup").args([
-            "toolchain",
-            "install",
-            pins::STABLE,
-            "--profile",
-            "minimal",
-            "--component",
-            "clippy,rustfmt",
-        ]))?;
-    }
-    let nightly_ok = has(pins::NIGHTLY)
-        && output(Command::new("rustup").args([
-            "component",
-            "list",
-            "--installed",
-            "--toolchain",
-            pins::NIGHTLY,
-        ]))?
-        .lines()
-        .any(|l| l.starts_with("rust-src"));
-    if !nightly_ok {
-        run(Command::new("rustup").args([
-            "toolchain",
-            "install",
-            pins::NIGHTLY,
-            "--profile",
-            "minimal",
-            "--component",
-            "rust-src",
-        ]))?;
-    }
-    Ok(())
-}
-
-/// bpf-linker linked against the pinned nightly's own libLLVM, so no system LLVM is needed.
-fn install_bpf_linker() -> Result<()> {
-    let dir = bpf_linker_dir();
-    if dir.join("bin/bpf-linker").exists() {
-        return Ok(());
-    }
-    let sysroot =
-        output(Command::new("rustc").args([&format!("+{}", pins::NIGHTLY), "--print", "sysroot"]))?;
-    let libdir = Path::new(sysroot.trim()).join("lib");
-    let so = std::fs::read_dir(&libdir)?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| n.starts_with("libLLVM.so"))
-        .with_context(|| format!("no libLLVM.so in {}", libdir.display()))?;
-    let libdir = libdir.display();
-    let rustflags =
-        format!("-C link-arg=-L{libdir} -C link-arg=-l:{so} -C link-arg=-Wl,-rpath,{libdir}");
-    let staging = dir.with_extension("partial");
-    run(Command::new("cargo")
-        .env("RUSTFLAGS", rustflags)
-        .env_remove("RUSTUP_TOOLCHAIN")
-        .args([
-            &format!("+{}", pins::NIGHTLY),
-            "install",
-            "bpf-linker",
-            "--locked",
-            "--version",
-            pins::BPF_LINKER,
-            "--no-default-features",
-            "--features",
-            &format!("{},no-llvm-linking", pins::BPF_LINKER_LLVM),
-            "--root",
-        ])
-        .arg(&staging))?;
-    std::fs::rename(&staging, &dir)?;
-    Ok(())
-}
-
-fn install_debian_packages(packages: &[&str]) -> Result<()> {
-    let missing: Vec<&str> = packages
-        .iter()
-        .copied()
-        .filter(|p| {
-            output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p]))
-                .map(|s| !s.contains("install ok installed"))
-                .unwrap_or(true)
-        })
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !is_root() {
-        eprintln!(
-            "xtask: not root, not installing Debian packages {missing:?}; the root-only test tiers will skip"
-        );
-        return Ok(());
-    }
-    run(Command::new("apt-get").arg("update").arg("-qq"))?;
-    run(Command::new("apt-get")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive"))
-}
-
-fn kube_apiserver_dir() -> PathBuf {
-    cache_dir().join(format!("kube-apiserver-{}", pins::KUBE_APISERVER))
-}
-
-/// Every binary of the e2e cluster (`pins::KUBE_CLUSTER`) and kubectl, from the same build.
-fn kube_cluster_dir() -> PathBuf {
-    cache_dir().join(format!("kube-cluster-{}", pins::KUBE_APISERVER))
-}
-
-/// kube-apiserver for the tests, built once from Debian's source package and cached outside
-/// git (about 4 minutes on 2 cores); `xtask/scripts/kube-apiserver.sh` says how. Taken from the
-/// e2e cluster's build when that one is cached.
-fn install_kube_apiserver() -> Result<()> {
-    let dir = kube_apiserver_dir();
-    if dir.join("kube-apiserver").exists() {
-        return Ok(());
-    }
-    let cluster = kube_cluster_dir();
-    if cluster.join("kube-apiserver").exists() {
-        let staging = dir.with_extension("partial");
-        std::fs::create_dir_all(&staging)?;
-        for name in ["kube-apiserver", "kubectl"] {
-            std::fs::copy(cluster.join(name), staging.join(name))?;
-        }
-        std::fs::rename(&staging, &dir)?;
-        return Ok(());
-    }
-    if !is_root() {
-        eprintln!("xtask: not root, not building kube-apiserver; the API server tests will skip");
-        return Ok(());
-    }
-    build_kube(&["kube-apiserver"], &dir)
-}
-
-/// The e2e cluster's Kubernetes binaries, built once (kube-apiserver in the same Go build when
-/// it is not cached yet, then kept for the tests too). Returns their directory.
-fn install_kube_cluster() -> Result<PathBuf> {
-    let dir = kube_cluster_dir();
-    if pins::KUBE_CLUSTER
-        .iter()
-        .chain(&["kubectl"])
-        .all(|name| dir.join(name).exists())
-    {
-        return Ok(dir);
-    }
-    build_kube(pins::KUBE_CLUSTER, &dir)?;
-    install_kube_apiserver()?;
-    Ok(dir)
-}
-
-/// Builds `cmds` (names under the Kubernetes tree's `cmd/`) from Debian's `kubernetes` source
-/// package in one Go build, into `out` with the same release's kubectl.
-fn build_kube(cmds: &[&str], out: &Path) -> Result<()> {
-    // The machine's own package sources, as source-package sources too.
-    let sources = Path::new("/etc/apt/sources.list.d/kilo-rs-src.sources");
-    if !sources.exists() {
-        let debian = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
-            .context("reading the machine's Debian package sources")?;
-        std::fs::write(sources, debian.replace("Types: deb\n", "Types: deb-src\n"))?;
-        run(Command::new("apt-get").arg("update").arg("-qq"))?;
-    }
-    install_debian_packages(pins::KUBE_APISERVER_BUILD_DEPS)?;
-    eprintln!(
-        "xtask: building {} {} (once)",
-        cmds.join(", "),
-        pins::KUBE_APISERVER
-    );
-    run(Command::new("bash")
-        .arg(root_dir().join("xtask/scripts/kube-apiserver.sh"))
-        .arg(pins::KUBE_APISERVER)
-        .arg(out)
-        .args(cmds))
-}
-
-fn is_root() -> bool {
-    output(Command::new("id").arg("-u")).is_ok_and(|s| s.trim() == "0")
 }
 
 fn build_ebpf() -> Result<()> {
