@@ -32,7 +32,12 @@ fn main() -> anyhow::Result<()> {
     let mut paths = vec![bin];
     paths.extend(env::split_paths(&path));
     // SAFETY: build scripts are single-threaded.
-    unsafe { env::set_var("PATH", env::join_paths(paths)?) };
+    unsafe {
+        env::set_var("PATH", env::join_paths(paths)?);
+        // aya-build forwards every line of the nested build as a cargo warning: keep it to the
+        // compiler's own messages, without the progress lines.
+        env::set_var("CARGO_TERM_QUIET", "true");
+    }
     println!("cargo::rerun-if-changed=../xtask/src/pins.rs");
     println!("cargo::rerun-if-changed=../kilo-common/src");
     println!("cargo::rerun-if-env-changed=KILO_CACHE_DIR");

@@ -65,6 +65,7 @@ pub(crate) fn install_cargo_fuzz() -> Result<()> {
     }
     let staging = dir.with_extension("partial");
     run(cargo()
+        .env("PATH", with_bin_on_path(&staging)?)
         .args([
             "install",
             "cargo-fuzz",
@@ -116,6 +117,15 @@ fn install_toolchains() -> Result<()> {
     Ok(())
 }
 
+/// `PATH` with `root`'s `bin` first, so that `cargo install --root ROOT` has no reason to warn
+/// that its binaries are not on the user's `PATH` (xtask runs them by their path).
+fn with_bin_on_path(root: &Path) -> Result<std::ffi::OsString> {
+    let path = env::var_os("PATH").unwrap_or_default();
+    Ok(env::join_paths(
+        std::iter::once(root.join("bin")).chain(env::split_paths(&path)),
+    )?)
+}
+
 /// bpf-linker linked against the pinned nightly's own libLLVM, so no system LLVM is needed.
 fn install_bpf_linker() -> Result<()> {
     let dir = bpf_linker_dir();
@@ -135,6 +145,7 @@ fn install_bpf_linker() -> Result<()> {
         format!("-C link-arg=-L{libdir} -C link-arg=-l:{so} -C link-arg=-Wl,-rpath,{libdir}");
     let staging = dir.with_extension("partial");
     run(Command::new("cargo")
+        .env("PATH", with_bin_on_path(&staging)?)
         .env("RUSTFLAGS", rustflags)
         .env_remove("RUSTUP_TOOLCHAIN")
         .args([
