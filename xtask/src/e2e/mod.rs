@@ -30,8 +30,16 @@ use serde_json::{Value, json};
 use crate::{install_debian_packages, install_kube_cluster, is_root, output, pins, root_dir, run};
 
 /// Where the cluster lives (fixed, so that a later run removes what an interrupted one left).
+mod allowed_location_ips;
 mod bench;
 mod checks;
+mod delete;
+mod granularity;
+mod node_deleted;
+mod peer;
+mod rolling_update;
+mod service;
+mod webhook;
 
 const WORK: &str = "/run/krs-e2e";
 
