@@ -3,36 +3,10 @@
 //! client asks for it (Prometheus does) and in Prometheus' text format 0.0.4 otherwise, as Go's
 //! client does.
 //!
-//! Metrics (see also the README):
-//! - Kilo's: `kilo_nodes`, `kilo_peers`, `kilo_leader` (gauges), `kilo_reconciles_total`,
-//!   `kilo_errors_total{event}`; the process metrics of Prometheus' Go client (`process.rs`:
-//!   `process_cpu_seconds_total`, `process_resident_memory_bytes`,
-//!   `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
-//!   `process_start_time_seconds`) and `kilo_child_processes` (processes kg started that still
-//!   run, counted in `/proc`: 0).
-//! - The cluster: `kilo_service_cidrs` (gauge: the service CIDRs planned with, `--service-cidr`'s
-//!   and the cluster's ServiceCIDRs; 0 is [`NO_SERVICE_CIDRS`]), `kilo_backend_retries_total`
-//!   (attempts to reach the Kubernetes API server that failed and are made again).
-//! - The loop: `kilo_reconcile_duration_seconds` (histogram: plan, publish and apply, of each
-//!   pass `kilo_reconciles_total` counts),
-//!   `kilo_reconcile_triggers_total{cause}` (events that asked for a reconcile: `start`,
-//!   `backend`, `kernel` (a netlink notification about our objects), `resync`, `liveness` (a
-//!   node crossed its heartbeat expiry), `check_in` (the local node is not published yet), `retry` (the
-//!   last pass failed to apply or publish: again after 1 s, doubling to 30 s); a
-//!   burst coalesces into one reconcile), `kilo_writes_total{kind}` (kernel writes: flat while
-//!   nothing changes), `kilo_invalid_objects_total{kind,field}`.
-//! - WireGuard, read from the device at scrape time ([`Metrics::set_wireguard`], no write), per
-//!   peer `{public_key,name}` (`name`: the segment's leader node or the Peer; never a private
-//!   key): `kilo_wireguard_peer_receive_bytes_total`, `kilo_wireguard_peer_transmit_bytes_total`,
-//!   `kilo_wireguard_peer_last_handshake_timestamp_seconds` (unix time, 0 = never, as
-//!   `wg show latest-handshakes`; the age is `time() - ...`).
-//! - The datapath, read at scrape time ([`Metrics::set_datapath`]: the agent's record of the
-//!   map entries plus one pass over the mapped counters): `kilo_datapath_packets_total{decision}`,
-//!   `kilo_datapath_bytes_total{decision}` (every packet the program saw),
-//!   `kilo_datapath_entry_packets_total{role,cidr,kind,owner}`,
-//!   `kilo_datapath_entry_bytes_total{...}` (traffic that matched each map entry),
-//!   `kilo_datapath_map_entries{map}` and `kilo_datapath_map_capacity{map}` (each role's
-//!   entries in its trie, and `entry_counters`: the per-entry counter slots).
+//! Metrics: Kilo's (`kilo_nodes`, `kilo_peers`, `kilo_leader`, `kilo_reconciles_total`,
+//! `kilo_errors_total`, the Go client's process metrics) and ours (the loop, the cluster, and
+//! per-peer WireGuard and datapath counters read at scrape time, never written); each with its
+//! labels and meaning in `docs/metrics.md`. Nothing here ever exports a private key.
 //!
 //! Endpoints: `/metrics`, `/health` (200 while the process runs), `/ready` (200 once a
 //! reconcile succeeded, 503 before and while the backend is disconnected; its body's second
