@@ -68,15 +68,15 @@ fn image_ref() -> String {
 /// Builds, assembles and checks the image; with `arm64_tests`, also runs the pure test tier
 /// for arm64 under qemu-user.
 pub fn image(arm64_tests: bool) -> Result<()> {
-    build(ARCHES, arm64_tests)
+    build_image(ARCHES, arm64_tests)
 }
 
 /// The image for this machine's architecture alone (amd64), as `cargo xtask e2e` loads it.
 pub fn host_image() -> Result<()> {
-    build(&ARCHES[..1], false)
+    build_image(&ARCHES[..1], false)
 }
 
-fn build(arches: &[Arch], arm64_tests: bool) -> Result<()> {
+fn build_image(arches: &[Arch], arm64_tests: bool) -> Result<()> {
     if !is_root() {
         bail!("building the image installs Debian packages and unpacks layers as root");
     }

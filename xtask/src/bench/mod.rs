@@ -54,7 +54,7 @@ pub use median::median;
 
 /// The options of `cargo xtask bench`.
 #[derive(Debug, Default)]
-struct Options {
+struct BenchArgs {
     what: Option<String>,
     quick: bool,
     debug: bool,
@@ -63,8 +63,8 @@ struct Options {
     rest: Vec<String>,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options::default();
+fn parse(args: &[String]) -> Result<BenchArgs> {
+    let mut o = BenchArgs::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
