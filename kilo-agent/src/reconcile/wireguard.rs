@@ -57,6 +57,10 @@ pub trait WireGuard {
 /// any thread may call it at any time.
 pub trait PeerStatsSource: Send + Sync {
     fn peer_stats(&self) -> Result<BTreeMap<Key, PeerStats>, WgError>;
+    /// The device's name (wg-exporter's `interface` label).
+    fn interface(&self) -> &str {
+        ""
+    }
 }
 
 #[cfg(test)]

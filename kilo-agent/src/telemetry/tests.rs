@@ -230,10 +230,18 @@ impl PeerStatsSource for Device {
                     last_handshake: Some(at),
                     rx_bytes: 1234,
                     tx_bytes: 5678,
+                    allowed_ips: vec![
+                        "10.4.0.1/32".parse().unwrap(),
+                        "10.2.1.0/24".parse().unwrap(),
+                    ],
                 },
             ),
             (Key([2; 32]), Default::default()),
         ]))
+    }
+
+    fn interface(&self) -> &str {
+        "kilo0"
     }
 }
 
@@ -255,9 +263,27 @@ fn wireguard_peers_are_read_at_each_scrape_with_their_names() {
         format!("kilo_wireguard_peer_last_handshake_timestamp_seconds{one} 1700000000.0"),
         format!("kilo_wireguard_peer_last_handshake_timestamp_seconds{two} 0.0"),
         format!("kilo_wireguard_peer_receive_bytes_total{two} 0"),
+        // wg-exporter's names and labels, which Kilo's dashboard reads.
+        format!(
+            "wireguard_sent_bytes_total{{interface=\"kilo0\",public_key=\"{}\",allowed_ips=\"10.4.0.1/32,10.2.1.0/24\"}} 5678",
+            Key([1; 32])
+        ),
+        format!(
+            "wireguard_received_bytes_total{{interface=\"kilo0\",public_key=\"{}\",allowed_ips=\"10.4.0.1/32,10.2.1.0/24\"}} 1234",
+            Key([1; 32])
+        ),
+        format!(
+            "wireguard_latest_handshake_seconds{{interface=\"kilo0\",public_key=\"{}\",allowed_ips=\"10.4.0.1/32,10.2.1.0/24\"}} 1700000000.0",
+            Key([1; 32])
+        ),
+        format!(
+            "wireguard_latest_handshake_seconds{{interface=\"kilo0\",public_key=\"{}\",allowed_ips=\"\"}} 0.0",
+            Key([2; 32])
+        ),
     ] {
         assert!(text.contains(&needle), "{needle} missing from\n{text}");
     }
     m.set_wireguard(None);
     assert!(!m.encode().contains("kilo_wireguard"));
+    assert!(!m.encode().contains("wireguard_sent_bytes"));
 }

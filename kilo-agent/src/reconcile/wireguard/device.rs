@@ -134,18 +134,19 @@ impl WgControl {
         };
         for p in dev.peers {
             let key = Key(p.config.public_key.0);
+            let allowed_ips: Vec<IpNet> = p
+                .config
+                .allowed_ips
+                .iter()
+                .filter_map(|a| IpNet::new(a.address, a.cidr).ok())
+                .map(|n| n.trunc())
+                .collect();
             state.peers.insert(
                 key,
                 PeerState {
                     preshared_key: p.config.preshared_key.as_ref().and_then(nonzero),
                     endpoint: p.config.endpoint,
-                    allowed_ips: p
-                        .config
-                        .allowed_ips
-                        .iter()
-                        .filter_map(|a| IpNet::new(a.address, a.cidr).ok())
-                        .map(|n| n.trunc())
-                        .collect(),
+                    allowed_ips: allowed_ips.iter().copied().collect(),
                     keepalive: p.config.persistent_keepalive_interval.unwrap_or(0),
                 },
             );
@@ -155,6 +156,7 @@ impl WgControl {
                     last_handshake: p.stats.last_handshake_time,
                     rx_bytes: p.stats.rx_bytes,
                     tx_bytes: p.stats.tx_bytes,
+                    allowed_ips,
                 },
             );
         }
@@ -165,6 +167,10 @@ impl WgControl {
 impl PeerStatsSource for WgControl {
     fn peer_stats(&self) -> Result<BTreeMap<Key, PeerStats>, WgError> {
         Ok(self.read()?.map(|d| d.stats).unwrap_or_default())
+    }
+
+    fn interface(&self) -> &str {
+        &self.name
     }
 }
 

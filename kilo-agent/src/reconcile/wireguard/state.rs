@@ -31,6 +31,8 @@ pub struct PeerStats {
     pub last_handshake: Option<SystemTime>,
     pub rx_bytes: u64,
     pub tx_bytes: u64,
+    /// The peer's allowed IPs as the device holds them (for wg-exporter's `allowed_ips` label).
+    pub allowed_ips: Vec<IpNet>,
 }
 
 /// The device as observed or desired.
