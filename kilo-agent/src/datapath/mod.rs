@@ -22,6 +22,7 @@
 mod attach;
 mod config;
 mod counters;
+#[cfg(any(test, feature = "testing"))]
 mod fake;
 pub mod forward;
 pub mod kernel;
@@ -45,6 +46,7 @@ pub use kilo_common::{Counter, Decision};
 
 pub use attach::{AttachMode, Framing, Hook, framing, ifindex};
 pub use config::DatapathConfig;
+#[cfg(any(test, feature = "testing"))]
 pub use fake::{FakeDatapath, FakeMaps};
 pub use keys::{NoResolver, Resolver, entry_key};
 pub use load::{Datapath, OBJECT, is_bpffs};
