@@ -46,5 +46,8 @@ fn main() -> anyhow::Result<()> {
         root_dir: concat!(env!("CARGO_MANIFEST_DIR"), "/../kilo-ebpf"),
         ..Default::default()
     };
-    aya_build::build_ebpf([ebpf], aya_build::Toolchain::Custom(&nightly))
+    aya_build::build_ebpf([ebpf], aya_build::Toolchain::Custom(&nightly))?;
+    // kilo-testkit embeds the benchmarks' object (`kilo-ebpf-bench`) from here (`links`).
+    println!("cargo::metadata=out_dir={}", env::var("OUT_DIR")?);
+    Ok(())
 }

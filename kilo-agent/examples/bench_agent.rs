@@ -16,8 +16,7 @@
 //! scheduled run time (`/proc/PID/task/*/schedstat`); `--resync-period` is Kilo's default,
 //! 30 s. A figure /proc does not give reads "not measured", and so does a target that needs
 //! it.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{
     collections::BTreeMap,

@@ -11,8 +11,7 @@
 //! so the figure is an upper bound of the time from the commit. The time from the create's
 //! response (after the commit) is shown beside it, a lower bound. The devices are read over
 //! their UAPI sockets (wireguard-go), which costs kg nothing.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{
     process::Command,

@@ -23,8 +23,7 @@
 //!   shown); a change is one map write after one ordered pass over the plan. The maps exist
 //!   from the agent's start and the plans are built beforehand (planning, not the datapath's
 //!   work), neither timed here.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

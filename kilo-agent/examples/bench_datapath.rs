@@ -9,8 +9,7 @@
 //! `READ_BACK_EVERY`-th also reads all the tries back and compares them (which repairs
 //! entries changed behind its back), and so does the first apply and the one after a failed
 //! write. `--quick`: 10 and 1,000 entries, 1,000 for the sync, fewer repetitions.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use support::{arg, median::median, packets, report};
 

@@ -24,8 +24,7 @@
 //!   CONFIG_IP_ROUTE_CLASSID); and on a packet it wraps or unwraps, one run at a time (a
 //!   repeated run would see its own output), median of 2,000, so with the clock reads' cost in
 //!   (wrapped with realms off: a test run cannot carry the realm).
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, process::Command, time::Duration};
 

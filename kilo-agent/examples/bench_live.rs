@@ -51,8 +51,7 @@
 //! ratios per round (paired) with a distribution-free 95% confidence interval of their median
 //! (order statistics: `median::median_ci`); a target whose interval straddles its limit is not
 //! judged.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{
     fs::File,

@@ -7,8 +7,7 @@
 //! leader, in `location` granularity (and `full`/`cross` at the largest size), plus the
 //! process's peak resident memory (VmHWM, which includes the synthetic snapshot itself).
 //! Target at 5,000 nodes + 5,000 peers: under 100 ms and 100 MB.
-#[path = "../tests/support/mod.rs"]
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, time::Instant};
 

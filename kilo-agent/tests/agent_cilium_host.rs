@@ -1,6 +1,6 @@
 //! `--compatibility=cilium`: the agent reads `cilium_host`'s IPv4 address over netlink at every
 //! pass, as Kilo does, here in a throwaway namespace where a veth pair plays Cilium's (cilium_host, cilium_net).
-mod support;
+use kilo_testkit as support;
 
 use ipnet::IpNet;
 use kilo_agent::agent::detect::CiliumHost;

@@ -7,7 +7,7 @@
 //! fails part-way attaches no program. The IPIP programs are attached to the private interface
 //! only while the plan has a location neighbour, adopted by a restarted agent without a write,
 //! and detached when the neighbours are gone.
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, path::PathBuf};
 

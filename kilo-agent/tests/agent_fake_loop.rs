@@ -3,7 +3,7 @@
 //! `--clean-up=false` leaves everything, the datapath metrics read the maps at scrape time,
 //! `--clean-up=true` removes our routes, rules, addresses, map entries and
 //! annotations.
-mod support;
+use kilo_testkit as support;
 
 use std::{sync::Arc, time::Duration};
 

@@ -1,7 +1,7 @@
 //! The `kg` binary end to end in a network namespace with the file backend: it generates its
 //! key (0600), publishes its annotations, serves /health, /metrics and /graph (SVG laid out
 //! in-process) under its seccomp filter, and on SIGTERM removes its annotations and exits 0.
-mod support;
+use kilo_testkit as support;
 
 use std::os::unix::fs::PermissionsExt;
 

@@ -2,7 +2,7 @@
 //! watcher, the stand-in planner of `support::agent`, clean-up on shutdown.
 //!
 //! Resync is disabled, so everything the test sees happen was triggered by an event.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     os::fd::AsRawFd,

@@ -3,7 +3,7 @@
 //!
 //! The plan is built by hand (a leader with one remote segment), so each case says exactly what
 //! the kernel must hold.
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeSet, time::Duration};
 

@@ -9,7 +9,7 @@
 //! - without PERFMON it says at start which capability is missing, and fails to load;
 //! - the private key (0600) is in none of the debug logs, /metrics, /graph, `kgctl showconf` or
 //!   `kgctl graph`; no pin or pin directory is writable by group or others.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     os::unix::fs::PermissionsExt,

@@ -4,7 +4,7 @@
 //! file is refused unread and the oversized annotation by name; everything else converges, and
 //! the loop keeps serving (a Peer added afterwards is applied). The time to converge, the
 //! reconcile durations and the peak RSS are printed (`--nocapture`), not judged.
-mod support;
+use kilo_testkit as support;
 
 use std::{fmt::Write as _, sync::Arc, time::Duration};
 

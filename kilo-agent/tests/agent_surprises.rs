@@ -4,7 +4,7 @@
 //! counted in `kilo_errors_total`, the rest of the plan stays applied, what can be repaired is,
 //! and the reconciles over several resync periods stay bounded: a failure that cannot be fixed
 //! is retried with backoff (1 s doubling to 30 s), and our own repairs do not trigger more.
-mod support;
+use kilo_testkit as support;
 
 use std::time::{Duration, Instant};
 

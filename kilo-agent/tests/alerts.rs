@@ -3,7 +3,7 @@
 //! tests (`manifests/monitoring/alerts-test.yaml`). promtool comes with Debian's `prometheus`
 //! package, which `cargo xtask setup` installs; without it the promtool part skips (fails under
 //! `cargo xtask test`).
-mod support;
+use kilo_testkit as support;
 
 use std::{path::PathBuf, process::Command};
 

@@ -4,7 +4,7 @@
 //! node to a destination it serves and drops (and counts) IPIP from a stranger or to anything
 //! else; both count what they did. Route realms are off (a test run gives a packet no route),
 //! but for the test that turns them on.
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
 

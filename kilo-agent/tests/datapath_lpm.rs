@@ -6,7 +6,7 @@
 //! destination, else a masquerade destination, else a NAT source). And the same program run
 //! while another thread syncs between two topologies: no packet whose decision both share is
 //! decided otherwise.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     collections::BTreeMap,

@@ -2,7 +2,7 @@
 //! rule, ip_forward) -> a mesh receiver and a non-mesh host. Checks masquerading by the source
 //! address each receiver sees, counters, idempotent syncs, survival without the agent, adoption
 //! by a new loader, clean-up, netlink attachment, and the opt-in fast path.
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 

@@ -1,7 +1,7 @@
 //! The TC program on crafted packets with BPF_PROG_TEST_RUN: verdict, mark and counters for
 //! IPv4/IPv6, Ethernet (with VLAN tags) and raw-IP framing, hits and misses, longest prefix,
 //! NAT sources, allowed-location IPs, truncated and malformed packets, and the fast path.
-mod support;
+use kilo_testkit as support;
 
 use std::{collections::BTreeMap, net::IpAddr};
 

@@ -16,7 +16,7 @@
 //! Each appends its figures to `$KILO_RELIABILITY_OUT/<test>.jsonl` (support/reliability.rs);
 //! `KILO_SOAK=1` (`cargo xtask soak`) repeats the faults more times. `KILO_FAULTS_SEED` replays
 //! the kill points of a run (each run prints its seed).
-mod support;
+use kilo_testkit as support;
 
 use std::{
     collections::BTreeSet,

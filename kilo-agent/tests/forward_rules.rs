@@ -6,7 +6,7 @@
 //! place writes nothing; clean-up removes exactly kg's rules.
 //!
 //! Tests may run `iptables-nft` and `busybox ping`; kg itself never starts a process.
-mod support;
+use kilo_testkit as support;
 
 use kilo_agent::writes::Write;
 use kilo_agent::{

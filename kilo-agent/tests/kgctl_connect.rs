@@ -4,7 +4,7 @@
 //! (203.0.113.0/24); a "laptop" namespace on the public side runs the real `kgctl connect`
 //! on its own wireguard-go device, pings the pods of both locations through the mesh, and on
 //! SIGTERM removes its Peer and its routes.
-mod support;
+use kilo_testkit as support;
 
 use std::path::Path;
 

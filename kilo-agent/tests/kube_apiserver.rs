@@ -5,7 +5,7 @@
 //! ranges at the node's pod CIDR, and removes only its own annotations on SIGTERM. `kg webhook`
 //! is called by the server over TLS. The demo's three-node mesh runs on the API server and
 //! rides out its outage.
-mod support;
+use kilo_testkit as support;
 
 use support::eventually;
 

@@ -2,7 +2,7 @@
 //! the kubeconfig's CA (handshake, bearer token, first list requests), over plain HTTP, and
 //! with a clear message and no panic when the CA is wrong, the credentials are refused or
 //! there is no configuration at all. The server is a small stand-in (`support::apistub`).
-mod support;
+use kilo_testkit as support;
 
 use support::eventually;
 

@@ -12,7 +12,7 @@
 //!   dropped and nothing is written; once it is back, the mesh carries on unchanged.
 //!
 //! Counters and roles are read from each agent's own `/metrics`.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     path::PathBuf,

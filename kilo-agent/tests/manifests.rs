@@ -6,7 +6,7 @@
 //! container that writes kg's kubeconfig is run on a kubelet kubeconfig. Every kustomization uses
 //! only what kubectl 1.20 reads; every rendered container is hardened (security context, seccomp,
 //! memory limit) and names the published image by tag, which the e2e renames to its local build.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     collections::BTreeMap,

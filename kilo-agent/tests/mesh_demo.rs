@@ -6,7 +6,7 @@
 //! address (masqueraded) while a pod in another location sees the pod's own, n1's datapath
 //! counters saw that traffic (the masquerade decision, the pod CIDR's NAT-source entry), and
 //! nothing is left behind (namespaces, processes, pins).
-mod support;
+use kilo_testkit as support;
 
 use std::{path::Path, process::Command};
 

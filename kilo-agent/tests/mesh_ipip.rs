@@ -13,7 +13,7 @@
 //!   address outside the location is dropped and counted.
 //! - `--encapsulate=crosssubnet`, one location over two subnets joined by a router: plain
 //!   between same-subnet nodes, IPIP across subnets (through the router, which knows no pods).
-mod support;
+use kilo_testkit as support;
 
 use std::{
     io::{Read, Write},

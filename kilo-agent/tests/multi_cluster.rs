@@ -6,7 +6,7 @@
 //! cluster's objects. Then pods reach the other cluster's pods (leader and non-leader) through
 //! WireGuard and back, unmasqueraded, and an address in the other cluster's `--allowed-ips`
 //! range answers.
-mod support;
+use kilo_testkit as support;
 
 use std::{net::IpAddr, path::Path};
 

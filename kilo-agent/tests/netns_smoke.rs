@@ -1,6 +1,6 @@
 //! The namespace helpers themselves: two namespaces joined by a veth can ping each other,
 //! and a dropped namespace is gone.
-mod support;
+use kilo_testkit as support;
 
 use support::netns::{NetNs, sh, veth};
 

@@ -5,7 +5,7 @@
 //! pings carried through WireGuard, a handshake age, and no child process; `promtool check
 //! metrics` accepts the exposition, and every query of the Grafana dashboard
 //! (`manifests/monitoring/grafana-dashboard.json`) and of Kilo's own has data.
-mod support;
+use kilo_testkit as support;
 
 use std::{
     io::{Read as _, Write as _},

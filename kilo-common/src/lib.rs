@@ -18,7 +18,16 @@
 //!   [`Counter`] laid out CPU by CPU: CPU `c`'s region starts at `c * stride`
 //!   ([`Config::counter_stride`]), holds the [`Decision`] counters in its first
 //!   [`DECISION_SLOTS`] and the per-entry counters ([`EntryValue::counter`]) after them.
+//!
+//! The `stats` feature (std, no dependency) adds the module `median`: the benchmarks' median,
+//! shared by the test kit and `cargo xtask bench`.
 #![no_std]
+
+#[cfg(feature = "stats")]
+extern crate std;
+
+#[cfg(feature = "stats")]
+pub mod median;
 
 /// Names of the maps in the object (and of their pins).
 pub const MAP_DST: &str = "KILO_DST";

@@ -4,7 +4,7 @@
 //!
 //! A reliability test is any `kilo-agent/tests/*.rs` that uses `support::reliability`: it
 //! appends one JSON object per line to `$KILO_RELIABILITY_OUT/<test>.jsonl`
-//! (`target/reliability/` here), as `tests/support/reliability.rs` writes it:
+//! (`target/reliability/` here), as kilo-testkit's `reliability` writes it:
 //! `{"fault": str, "tries": u32, "lost": str, "outage_ms": number|null, "result": str, "notes": str}`.
 //! Files render in name order, records in the order written.
 use std::{

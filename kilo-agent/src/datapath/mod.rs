@@ -26,6 +26,7 @@ mod attach;
 mod config;
 mod counters;
 mod encode;
+#[cfg(any(test, feature = "testing"))]
 mod fake;
 pub mod forward;
 pub mod kernel;
@@ -51,6 +52,7 @@ pub use kilo_common::{Counter, Decision};
 pub use attach::{AttachMode, Framing, Hook, framing, ifindex};
 pub use config::DatapathConfig;
 pub use encode::{NoResolver, Resolver, entry_key};
+#[cfg(any(test, feature = "testing"))]
 pub use fake::{FakeDatapath, FakeMaps};
 pub use load::{Datapath, OBJECT};
 pub use maps::{DatapathMaps, KernelMaps};

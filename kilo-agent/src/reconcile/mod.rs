@@ -18,6 +18,7 @@
 //! 1107; unused by iproute2's `rt_protos`, bird, FRR, Calico (80) or Cilium), so the agent never
 //! reads, replaces or deletes anybody else's routes, even in the main table.
 pub mod cni;
+#[cfg(any(test, feature = "testing"))]
 mod fake;
 pub mod netlink;
 pub mod state;
@@ -31,6 +32,7 @@ use std::{
 
 use kilo_common::KILO_REALM;
 
+#[cfg(any(test, feature = "testing"))]
 pub use fake::FakeKernel;
 
 use self::{

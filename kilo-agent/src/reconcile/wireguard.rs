@@ -11,12 +11,14 @@
 //! The pure part (device state, [`desired`], [`diff`], [`count`]) is in `state.rs`, the real
 //! device in `device.rs`, the in-memory one in `fake.rs`.
 mod device;
+#[cfg(any(test, feature = "testing"))]
 mod fake;
 mod state;
 
 use std::{collections::BTreeMap, sync::Arc};
 
 pub use device::{WgApi, WgControl, uapi_socket};
+#[cfg(any(test, feature = "testing"))]
 pub use fake::FakeWireGuard;
 pub use state::{
     DeviceState, DnsLookup, PeerChange, PeerState, PeerStats, WgDiff, count, desired, diff,

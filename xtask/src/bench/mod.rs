@@ -11,7 +11,7 @@
 //!
 //! # Result format
 //! Any `bench_<what>` example takes part: it appends one JSON object per line to the file that
-//! the `KILO_BENCH_JSON` environment variable names (`tests/support/report.rs` writes them), and
+//! the `KILO_BENCH_JSON` environment variable names (kilo-testkit's `report` writes them), and
 //! takes `--quick` (also `KILO_BENCH_QUICK=1`). `KILO_BENCH_KG` names the `kg` binary of the
 //! same build. Records, by `"type"`:
 //! - `{"type":"table","table":ID,"title":T,"unit":U}` declares a table (title, unit, order);
@@ -47,10 +47,7 @@ use report::*;
 
 use crate::{cargo, output, root_dir, run};
 
-#[path = "../../../kilo-agent/tests/support/median.rs"]
-#[allow(dead_code)]
-mod median;
-pub use median::median;
+pub use kilo_common::median::median;
 
 /// The options of `cargo xtask bench`.
 #[derive(Debug, Default)]

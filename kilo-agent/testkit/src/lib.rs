@@ -1,15 +1,28 @@
-//! The test kit, shared by the integration tests and the benchmarks (`examples/bench_*.rs`
-//! include it by path): root checks, CPU affinity, throwaway network namespaces, the one kg
-//! launcher (`kg`), the one metrics reader (`metrics`), the demo's mesh (`mesh`), the one
-//! median (`median`).
-#![allow(dead_code)]
+//! kilo-testkit: the kit of kilo-agent's integration tests (`tests/*.rs`, as `support`) and
+//! benchmarks (`examples/bench_*.rs`). Here, beside the modules: root and kernel checks that
+//! skip or fail a test ([`require_root`], [`REQUIRE_ALL`], [`KERNEL_MATRIX`]), waiting
+//! ([`eventually`]), CPU affinity, the benchmarks' flags ([`arg`]) and their baseline
+//! classifiers ([`noop`], [`lookups`]). The modules:
+//! - [`agent`]: the agent's test setup (a stand-in planner, reconciler settings, the local node);
+//! - [`apiserver`]: a real etcd and kube-apiserver on loopback, TLS and a token;
+//! - [`apistub`]: a stand-in API server front door that records requests (HTTP or TLS);
+//! - [`bpffs`]: a private bpffs, and UDP probes that tell which source a receiver sees;
+//! - [`kg`]: the one way to start `kg`, `kgctl` or a tool beside them ([`kg::Launch`]);
+//! - [`median`]: the benchmarks' median and its confidence interval (kilo-common's, which
+//!   `cargo xtask bench` shares);
+//! - [`mesh`]: the demo's three-node mesh (`xtask/scripts/mesh.sh`);
+//! - [`metrics`]: the one reader of kg's Prometheus text;
+//! - [`netns`]: throwaway network namespaces and wireguard-go devices in them;
+//! - [`packets`]: crafted packets and a BPF_PROG_TEST_RUN wrapper;
+//! - [`reliability`]: the reliability table's records (`KILO_RELIABILITY_OUT`);
+//! - [`report`]: the benchmarks' JSON results (`KILO_BENCH_JSON`);
+//! - [`traffic`]: a ping and a TCP stream that run through a fault and say what they lost.
 
 pub mod agent;
 pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
 pub mod kg;
-pub mod median;
 pub mod mesh;
 pub mod metrics;
 pub mod netns;
@@ -18,11 +31,13 @@ pub mod reliability;
 pub mod report;
 pub mod traffic;
 
+pub use kilo_common::median;
+
 /// The benchmarks' baseline object (kilo-ebpf's `kilo-ebpf-bench`: `kilo_noop`, an empty
 /// classifier, and `kilo_lookups`, the datapath's lookups alone), embedded only by the tests and
-/// benchmarks.
+/// benchmarks (from kilo-agent's build, see `build.rs`).
 pub static BENCH_OBJECT: &[u8] =
-    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kilo-ebpf-bench"));
+    aya::include_bytes_aligned!(concat!(env!("KILO_EBPF_OUT_DIR"), "/kilo-ebpf-bench"));
 
 /// The empty classifier, loaded (keep the `Ebpf` alive while using it).
 pub fn noop() -> aya::Ebpf {

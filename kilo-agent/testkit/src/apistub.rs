@@ -19,7 +19,14 @@ pub struct Cert {
     key: String,
 }
 
+impl Default for Cert {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Cert {
+    /// A self-signed certificate for 127.0.0.1 and localhost.
     pub fn new() -> Self {
         Self::for_hosts(&["127.0.0.1", "localhost"])
     }

@@ -22,18 +22,12 @@ use super::{
     netns::{NetNs, WgGo, run_in, veth},
 };
 
-/// The `kg` or `kgctl` of this build: cargo names it to integration tests; the benchmarks find
-/// it in `KILO_BENCH_KG`'s directory (`cargo xtask bench` sets it) or beside their own
-/// directory (`target/<profile>/`).
+/// The `kg` or `kgctl` of this build: in `KILO_BENCH_KG`'s directory (`cargo xtask bench`
+/// sets it), else beside the directory of the running test or benchmark (`target/<profile>/`,
+/// for `target/<profile>/deps/<test>` and `target/<profile>/examples/<bench>`), where cargo
+/// builds kilo-agent's binaries for its integration tests. The kit is a library, so cargo's
+/// `CARGO_BIN_EXE_*` (set only when compiling an integration test) never reaches it.
 pub fn binary(name: &str) -> PathBuf {
-    let built = match name {
-        "kg" => option_env!("CARGO_BIN_EXE_kg"),
-        "kgctl" => option_env!("CARGO_BIN_EXE_kgctl"),
-        _ => None,
-    };
-    if let Some(path) = built {
-        return PathBuf::from(path);
-    }
     if let Some(kg) = std::env::var_os("KILO_BENCH_KG") {
         return Path::new(&kg).with_file_name(name);
     }

@@ -14,6 +14,8 @@ pub struct BpfFs {
 }
 
 impl BpfFs {
+    /// Mounts a bpffs on a new temporary directory (no `Default`: it would hide the mount).
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         sh(&format!("mount -t bpf bpf {}", dir.path().display()));

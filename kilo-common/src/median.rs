@@ -1,5 +1,6 @@
-//! The one median of the benchmarks and of `cargo xtask bench`'s report (xtask includes this
-//! file by path: it cannot depend on kilo-agent's test support), and its confidence interval.
+//! The one median of the benchmarks (kilo-testkit) and of `cargo xtask bench`'s report, and its
+//! confidence interval. Here because xtask may depend on kilo-common (it builds on the stable
+//! toolchain alone) but not on kilo-agent.
 
 /// The median of `v` (the mean of the middle two of an even count; NaN when empty).
 pub fn median(v: &[f64]) -> f64 {

@@ -23,7 +23,7 @@ pub struct DemoMesh {
 }
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../xtask/scripts/mesh.sh")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../xtask/scripts/mesh.sh")
 }
 
 impl DemoMesh {
