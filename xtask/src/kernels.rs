@@ -86,11 +86,14 @@ const CHECKS: &[Check] = &[
 ];
 
 impl Check {
-    /// Whether the check runs on the kernel `label`, when only the checks matching `filter` (in
-    /// their test target or name) are asked for.
+    /// Whether the check runs on the kernel `label`: on its own kernels by default; when checks
+    /// are asked for by `filter` (a part of their test target or name), those that match, on
+    /// every kernel asked for.
     fn runs_on(&self, label: &str, filter: Option<&str>) -> bool {
-        (self.only.is_empty() || self.only.contains(&label))
-            && filter.is_none_or(|f| self.test.contains(f) || self.name.contains(f))
+        match filter {
+            Some(f) => self.test.contains(f) || self.name.contains(f),
+            None => self.only.is_empty() || self.only.contains(&label),
+        }
     }
 }
 

@@ -90,7 +90,8 @@ enum Task {
     Kernels {
         /// Only these kernels (5.10, 6.1, 6.12); default: all.
         labels: Vec<String>,
-        /// Only the checks whose test target or name contains this.
+        /// Only the checks whose test target or name contains this, on every kernel named (also
+        /// those a check runs on only one kernel of by default).
         #[arg(long)]
         check: Option<String>,
     },
