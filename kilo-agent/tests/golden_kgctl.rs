@@ -1,17 +1,12 @@
 //! kgctl end to end: the built binary on a directory holding Kilo's fixture objects, compared
 //! with Kilo's golden WireGuard and DOT text.
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Output},
     time::{SystemTime, UNIX_EPOCH},
 };
 
-fn data(name: &str) -> String {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/kilo")
-        .join(name);
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
+use kilo_testkit::golden::{data, section};
 
 /// The fixture, one object per file, last-seen = now.
 fn fixture_dir() -> tempfile::TempDir {
@@ -45,17 +40,6 @@ fn kgctl(dir: &Path, args: &[&str]) -> Output {
 
 fn stdout(o: &Output) -> String {
     String::from_utf8(o.stdout.clone()).unwrap()
-}
-
-fn section(text: &str, header: &str) -> String {
-    let start = text.find(&format!("\n{header}")).unwrap() + 1;
-    let body = start + text[start..].find('\n').unwrap() + 1;
-    let end = text[body..]
-        .find("\n## ")
-        .map_or(text.len(), |e| body + e + 1);
-    let mut s = text[body..end].trim_end_matches('\n').to_string();
-    s.push('\n');
-    s
 }
 
 /// kgctl knows no private key: Kilo's kgctl prints `[Interface]` with the port only.

@@ -463,7 +463,7 @@ fn check_arch(out: &Path, archive: &Path, fixture: &Path, arch: &Arch) -> Result
     Ok(text)
 }
 
-/// The pure tier (kilo-agent's unit tests and `tests/golden.rs`) built for arm64 and run under
+/// The pure tier (kilo-agent's unit tests and the golden tests) built for arm64 and run under
 /// qemu-user. `tests/golden_kgctl.rs` is left out: it runs the kgctl binary itself, which needs
 /// the kernel to know arm64 binaries (binfmt_misc); the image's check runs that kgctl instead.
 fn arm64_test_tier(path: &std::ffi::OsStr) -> Result<()> {
@@ -472,7 +472,9 @@ fn arm64_test_tier(path: &std::ffi::OsStr) -> Result<()> {
     let started = std::time::Instant::now();
     run(cross_cargo(path, arch, "test")
         .env(target_env(arch, "RUNNER"), qemu)
-        .args(["--package", "kilo-agent", "--lib", "--test", "golden"]))?;
+        .args(["--package", "kilo-agent", "--lib"])
+        .args(["--test", "golden", "--test", "golden_annotations"])
+        .args(["--test", "golden_validation"]))?;
     eprintln!(
         "xtask: the pure tier passed for {} under {qemu} in {:.0?}",
         arch.target,

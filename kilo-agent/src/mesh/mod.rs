@@ -16,7 +16,7 @@
 //! field and the item, with the reason (`item " 10.9.1.0/24": leading space, Kilo ignores this
 //! item`).
 //!
-//! Differences from Kilo (each covered by a test here or in `tests/golden.rs`):
+//! Differences from Kilo (each covered by a test here or in `tests/golden*.rs`):
 //! - A Peer endpoint with both `ip` and `dns` uses the IP, as the CRD documents; Kilo's
 //!   translation code lets the DNS name win.
 //! - `spec.podCIDRs` (dual-stack) is read; Kilo reads only `spec.podCIDR`. `internal-ip` and

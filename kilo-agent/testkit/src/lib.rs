@@ -7,6 +7,7 @@
 //! - [`apiserver`]: a real etcd and kube-apiserver on loopback, TLS and a token;
 //! - [`apistub`]: a stand-in API server front door that records requests (HTTP or TLS);
 //! - [`bpffs`]: a private bpffs, and UDP probes that tell which source a receiver sees;
+//! - [`golden`]: Kilo's fixture and golden outputs, as the golden tests read them;
 //! - [`kg`]: the one way to start `kg`, `kgctl` or a tool beside them ([`kg::Launch`]);
 //! - [`median`]: the benchmarks' median and its confidence interval (kilo-common's, which
 //!   `cargo xtask bench` shares);
@@ -22,6 +23,7 @@ pub mod agent;
 pub mod apiserver;
 pub mod apistub;
 pub mod bpffs;
+pub mod golden;
 pub mod kg;
 pub mod mesh;
 pub mod metrics;
