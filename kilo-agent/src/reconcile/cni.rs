@@ -35,7 +35,7 @@ impl CniFile {
         }
     }
 
-    /// What [`CniFile::reconcile`] would change, as a dry-run line; `None` when nothing.
+    /// What [`CniFile::apply`] would change, as a dry-run line; `None` when nothing.
     pub fn describe(&self, ranges: &[IpNet]) -> Result<Option<String>, CniError> {
         if ranges.is_empty() {
             return Ok(None);
