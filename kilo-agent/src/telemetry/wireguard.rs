@@ -75,44 +75,11 @@ impl collector::Collector for Collector {
         }) else {
             return Ok(());
         };
-        let labels = |k: &Key| PeerLabels {
+        let ours = |k: &Key, _: &PeerStats| PeerLabels {
             public_key: k.to_string(),
             name: names.get(k).cloned().unwrap_or_default(),
         };
-        type Bytes = fn(&PeerStats) -> u64;
-        let counters: [(&str, &str, Bytes); 2] = [
-            (
-                "kilo_wireguard_peer_receive_bytes",
-                "Bytes received from each WireGuard peer",
-                |s| s.rx_bytes,
-            ),
-            (
-                "kilo_wireguard_peer_transmit_bytes",
-                "Bytes sent to each WireGuard peer",
-                |s| s.tx_bytes,
-            ),
-        ];
-        for (name, help, value) in counters {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (k, s) in &stats {
-                ConstCounter::new(value(s)).encode(family.encode_family(&labels(k))?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
-            "kilo_wireguard_peer_last_handshake_timestamp_seconds",
-            "Unix time of the latest handshake with each WireGuard peer (0: none yet)",
-            None,
-            MetricType::Gauge,
-        )?;
-        let handshake = |s: &PeerStats| {
-            s.last_handshake
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map_or(0.0, |d| d.as_secs_f64())
-        };
-        for (k, s) in &stats {
-            ConstGauge::new(handshake(s)).encode(family.encode_family(&labels(k))?)?;
-        }
-        // wg-exporter's series, for Kilo's dashboard.
+        encode_peers(&mut encoder, &OURS, &stats, ours)?;
         let exporter = |k: &Key, s: &PeerStats| ExporterLabels {
             interface: interface.clone(),
             public_key: k.to_string(),
@@ -123,31 +90,70 @@ impl collector::Collector for Collector {
                 .collect::<Vec<_>>()
                 .join(","),
         };
-        let counters: [(&str, &str, Bytes); 2] = [
-            ("wireguard_sent_bytes", "Bytes sent to the peer", |s| {
-                s.tx_bytes
-            }),
-            (
-                "wireguard_received_bytes",
-                "Bytes received from the peer",
-                |s| s.rx_bytes,
-            ),
-        ];
-        for (name, help, value) in counters {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (k, s) in &stats {
-                ConstCounter::new(value(s)).encode(family.encode_family(&exporter(k, s))?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
-            "wireguard_latest_handshake_seconds",
-            "Unix time of the latest handshake with the peer (0: none yet)",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (k, s) in &stats {
-            ConstGauge::new(handshake(s)).encode(family.encode_family(&exporter(k, s))?)?;
-        }
+        encode_peers(&mut encoder, &WG_EXPORTER, &stats, exporter)?;
         Ok(())
     }
+}
+
+/// One naming of the per-peer series, each a name and its help: bytes received and sent
+/// (counters), and the unix time of the latest handshake (a gauge, 0 before the first).
+struct SeriesNames {
+    received: (&'static str, &'static str),
+    sent: (&'static str, &'static str),
+    handshake: (&'static str, &'static str),
+}
+
+const OURS: SeriesNames = SeriesNames {
+    received: (
+        "kilo_wireguard_peer_receive_bytes",
+        "Bytes received from each WireGuard peer",
+    ),
+    sent: (
+        "kilo_wireguard_peer_transmit_bytes",
+        "Bytes sent to each WireGuard peer",
+    ),
+    handshake: (
+        "kilo_wireguard_peer_last_handshake_timestamp_seconds",
+        "Unix time of the latest handshake with each WireGuard peer (0: none yet)",
+    ),
+};
+
+/// wg-exporter's names, which Kilo's Grafana dashboard reads.
+const WG_EXPORTER: SeriesNames = SeriesNames {
+    received: ("wireguard_received_bytes", "Bytes received from the peer"),
+    sent: ("wireguard_sent_bytes", "Bytes sent to the peer"),
+    handshake: (
+        "wireguard_latest_handshake_seconds",
+        "Unix time of the latest handshake with the peer (0: none yet)",
+    ),
+};
+
+/// The per-peer series under `names`, each peer labelled by `labels`.
+fn encode_peers<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    names: &SeriesNames,
+    stats: &BTreeMap<Key, PeerStats>,
+    labels: impl Fn(&Key, &PeerStats) -> L,
+) -> Result<(), std::fmt::Error> {
+    type Bytes = fn(&PeerStats) -> u64;
+    let counters: [((&str, &str), Bytes); 2] = [
+        (names.received, |s| s.rx_bytes),
+        (names.sent, |s| s.tx_bytes),
+    ];
+    for ((name, help), value) in counters {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (k, s) in stats {
+            ConstCounter::new(value(s)).encode(family.encode_family(&labels(k, s))?)?;
+        }
+    }
+    let (name, help) = names.handshake;
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (k, s) in stats {
+        let at = s
+            .last_handshake
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0.0, |d| d.as_secs_f64());
+        ConstGauge::new(at).encode(family.encode_family(&labels(k, s))?)?;
+    }
+    Ok(())
 }
