@@ -343,7 +343,7 @@ impl Drop for Heartbeat {
     }
 }
 
-/// Why the kernel's IPIP (`tunl0`) cannot be had here, if it cannot: this machine's kernel may
+/// Why the kernel's IPIP (`tunl0`) cannot be had here, if it cannot: the host's kernel may
 /// have no `ipip` module (the kernel matrix runs the test on kernels that have it).
 fn ipip_module_missing() -> Option<String> {
     let _ = support::netns::try_sh("modprobe -q ipip");

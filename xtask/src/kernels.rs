@@ -34,9 +34,9 @@ struct Check {
 /// (`--create-interface=true`, Kilo's default) instead of starting wireguard-go.
 const KERNEL_WG: (&str, &str) = ("KRS_WIREGUARD", "kernel");
 
-/// The userspace WireGuard path (wireguard-go) is what every mesh test runs on this machine; here
+/// The userspace WireGuard path (wireguard-go) is what every mesh test runs on the host; here
 /// the meshes use the kernel's, as Kilo's manifests do. The demo mesh has IPIP inside a location
-/// with Kilo's defaults; the IPIP mesh tests' other cases stay on this machine's kernel.
+/// with Kilo's defaults; the IPIP mesh tests' other cases stay on the host's kernel.
 const CHECKS: &[Check] = &[
     Check {
         name: "TC program (BPF_PROG_TEST_RUN)",

@@ -124,7 +124,7 @@ pub fn require_root(test: &str) -> bool {
 }
 
 /// Set by `cargo xtask kernels` inside each distribution kernel: there a test that needs a
-/// kernel feature this machine's kernel may lack (a module, TCX) must find it.
+/// kernel feature the host's kernel may lack (a module, TCX) must find it.
 pub const KERNEL_MATRIX: &str = "KILO_KERNEL_MATRIX";
 
 /// Skips when the running kernel lacks `feature` (`missing` is Some), even under
@@ -169,7 +169,7 @@ pub fn require_tcx(test: &str) -> bool {
 /// Whether the tests' meshes use kernel WireGuard (`KRS_WIREGUARD=kernel`, as the kernel matrix
 /// runs them): kg then creates and configures the device itself (`--create-interface=true`,
 /// Kilo's default) and no wireguard-go runs. Otherwise wireguard-go provides the device (a
-/// kernel without the module, like this machine's, has no other).
+/// kernel without the module, like the host's here, has no other).
 pub fn kernel_wireguard() -> bool {
     std::env::var("KRS_WIREGUARD").as_deref() == Ok("kernel")
 }
