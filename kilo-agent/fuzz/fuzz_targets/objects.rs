@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     };
-    let Ok(cluster) = kgctl::cluster(&snapshot, &kgctl::Options::default()) else {
+    let Ok(cluster) = kgctl::cluster(&snapshot, &kgctl::GlobalOptions::default()) else {
         return;
     };
     let _ = kgctl::graph(&cluster);
