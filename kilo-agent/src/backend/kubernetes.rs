@@ -252,9 +252,11 @@ impl Backend for KubeBackend {
         self.tx.subscribe()
     }
 
-    /// A patch that does not reach the API server also marks the backend disconnected (until
-    /// the Node watch delivers again): a watch to an unreachable server may take minutes to
-    /// fail, and no heartbeat arrives meanwhile.
+    /// The patched node the server answers with is applied as the watch would apply it (a
+    /// later, older version from the watch is ignored). A patch that does not reach the API
+    /// server also marks the backend disconnected (until the Node watch delivers again): a
+    /// watch to an unreachable server may take minutes to fail, and no heartbeat arrives
+    /// meanwhile.
     fn publish<'a>(
         &'a self,
         node: &'a str,
@@ -265,22 +267,32 @@ impl Backend for KubeBackend {
                 return Ok(false);
             }
             let api: Api<KubeNode> = Api::all(self.client.clone());
-            api.patch(
-                node,
-                &PatchParams::default(),
-                &Patch::Merge(annotation_patch(annotations)),
-            )
-            .await
-            .map_err(|e| {
-                let error = describe(&format!("patching node {node}"), &e);
-                if !matches!(e, kube::Error::Api(_)) {
-                    let mut s = self.state.lock().expect("state lock");
-                    s.link.failed(&error);
-                    s.connected = false;
-                    s.refresh(&self.tx);
-                }
-                BackendError::Kube(error)
-            })?;
+            let patched = api
+                .patch(
+                    node,
+                    &PatchParams::default(),
+                    &Patch::Merge(annotation_patch(annotations)),
+                )
+                .await
+                .map_err(|e| {
+                    let error = describe(&format!("patching node {node}"), &e);
+                    if !matches!(e, kube::Error::Api(_)) {
+                        let mut s = self.state.lock().expect("state lock");
+                        s.link.failed(&error);
+                        s.connected = false;
+                        s.refresh(&self.tx);
+                    }
+                    BackendError::Kube(error)
+                })?;
+            // The answer is the node as patched: held now, the next pass sees its own
+            // annotations even while the watch lags behind.
+            let mut s = self.state.lock().expect("state lock");
+            s.on_event(
+                &NODES,
+                Ok(kube::runtime::watcher::Event::Apply(patched)),
+                &self.tx,
+            );
+            s.refresh(&self.tx);
             Ok(true)
         }
         .boxed()

@@ -125,7 +125,12 @@ async fn publish_sends_one_merge_patch_of_the_annotations() {
                 LAST_SEEN: null,
             }}})
         );
-        let n = node(&[], "True", "2026-01-01T00:00:05Z");
+        let mut n = node(
+            &[(KEY, "a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=")],
+            "True",
+            "2026-01-01T00:00:05Z",
+        );
+        n.metadata.resource_version = Some("7".into());
         send.send_response(
             Response::builder()
                 .body(Body::from(serde_json::to_vec(&n).unwrap()))
@@ -148,6 +153,24 @@ async fn publish_sends_one_merge_patch_of_the_annotations() {
             .unwrap()
     );
     server.await.unwrap();
+    // The answer is held at once; the watch's late delivery of an older version is not.
+    let key = |s: &State| s.nodes.objects["a"].metadata.annotations.as_ref().unwrap()[KEY].clone();
+    let mut state = backend.state.lock().unwrap();
+    assert_eq!(key(&state), "a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=");
+    let older = node(&[], "True", "2026-01-01T00:00:04Z");
+    state.on_event(&NODES, Ok(watcher::Event::Apply(older)), &backend.tx);
+    assert_eq!(key(&state), "a2V5NAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=");
+    let mut newer = node(&[], "True", "2026-01-01T00:00:06Z");
+    newer.metadata.resource_version = Some("8".into());
+    state.on_event(&NODES, Ok(watcher::Event::Apply(newer)), &backend.tx);
+    assert!(
+        state.nodes.objects["a"]
+            .metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .is_empty()
+    );
 }
 
 const NETWORKING: &str = "/apis/networking.k8s.io/v1";

@@ -295,6 +295,9 @@ pub(super) fn apply<K: Resource>(
         watcher::Event::Apply(k) => {
             let k = trim(k);
             let name = name_of(&k);
+            if objects.get(&name).is_some_and(|old| older(&k, old)) {
+                return Applied::Unchanged;
+            }
             let changed = changed(objects.get(&name), &k);
             objects.insert(name.clone(), k);
             if changed {
@@ -309,6 +312,14 @@ pub(super) fn apply<K: Resource>(
         }
     }
     Applied::Unchanged
+}
+
+/// Whether `new` is an older version of `old`: the watch delivering, late, a version from
+/// before one the backend already holds (its own patch's answer). Resource versions are
+/// compared as the integers the API server issues; any other form is taken as newer.
+fn older<K: Resource>(new: &K, old: &K) -> bool {
+    let version = |k: &K| k.meta().resource_version.as_deref()?.parse::<u64>().ok();
+    matches!((version(new), version(old)), (Some(n), Some(o)) if n < o)
 }
 
 /// Whether a watch failed without an answer from the API server (refused, reset, timed out),
