@@ -45,7 +45,7 @@ fn reconcile_converges_is_idle_then_restores_a_deleted_map_entry() {
     }
     let ns = NetNs::new("dpr");
     // A TUN device (raw IP, like WireGuard) stands in for the WireGuard link (the WireGuard device itself is faked here; the
-    // real one is covered by agent_node.rs), plus the pod-facing bridge.
+    // real one is covered by agent_node_privileged.rs), plus the pod-facing bridge.
     ns.sh("ip tuntap add kwg0 mode tun && ip link set kwg0 up");
     ns.sh("ip link add kube-bridge type bridge && ip link set kube-bridge up");
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krs-dpr-{}", std::process::id()));

@@ -12,19 +12,6 @@ use support::{
     netns::{NetNs, veth},
 };
 
-/// `kg version` and `kgctl version` print the version, as Kilo's do.
-#[test]
-fn version_subcommands() {
-    for (bin, launch) in [("kg", Launch::kg()), ("kgctl", Launch::kgctl())] {
-        let out = launch.arg("version").output();
-        assert!(out.status.success(), "{bin}: {out:?}");
-        assert_eq!(
-            String::from_utf8(out.stdout).unwrap(),
-            format!("{}\n", env!("CARGO_PKG_VERSION"))
-        );
-    }
-}
-
 #[test]
 fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     if !support::require_root("kg_starts_publishes_serves_and_cleans_up_on_sigterm") {
@@ -159,7 +146,7 @@ fn kg_starts_publishes_serves_and_cleans_up_on_sigterm() {
     for size in ["table_capacity\":4096", "counter_slots\":64"] {
         assert!(log.contains(size), "{size} in {log}");
     }
-    // Honoured now, not warned about (tests/forward_rules.rs covers what it does).
+    // Honoured now, not warned about (tests/forward_rules_privileged.rs covers what it does).
     assert!(
         !log.contains("--iptables-forward-rules is ignored"),
         "{log}"

@@ -1,5 +1,5 @@
-//! The binaries' command lines as a Kilo user types them: `completion` for every shell Kilo's
-//! cobra commands support, and kgctl's flags in Go's forms.
+//! The binaries' command lines as a Kilo user types them: `version`, `completion` for every
+//! shell Kilo's cobra commands support, and kgctl's flags in Go's forms.
 use std::process::{Command, Output};
 
 fn run(bin: &str, args: &[&str]) -> Output {
@@ -8,6 +8,19 @@ fn run(bin: &str, args: &[&str]) -> Output {
         .env_remove("KUBECONFIG")
         .output()
         .unwrap()
+}
+
+/// `kg version` and `kgctl version` print the version, as Kilo's do.
+#[test]
+fn version_subcommands() {
+    for bin in [env!("CARGO_BIN_EXE_kg"), env!("CARGO_BIN_EXE_kgctl")] {
+        let out = run(bin, &["version"]);
+        assert!(out.status.success(), "{bin}: {out:?}");
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            format!("{}\n", env!("CARGO_PKG_VERSION"))
+        );
+    }
 }
 
 /// `kg completion SHELL` and `kgctl completion SHELL` print a script naming the subcommands

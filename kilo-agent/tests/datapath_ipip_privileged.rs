@@ -247,7 +247,7 @@ fn encapsulation_leaves_everything_else_byte_for_byte() {
 /// With route realms on (what kg sets once the kernel keeps them), only a packet whose route
 /// carries `KILO_REALM` is looked up. BPF_PROG_TEST_RUN gives a packet no route, so a packet to
 /// a destination to encapsulate passes as other traffic: untouched and uncounted. (Real
-/// traffic with realms on: `mesh_ipip.rs`.)
+/// traffic with realms on: `mesh_ipip_privileged.rs`.)
 #[test]
 fn with_route_realms_on_a_packet_without_our_realm_passes_untouched() {
     if !support::require_root("with_route_realms_on_a_packet_without_our_realm_passes_untouched") {
@@ -359,7 +359,7 @@ fn decapsulation_leaves_every_other_packet_byte_for_byte() {
 /// A packet the kernel cannot wrap is dropped, never sent bare onto the underlay. Here: a GSO
 /// packet without a GSO type, which only BPF_PROG_TEST_RUN makes (it cannot set the type, so
 /// real GSO packets, TCP super-packets from a local socket, are wrapped in
-/// `mesh_ipip.rs`, where a TCP transfer crosses the encapsulation intact).
+/// `mesh_ipip_privileged.rs`, where a TCP transfer crosses the encapsulation intact).
 #[test]
 fn a_packet_that_cannot_be_wrapped_is_dropped_not_sent_bare() {
     if !support::require_root("a_packet_that_cannot_be_wrapped_is_dropped_not_sent_bare") {

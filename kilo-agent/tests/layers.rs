@@ -3,10 +3,35 @@
 //! its children does not count), and the pure core flows one way: `mesh` imports neither
 //! `topology` nor `plan`, `topology` does not import `plan`, and none of the three imports the
 //! reconcilers, the datapath or the agent. Test modules are left out: a test may reach across.
+//! The test files show which tests need root: those that call `require_root` are the
+//! `*_privileged.rs` ones, and every one of those does.
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
 };
+
+/// A test that needs root is in a `tests/*_privileged.rs` file, and such a file has no other.
+#[test]
+fn root_only_tests_live_in_privileged_files() {
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let mut misplaced = Vec::new();
+    for entry in std::fs::read_dir(&tests).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.ends_with(".rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let tests = text.matches("#[test]").count() + text.matches("#[tokio::test]").count();
+        // Spelt in two so that this file does not count as a caller.
+        let root = text.matches(["require", "_root("].concat().as_str()).count();
+        let privileged = name.ends_with("_privileged.rs");
+        if privileged != (root > 0) || (privileged && root < tests) {
+            misplaced.push(format!("{name}: {root} of {tests} tests need root"));
+        }
+    }
+    assert!(misplaced.is_empty(), "{misplaced:#?}");
+}
 
 /// A module by its path under `src/` (`["datapath", "load"]`); the crate root is empty.
 type Module = Vec<String>;

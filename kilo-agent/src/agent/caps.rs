@@ -3,8 +3,8 @@
 //! every thread, down to what the steady state uses.
 //!
 //! Measured on kernel 6.18 by starting `kg` under `setpriv` with reduced sets
-//! (`tests/agent_privilege.rs`): NET_ADMIN for links, addresses, routes, WireGuard, the nftables
-//! rule and attaching programs; BPF and PERFMON for loading the programs (the verifier refuses
+//! (`tests/agent_capabilities_privileged.rs`): NET_ADMIN for links, addresses, routes, WireGuard,
+//! the nftables rule and attaching programs; BPF and PERFMON for loading the programs (the verifier refuses
 //! ours without PERFMON; SYS_ADMIN stands in for both, and for them all before kernel 5.8);
 //! SYS_ADMIN only to mount bpffs when `/sys/fs/bpf` is not one (and,
 //! while held, to compare a pinned attachment's program with ours on adoption, which saves one

@@ -8,6 +8,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kilo_agent::mesh::{KubeNode, Peer, Snapshot};
+use kube::{Api, api::PostParams};
+
 use super::apistub::Cert;
 
 /// Where `cargo xtask setup` caches kube-apiserver (keyed on the Debian source version).
@@ -170,7 +174,7 @@ impl ApiServer {
             apiserver,
             args,
         };
-        server.wait_ready();
+        server.wait_ready("apiserver.log");
         server
     }
 
@@ -198,10 +202,18 @@ impl ApiServer {
             Command::new(binary()).args(&self.args),
             &self.dir.path().join("apiserver-restarted.log"),
         );
-        self.wait_ready();
+        self.wait_ready("apiserver-restarted.log");
     }
 
-    fn wait_ready(&self) {
+    /// Waits until `/readyz` says ok: 60 s, or 180 s inside the kernel matrix's VM, where
+    /// everything runs emulated (TCG) several times slower. `log` is the server's log, shown
+    /// when it never gets ready.
+    fn wait_ready(&self, log: &str) {
+        let within = if std::env::var_os("KILO_KERNEL_MATRIX").is_some() {
+            Duration::from_secs(180)
+        } else {
+            Duration::from_secs(60)
+        };
         let start = Instant::now();
         let config = self.config();
         tokio::runtime::Builder::new_current_thread()
@@ -216,10 +228,9 @@ impl ApiServer {
                         return;
                     }
                     assert!(
-                        start.elapsed() < Duration::from_secs(60),
-                        "kube-apiserver not ready after 60 s:\n{}",
-                        std::fs::read_to_string(self.dir.path().join("apiserver.log"))
-                            .unwrap_or_default()
+                        start.elapsed() < within,
+                        "kube-apiserver not ready after {within:?}:\n{}",
+                        std::fs::read_to_string(self.dir.path().join(log)).unwrap_or_default()
                     );
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
@@ -257,5 +268,63 @@ impl ApiServer {
             &kube::config::KubeConfigOptions::default(),
         ))
         .unwrap()
+    }
+}
+
+/// The text of `manifests/NAME`.
+pub fn manifest(name: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../manifests")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A current-thread runtime for a test's calls to the API server.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Creates the Peer CRD and waits until the server says it is Established.
+pub async fn install_crd(client: &kube::Client) {
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&manifest("base/crds.yaml")).unwrap();
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    api.create(&PostParams::default(), &crd).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let crd = api.get("peers.kilo.squat.ai").await.unwrap();
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "CRD never Established"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Creates `snapshot`'s Nodes and Peers.
+pub async fn create(client: &kube::Client, snapshot: &Snapshot) {
+    let nodes: Api<KubeNode> = Api::all(client.clone());
+    for n in snapshot.nodes.values() {
+        nodes.create(&PostParams::default(), n).await.unwrap();
+    }
+    let peers: Api<Peer> = Api::all(client.clone());
+    for p in snapshot.peers.values() {
+        // A freshly created CRD can take a moment before its resource is served.
+        let start = Instant::now();
+        while let Err(e) = peers.create(&PostParams::default(), p).await {
+            assert!(start.elapsed() < Duration::from_secs(30), "peer: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
