@@ -24,7 +24,9 @@ fn root_only_tests_live_in_privileged_files() {
         let text = std::fs::read_to_string(&path).unwrap();
         let tests = text.matches("#[test]").count() + text.matches("#[tokio::test]").count();
         // Spelt in two so that this file does not count as a caller.
-        let root = text.matches(["require", "_root("].concat().as_str()).count();
+        let root = text
+            .matches(["require", "_root("].concat().as_str())
+            .count();
         let privileged = name.ends_with("_privileged.rs");
         if privileged != (root > 0) || (privileged && root < tests) {
             misplaced.push(format!("{name}: {root} of {tests} tests need root"));

@@ -4,6 +4,8 @@
 //! ([`Action`]); failures go through an [`error_policy`](Agent::error_policy) that retries
 //! with backoff ([`Requeue`]).
 //!
+//! A `/check` ([`CheckRequest`]) is answered between passes, without a pass.
+//!
 //! Debounce: the first backend or kernel change after a quiet [`DEBOUNCE`](super::DEBOUNCE)
 //! starts a pass at once; what follows it within the window coalesces into one more pass. A
 //! timer's pass (resync, retry, expiry, check-in) starts at once. When nothing changed, a pass
@@ -21,7 +23,7 @@ use crate::{
     backend::Update,
     datapath::DatapathOps,
     reconcile::{Kernel, wireguard::WireGuard},
-    telemetry::Trigger,
+    telemetry::{CheckRequest, Trigger},
 };
 
 /// What the loop does after a pass (kube-rs's `Action`).
@@ -79,6 +81,7 @@ struct Triggers<S> {
     kernel: Option<mpsc::Receiver<()>>,
     resync: Option<Interval>,
     check_in: Option<Interval>,
+    checks: Option<mpsc::Receiver<CheckRequest>>,
     shutdown: Pin<Box<S>>,
     /// When the last backend or kernel change that asked for a pass arrived.
     last_change: Option<Instant>,
@@ -88,6 +91,7 @@ impl<S: Future<Output = ()>> Triggers<S> {
     fn new(
         updates: watch::Receiver<Update>,
         kernel: Option<mpsc::Receiver<()>>,
+        checks: Option<mpsc::Receiver<CheckRequest>>,
         settings: &LoopSettings,
         shutdown: S,
     ) -> Self {
@@ -101,6 +105,7 @@ impl<S: Future<Output = ()>> Triggers<S> {
             kernel,
             resync: settings.resync.map(every),
             check_in: settings.check_in.map(every),
+            checks,
             shutdown: Box::pin(shutdown),
             last_change: None,
         }
@@ -118,6 +123,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
         let mut t = Triggers::new(
             self.backend.updates(),
             kernel_events,
+            self.checks.take(),
             &self.settings,
             shutdown,
         );
@@ -196,6 +202,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
                 (true, Trigger::Retry)
             }
             _ = tick(&mut t.check_in) => (self.check_in().await, Trigger::CheckIn),
+            Some(reply) = recv(&mut t.checks) => {
+                let _ = reply.send(self.check().await);
+                return Some(Next::Wait);
+            }
             _ = sleep_until(expiry) => {
                 let update = t.updates.borrow().clone();
                 (self.liveness_changed(&update), Trigger::Liveness)
@@ -278,7 +288,7 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-async fn recv(rx: &mut Option<mpsc::Receiver<()>>) -> Option<()> {
+async fn recv<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     match rx {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,

@@ -187,6 +187,8 @@ pub struct Agent<P, K, W, D> {
     service_cidrs: Option<Vec<IpNet>>,
     /// The datapath's malformed count at the last look.
     malformed: malformed::MalformedWatch,
+    /// `/check`s to answer ([`Agent::answer_checks`]).
+    checks: Option<tokio::sync::mpsc::Receiver<crate::telemetry::CheckRequest>>,
 }
 
 /// Reads the local node's `cni-compatibility-ip` (`--compatibility=cilium`: `cilium_host`'s
@@ -229,7 +231,17 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             cni_probe: None,
             service_cidrs: None,
             malformed: Default::default(),
+            checks: None,
         }
+    }
+
+    /// Answers the `/check`s that arrive on `checks` between passes (see [`Agent::check`]).
+    pub fn answer_checks(
+        mut self,
+        checks: tokio::sync::mpsc::Receiver<crate::telemetry::CheckRequest>,
+    ) -> Self {
+        self.checks = Some(checks);
+        self
     }
 
     /// What the kernel watcher ([`crate::reconcile::netlink::watch`]) reports: the

@@ -213,6 +213,19 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
         }
     }
 
+    /// The per-node check (`/check`): what differs between the current plan and the kernel
+    /// now, changing nothing (empty when they match); `Err` when there is no plan yet.
+    pub async fn check(&mut self) -> Result<String, String> {
+        let outcome = self.last_plan.as_ref().map(|(_, o)| o.clone());
+        let Some(plan) = outcome.as_ref().and_then(|o| o.plan.as_ref()) else {
+            return Err(format!("node {} has no plan yet", self.local.hostname));
+        };
+        match self.reconciler.dry_run(plan).await {
+            Ok(diff) => Ok(diff.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     /// The difference between the plan and the kernel, changing nothing.
     pub async fn dry_run(&mut self) -> Result<String, AgentError> {
         let update = self.backend.updates().borrow().clone();

@@ -337,7 +337,10 @@ impl<P: Planner> Started<P> {
     /// Serves the metrics, watches the kernel, keeps only the capabilities the steady state
     /// uses and forbids exec, then runs the loop until `shutdown`.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<Stats, StartError> {
-        let (_bound, _server) = telemetry::serve(self.listen, self.agent.metrics.clone()).await?;
+        let (checks, answers) = tokio::sync::mpsc::channel(4);
+        let (_bound, _server) =
+            telemetry::serve(self.listen, self.agent.metrics.clone(), Some(checks)).await?;
+        self.agent = self.agent.answer_checks(answers);
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let _watch = netlink::watch(self.agent.event_filter(), tx, self.changes)?;
         // Start-up is done (programs loaded, bpffs mounted, sockets bound): keep only what the

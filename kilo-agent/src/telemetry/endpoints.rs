@@ -1,8 +1,9 @@
-//! kg's HTTP endpoints (`/metrics`, `/health`, `/ready`, `/graph`), answered from [`Metrics`]
-//! and served by [`crate::http`].
-use std::{net::SocketAddr, sync::atomic::Ordering};
+//! kg's HTTP endpoints (`/metrics`, `/health`, `/ready`, `/graph`), answered from [`Metrics`],
+//! and `/check`, answered by the agent's loop ([`CheckRequest`]); served by [`crate::http`].
+use std::{net::SocketAddr, sync::atomic::Ordering, time::Duration};
 
 use hyper::{Method, Request, Response, StatusCode, body::Incoming, header};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{Metrics, NO_SERVICE_CIDRS};
 use crate::http::{self, Body, ServeError};
@@ -61,9 +62,48 @@ impl Metrics {
     }
 }
 
-/// Answers one request: a GET or HEAD of [`Metrics::respond`]'s paths, then the connection is
-/// closed.
-fn answer<B>(metrics: &Metrics, req: &Request<B>) -> Response<Body> {
+/// A `/check`: the agent answers with the difference between its current plan and the kernel
+/// now (empty when they match), or why it cannot tell.
+pub type CheckRequest = oneshot::Sender<Result<String, String>>;
+
+/// How long `/check` waits for the agent, which answers between passes.
+const CHECK_WAIT: Duration = Duration::from_secs(10);
+
+/// `/check`'s answer: 200 when the kernel matches the plan, else 503 with what differs.
+async fn check(checks: Option<&mpsc::Sender<CheckRequest>>) -> (u16, &'static str, String) {
+    let Some(checks) = checks else {
+        return (404, "text/plain", "not found\n".into());
+    };
+    let (tx, rx) = oneshot::channel();
+    let asked = checks.send(tx).await.is_ok();
+    match tokio::time::timeout(CHECK_WAIT, rx).await {
+        Ok(Ok(Ok(diff))) if diff.is_empty() => (
+            200,
+            "text/plain",
+            "in sync: the kernel matches the plan\n".into(),
+        ),
+        Ok(Ok(Ok(diff))) => (
+            503,
+            "text/plain",
+            format!("out of sync: the kernel differs from the plan\n{diff}"),
+        ),
+        Ok(Ok(Err(why))) => (503, "text/plain", format!("cannot check: {why}\n")),
+        _ if !asked => (503, "text/plain", "the agent has stopped\n".into()),
+        _ => (
+            503,
+            "text/plain",
+            format!("no answer within {CHECK_WAIT:?}: the agent is busy with a pass\n"),
+        ),
+    }
+}
+
+/// Answers one request: a GET or HEAD of [`Metrics::respond`]'s paths or of `/check`, then the
+/// connection is closed.
+async fn answer<B>(
+    metrics: &Metrics,
+    checks: Option<&mpsc::Sender<CheckRequest>>,
+    req: &Request<B>,
+) -> Response<Body> {
     let (status, content_type, body) = if matches!(*req.method(), Method::GET | Method::HEAD) {
         let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
         let accept = req
@@ -71,7 +111,11 @@ fn answer<B>(metrics: &Metrics, req: &Request<B>) -> Response<Body> {
             .get(header::ACCEPT)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("");
-        metrics.respond(path, accept)
+        if req.uri().path() == "/check" {
+            check(checks).await
+        } else {
+            metrics.respond(path, accept)
+        }
     } else {
         (405, "text/plain", "method not allowed\n".into())
     };
@@ -146,16 +190,18 @@ pub fn graph_response(dot: Option<&str>, query: &str) -> (u16, &'static str, Str
     }
 }
 
-/// Binds `addr` and serves until the task is dropped. Returns the bound address (port 0 = any).
+/// Binds `addr` and serves until the task is dropped, `/check` through `checks` (none: 404).
+/// Returns the bound address (port 0 = any).
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
+    checks: Option<mpsc::Sender<CheckRequest>>,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ServeError> {
     let listener = http::bind(addr)?;
     let bound = listener.local_addr().expect("a bound socket");
     let handle = move |req: Request<Incoming>| {
-        let response = answer(&metrics, &req);
-        async move { response }
+        let (metrics, checks) = (metrics.clone(), checks.clone());
+        async move { answer(&metrics, checks.as_ref(), &req).await }
     };
     Ok((
         bound,

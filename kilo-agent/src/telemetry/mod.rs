@@ -34,7 +34,7 @@ mod datapath;
 mod endpoints;
 mod process;
 mod wireguard;
-pub use endpoints::{graph_response, serve};
+pub use endpoints::{CheckRequest, graph_response, serve};
 pub use process::ProcessStats;
 
 /// What it means that no service CIDR is known, for the log and `/ready`.

@@ -174,15 +174,36 @@ fn serves_over_http() {
             let m = Metrics::new();
             m.peers.set(7);
             m.reconciles.inc();
-            let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), m).await.unwrap();
-            let get = |headers: &'static str| async move {
+            let (checks, mut asked) = tokio::sync::mpsc::channel(1);
+            let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), m, Some(checks))
+                .await
+                .unwrap();
+            let request = |path: &'static str, headers: &'static str| async move {
                 let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-                let req = format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{headers}\r\n");
+                let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n");
                 s.write_all(req.as_bytes()).await.unwrap();
                 let mut out = String::new();
                 s.read_to_string(&mut out).await.unwrap();
                 out
             };
+            let get = |headers| request("/metrics", headers);
+            // `/check`: answered by whoever holds the other end (the agent's loop).
+            let answers = tokio::spawn(async move {
+                for answer in [Ok(String::new()), Ok("+ route 10.1.0.0/16\n".into()), Err("no plan yet".into())] {
+                    let reply: crate::telemetry::CheckRequest = asked.recv().await.unwrap();
+                    reply.send(answer).unwrap();
+                }
+            });
+            let check = request("/check", "").await;
+            assert!(check.starts_with("HTTP/1.1 200 OK"), "{check}");
+            assert!(check.ends_with("\r\n\r\nin sync: the kernel matches the plan\n"), "{check}");
+            let check = request("/check", "").await;
+            assert!(check.starts_with("HTTP/1.1 503"), "{check}");
+            assert!(check.ends_with("out of sync: the kernel differs from the plan\n+ route 10.1.0.0/16\n"), "{check}");
+            let check = request("/check", "").await;
+            assert!(check.starts_with("HTTP/1.1 503"), "{check}");
+            assert!(check.ends_with("cannot check: no plan yet\n"), "{check}");
+            answers.await.unwrap();
             // Without an Accept header (curl, promtool's input): text format 0.0.4.
             let text = get("").await;
             assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
