@@ -51,7 +51,17 @@ pub(crate) fn setup_mesh() -> Result<()> {
 pub(crate) fn setup_tests() -> Result<()> {
     setup_mesh()?;
     install_debian_packages(pins::TEST_PACKAGES)?;
+    install_kubectl()?;
     install_kube_apiserver()
+}
+
+/// The pinned kubectl (`pins::KUBECTL`), at `kubectl_dir()/usr/bin/kubectl`.
+pub(crate) fn kubectl_dir() -> PathBuf {
+    cache_dir().join(format!("kubectl-{}", pins::KUBECTL))
+}
+
+pub(crate) fn install_kubectl() -> Result<()> {
+    crate::kernels::unpack_pinned("kubectl", pins::KUBECTL, &kubectl_dir())
 }
 
 pub(crate) fn cargo_fuzz_dir() -> PathBuf {

@@ -266,6 +266,26 @@ fn download(package: &str) -> Result<PathBuf> {
     cached_deb(&debs, package)?.with_context(|| format!("{package} not downloaded"))
 }
 
+/// Unpacks (not installs) `package` at `version`, from any pinned suite of the private sources,
+/// into `root`, once: a machine may have another of the package's files installed.
+pub(crate) fn unpack_pinned(package: &str, version: &str, root: &Path) -> Result<()> {
+    if root.exists() {
+        return Ok(());
+    }
+    let debs = cache_dir().join("kernels/debs");
+    fs::create_dir_all(&debs)?;
+    let name = format!("{package}_{version}");
+    let deb = match cached_deb(&debs, &name)? {
+        Some(deb) => deb,
+        None => {
+            apt_update()?;
+            run(apt("apt-get", &["download", &format!("{package}={version}")]).current_dir(&debs))?;
+            cached_deb(&debs, &name)?.with_context(|| format!("{name} not downloaded"))?
+        }
+    };
+    unpack(&deb, root)
+}
+
 fn cached_deb(dir: &Path, package: &str) -> Result<Option<PathBuf>> {
     let prefix = format!("{package}_");
     Ok(fs::read_dir(dir)?

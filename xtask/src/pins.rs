@@ -52,6 +52,10 @@ pub const KUBE_APISERVER_BUILD_DEPS: &[&str] = &[
     "dpkg-dev",
     "rsync",
 ];
+/// The kubectl the tests and the e2e render and apply the manifests with: Debian 13's (Go,
+/// needing only glibc 2.34), unpacked from its package, for a current kustomize (v5.5). Debian's
+/// 1.32 source carries kubectl alone, so the API server and the cluster stay on KUBE_APISERVER.
+pub const KUBECTL: &str = "1.32.3+ds-2";
 /// What the e2e cluster runs, built from the same source as KUBE_APISERVER (cmd/ names).
 pub const KUBE_CLUSTER: &[&str] = &[
     "kube-apiserver",

@@ -19,23 +19,33 @@ pub fn binary() -> PathBuf {
     cached("kube-apiserver")
 }
 
-/// The same release's kubectl, cached beside it.
+/// The pinned kubectl (`pins::KUBECTL`, a current kustomize), which `cargo xtask setup` unpacks.
 pub fn kubectl() -> PathBuf {
-    cached("kubectl")
+    cache_dir()
+        .join(format!("kubectl-{}", pin("KUBECTL")))
+        .join("usr/bin/kubectl")
 }
 
 fn cached(name: &str) -> PathBuf {
+    cache_dir()
+        .join(format!("kube-apiserver-{}", pin("KUBE_APISERVER")))
+        .join(name)
+}
+
+/// The value of `const NAME: &str` in xtask/src/pins.rs.
+fn pin(name: &str) -> &'static str {
     let pins = include_str!("../../../xtask/src/pins.rs");
-    let version = pins
-        .lines()
-        .find(|l| l.contains("const KUBE_APISERVER:"))
+    pins.lines()
+        .find(|l| l.contains(&format!("const {name}:")))
         .and_then(|l| l.split('"').nth(1))
-        .expect("KUBE_APISERVER in xtask/src/pins.rs");
-    let cache = std::env::var_os("KILO_CACHE_DIR").map_or_else(
+        .unwrap_or_else(|| panic!("{name} in xtask/src/pins.rs"))
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("KILO_CACHE_DIR").map_or_else(
         || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kilo-rs"),
         PathBuf::from,
-    );
-    cache.join(format!("kube-apiserver-{version}")).join(name)
+    )
 }
 
 /// True when the API server can be started. Without it (no `cargo xtask setup`), a test says

@@ -130,7 +130,7 @@ impl Cluster {
             &format!("--cert={}", crt.display()),
             &format!("--key={}", key.display()),
         ])?;
-        let applied = self.kubectl(&["apply", "-k", "xtask/e2e"])?;
+        let applied = self.kubectl_in(&["apply", "-f", "-"], Some(&self.kustomized()?))?;
         let ca = std::fs::read(pki.join("ca.crt"))?;
         let patch = json!([{
             "op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": base64(&ca),

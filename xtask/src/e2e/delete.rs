@@ -5,7 +5,7 @@ impl Cluster {
     /// After `kubectl delete -k`, on each remaining node: what the README says stays
     /// ([`LEFT_BEHIND`], and kg's annotations) is there, and nothing of [`GONE`] is.
     pub(super) fn deleted(&self) -> Result<String> {
-        self.kubectl(&["delete", "-k", "xtask/e2e"])?;
+        self.kubectl_in(&["delete", "-f", "-"], Some(&self.kustomized()?))?;
         wait_for(
             Duration::from_secs(120),
             "kg's and wireguard-go's pods gone",

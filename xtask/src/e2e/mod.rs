@@ -294,6 +294,19 @@ impl Cluster {
             .with_context(|| format!("kubectl {}", args.join(" ")))
     }
 
+    /// `xtask/e2e` as the pinned kubectl's kustomize renders it (`pins::KUBECTL`): the
+    /// manifests use kustomize's current fields, which the cluster release's kubectl predates.
+    /// Applying the result is what `kubectl apply -k` does with a current kubectl.
+    fn kustomized(&self) -> Result<String> {
+        crate::install::install_kubectl()?;
+        let kubectl = crate::install::kubectl_dir().join("usr/bin/kubectl");
+        output(
+            Command::new(kubectl)
+                .current_dir(root_dir())
+                .args(["kustomize", "xtask/e2e"]),
+        )
+    }
+
     fn apply(&self, object: &Value) -> Result<String> {
         self.kubectl_in(&["apply", "-f", "-"], Some(&object.to_string()))
     }
