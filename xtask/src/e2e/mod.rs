@@ -4,8 +4,9 @@
 //! It builds or takes from the cache what the cluster needs (the Kubernetes binaries from
 //! Debian's source package, containerd and the CNI plugins from Debian, the project image and
 //! the test images), starts a control plane and kubelet nodes in network namespaces
-//! (`xtask/scripts/e2e-cluster.sh`), applies `xtask/e2e` with `kubectl apply -k` as a user
-//! would (the userspace overlay, images renamed only), then runs each check as a step that
+//! (`xtask/scripts/e2e-cluster.sh`), applies `xtask/e2e` as `kubectl apply -k` would (the
+//! userspace overlay, images renamed only; rendered by the pinned kubectl's kustomize, applied by
+//! the cluster release's kubectl), then runs each check as a step that
 //! reports PASS or FAIL. The cluster is removed at the end (every process it started, by PID,
 //! with the containers, cgroups, mounts and namespaces), unless `--keep`.
 //!
