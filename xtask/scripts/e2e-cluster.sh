@@ -146,6 +146,7 @@ YAML
     --token-auth-file="$d/tokens.csv" --authorization-mode=Node,RBAC \
     --service-cluster-ip-range="$SERVICE_CIDR" --kubelet-preferred-address-types=InternalIP \
     --audit-policy-file="$WORK/audit.yaml" --audit-log-path="$WORK/logs/audit.log" \
+    --allow-privileged=true `# as kubeadm sets it: Kilo's own manifest runs privileged` \
     --enable-aggregator-routing=true # webhooks called at the pod's address: see pod-routes
   local i
   for i in $(seq 1 120); do

@@ -13,6 +13,14 @@ impl Cluster {
             }
             Ok(format!("{} nodes registered, none Ready", NODES.len()))
         });
+        match &self.kilo {
+            Some(git) => self.round_trip(report, git),
+            None => println!(
+                "SKIP the round trip Kilo -> kg -> Kilo: no Kilo source (a clone of \
+                 github.com/squat/kilo) at $KILO_GIT or {}",
+                crate::install::cache_dir().join("kilo.git").display()
+            ),
+        }
         if !report.step("kubectl apply -k xtask/e2e", || self.deploy()) {
             return;
         }

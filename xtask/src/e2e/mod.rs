@@ -39,6 +39,7 @@ mod granularity;
 mod node_deleted;
 mod peer;
 mod rolling_update;
+mod round_trip;
 mod service;
 mod webhook;
 
@@ -118,12 +119,17 @@ pub fn e2e(keep: bool, down: bool, bench: Option<&Path>) -> Result<()> {
     for name in ["pause", "busybox", "wireguard-go"] {
         tars.push(images.join(format!("{name}.tar")));
     }
+    let kilo = round_trip::kilo_git();
+    if let Some(git) = &kilo {
+        tars.push(round_trip::kilo_image(git, &images)?);
+    }
     eprintln!("e2e: prerequisites ready after {:?}", start.elapsed());
 
     let cluster = Cluster {
         script,
         work: PathBuf::from(WORK),
         keep,
+        kilo,
     };
     let mut up = Command::new("bash");
     up.arg(&cluster.script)
@@ -155,6 +161,8 @@ struct Cluster {
     script: PathBuf,
     work: PathBuf,
     keep: bool,
+    /// Kilo's source, for the round trip Kilo -> kg -> Kilo (`round_trip`).
+    kilo: Option<PathBuf>,
 }
 
 impl Drop for Cluster {
@@ -570,6 +578,30 @@ fn uapi_get(socket: &Path) -> Result<String> {
     Ok(String::from_utf8_lossy(&state).into_owned())
 }
 
+/// Sent, received, and the longest run of unanswered pings in seconds, from a busybox `ping -i
+/// INTERVAL` log that ended with its summary.
+fn ping_loss(log: &str, interval: f64) -> Result<(u64, u64, f64)> {
+    let summary = log
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .with_context(|| format!("no ping summary in {log:?}"))?;
+    let nums: Vec<u64> = summary
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (sent, received) = (nums[0], nums[1]);
+    // The answered sequence numbers, with the first and one past the last sent around them.
+    let mut seqs = vec![-1i64];
+    seqs.extend(
+        log.split("seq=")
+            .skip(1)
+            .filter_map(|r| r.split_whitespace().next()?.parse::<i64>().ok()),
+    );
+    seqs.push(sent as i64);
+    let gap = seqs.windows(2).map(|w| w[1] - w[0] - 1).max().unwrap_or(0);
+    Ok((sent, received, gap.max(0) as f64 * interval))
+}
+
 /// Seconds since the epoch.
 fn now() -> f64 {
     std::time::SystemTime::now()
@@ -626,6 +658,23 @@ mod tests {
         ] {
             assert_eq!(base64(plain.as_bytes()), encoded);
         }
+    }
+
+    #[test]
+    fn ping_loss_counts_the_longest_gap_at_either_end() {
+        let log = "PING 10.0.0.2 (10.0.0.2): 56 data bytes
+64 bytes from 10.0.0.2: seq=1 ttl=64 time=0.1 ms
+64 bytes from 10.0.0.2: seq=2 ttl=64 time=0.1 ms
+64 bytes from 10.0.0.2: seq=6 ttl=64 time=0.1 ms
+
+--- 10.0.0.2 ping statistics ---
+10 packets transmitted, 3 packets received, 70% packet loss
+";
+        let (sent, received, gap) = ping_loss(log, 0.2).unwrap();
+        assert_eq!((sent, received), (10, 3));
+        // seq 7, 8 and 9 unanswered at the end: the longest run.
+        assert!((gap - 0.6).abs() < 1e-9, "{gap}");
+        assert!(ping_loss("no summary", 0.2).is_err());
     }
 
     #[test]

@@ -60,16 +60,7 @@ impl Cluster {
         let _ = ping.wait();
         rolled?;
         let log = self.kubectl(&["exec", from, "--", "cat", "/tmp/ping.log"])?;
-        let summary = log
-            .lines()
-            .find(|l| l.contains("packets transmitted"))
-            .with_context(|| format!("no ping summary in {log:?}"))?
-            .to_owned();
-        let nums: Vec<u64> = summary
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        let (sent, received) = (nums[0], nums[1]);
+        let (sent, received, gap) = ping_loss(&log, 0.2)?;
         let new = self.kilo_pods()?;
         let replaced = uids(&new).iter().filter(|u| !old.contains(u)).count();
         if replaced != NODES.len() {
@@ -79,20 +70,8 @@ impl Cluster {
             bail!("wireguard-go's pods were replaced too");
         }
         if sent < 10 || received != sent {
-            // The longest run of unanswered pings, in seconds (one every 0.2 s).
-            let seqs: Vec<u64> = log
-                .split("seq=")
-                .skip(1)
-                .filter_map(|r| r.split_whitespace().next()?.parse().ok())
-                .collect();
-            let gap = seqs
-                .windows(2)
-                .map(|w| w[1] - w[0] - 1)
-                .max()
-                .unwrap_or(sent);
             bail!(
-                "{from} -> {to} ({ip}): {summary} (longest outage {:.1} s)",
-                gap as f64 * 0.2
+                "{from} -> {to} ({ip}): {received} of {sent} pings answered (longest outage {gap:.1} s)"
             );
         }
         let mut anew = Vec::new();
@@ -127,7 +106,7 @@ impl Cluster {
         let maps: usize = pins.values().map(|ids| ids.len()).sum();
         if !expired.is_empty() {
             return Ok(format!(
-                "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {summary}; \
+                "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {received} of {sent} pings answered; \
                  heartbeats expired during the rollout (oldest last-seen: {}), so the others \
                  dropped those nodes and took them back, rewriting entries and IPIP links: of the \
                  {maps} pins, every map kept its ID",
@@ -135,7 +114,7 @@ impl Cluster {
             ));
         }
         Ok(format!(
-            "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {summary}; the {maps} pinned maps and links kept their IDs, no map entry inserted nor program attached anew"
+            "{replaced} kg pods replaced, wireguard-go's kept; {from} -> {to}: {received} of {sent} pings answered; the {maps} pinned maps and links kept their IDs, no map entry inserted nor program attached anew"
         ))
     }
 }
