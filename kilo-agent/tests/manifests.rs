@@ -737,7 +737,8 @@ fn kg_writes_only_to_volumes(name: &str, c: &Value) {
 /// `app.kubernetes.io/name: kilo, app.kubernetes.io/part-of: kilo`), so neither adopts the
 /// other's pods, on the nodes labelled `kilo.squat.ai/agent=kg` only and cleaning up when it
 /// stops; `finish/not-kg.yaml`, the patch for Kilo's DaemonSet, and the `finish` overlay (kg's
-/// regular DaemonSet) run on exactly the other nodes, and restart no pod when patched.
+/// regular DaemonSet) run on exactly the other nodes, and restart no pod when patched. A userspace
+/// overlay's wireguard-go DaemonSet follows kg's nodes.
 #[test]
 fn the_migration_overlay_splits_the_nodes_between_kilo_and_kg() {
     use std::collections::BTreeMap;
@@ -861,6 +862,38 @@ fn the_migration_overlay_splits_the_nodes_between_kilo_and_kg() {
         assert_eq!(
             on_kg,
             n.get("kilo.squat.ai/agent").map(String::as_str) == Some("kg")
+        );
+    }
+
+    // With the userspace overlay named in `resources`, as the document says to change it, its
+    // wireguard-go DaemonSet runs where kg does: on Kilo's nodes, Kilo's own wireguard-go holds
+    // kilo0.
+    let copy = tempfile::tempdir().unwrap();
+    let status = Command::new("cp")
+        .arg("-r")
+        .arg(manifests())
+        .arg(copy.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let k = copy.path().join("manifests/migrate/kustomization.yaml");
+    let text = std::fs::read_to_string(&k).unwrap();
+    assert!(text.contains("- ../overlays/kubeadm\n"));
+    std::fs::write(
+        &k,
+        text.replace("- ../overlays/kubeadm\n", "- ../overlays/userspace\n"),
+    )
+    .unwrap();
+    let userspace = kustomize(&kubectl, &copy.path().join("manifests/migrate"));
+    let wireguard = userspace
+        .iter()
+        .find(|d| d["metadata"]["name"] == "kilo-wireguard")
+        .expect("the userspace overlay's wireguard-go DaemonSet");
+    for n in [node(None), node(Some("kg")), node(Some("kilo"))] {
+        assert_eq!(
+            schedules(&wireguard["spec"]["template"]["spec"], &n),
+            schedules(&kg["spec"]["template"]["spec"], &n),
+            "{n:?}"
         );
     }
 }

@@ -121,7 +121,7 @@ pub fn e2e(keep: bool, down: bool, bench: Option<&Path>) -> Result<()> {
     }
     let kilo = round_trip::kilo_git();
     if let Some(git) = &kilo {
-        tars.push(round_trip::kilo_image(git, &images)?);
+        tars.push(round_trip::kilo_image(git)?);
     }
     eprintln!("e2e: prerequisites ready after {:?}", start.elapsed());
 

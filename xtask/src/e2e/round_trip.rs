@@ -4,8 +4,8 @@
 //! whole time and the loss reported per step. At the end Kilo is removed (with its own clean-up)
 //! and the other checks deploy kg on the nodes it leaves.
 //!
-//! Kilo's image is built from its source (`xtask/scripts/kilo-image.sh`), which no registry
-//! reachable here serves: the scenario needs a clone of github.com/squat/kilo with its tags at
+//! Kilo's image is built from its source (`xtask/scripts/kilo-image.sh`, cached), which none of
+//! the registries the tests install from serves: the scenario needs a clone of github.com/squat/kilo with its tags at
 //! `$KILO_GIT`, or at `kilo.git` in the cache directory, and is skipped, saying so, without one.
 //!
 //! Both agents run with `--encapsulate=never`: this kernel has no `ipip` module, which Kilo's
@@ -50,13 +50,31 @@ pub(super) fn kilo_git() -> Option<PathBuf> {
         .filter(|p| p.exists())
 }
 
-/// Kilo's image as a docker-archive, built from `git`.
-pub(super) fn kilo_image(git: &Path, images: &Path) -> Result<PathBuf> {
-    run(Command::new("bash")
-        .arg(root_dir().join("xtask/scripts/kilo-image.sh"))
-        .arg(git)
-        .arg(images))?;
-    Ok(images.join("kilo.tar"))
+/// Kilo's image as a docker-archive, built from `git` and cached, keyed on the tag's commit and
+/// the script that builds it.
+pub(super) fn kilo_image(git: &Path) -> Result<PathBuf> {
+    let script = root_dir().join("xtask/scripts/kilo-image.sh");
+    let commit = output(
+        Command::new("git")
+            .arg("--git-dir")
+            .arg(git)
+            .args(["rev-parse", &format!("{KILO_TAG}^{{commit}}")]),
+    )?;
+    // FNV-1a: a stable digest of the script, for the cache key only.
+    let digest = std::fs::read(&script)?
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    let dir = crate::install::cache_dir().join(format!(
+        "kilo-image-{KILO_TAG}-{}-{digest:016x}",
+        &commit.trim()[..12.min(commit.trim().len())]
+    ));
+    let tar = dir.join("kilo.tar");
+    if !tar.exists() {
+        run(Command::new("bash").arg(&script).arg(git).arg(&dir))?;
+    }
+    Ok(tar)
 }
 
 /// Pings from every round-trip pod to every other, five a second, until [`Cluster::stop_pings`].
