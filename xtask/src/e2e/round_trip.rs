@@ -23,24 +23,17 @@ const KILO_CRDS: &str = "manifests/crds.yaml";
 /// then the others.
 const MOVE_ORDER: &[&str] = &["n1", "n3", "n5", "n2", "n4"];
 
-/// What kg leaves on a node it ran on, each with a command that prints it: after kg's clean-up,
-/// every one prints nothing.
-const KG_STATE: &[(&str, &str)] = &[
-    ("kg's routes (protocol 107)", "ip route show proto 107"),
-    ("kg's rules", "ip rule | grep -v -E '^(0|32766|32767):'"),
-    (
-        "the nftables table inet kilo",
-        "nft list tables | grep 'inet kilo'",
-    ),
-    (
-        "the pins under /sys/fs/bpf/kilo",
-        "find /sys/fs/bpf/kilo -type f",
-    ),
-    (
-        "kg's TC programs",
-        "bpftool net show | grep -E 'kilo_(ingress|encap|decap)'",
-    ),
-];
+/// kg's TC programs, by name: with the pins gone, [`LEFT_BEHIND`]'s check through them sees none.
+const KG_PROGRAMS: (&str, &str) = (
+    "kg's TC programs",
+    "bpftool net show | grep -E 'kilo_(ingress|encap|decap)'",
+);
+
+/// What kg's clean-up removes from a node, each with a command that prints it: the first four of
+/// [`LEFT_BEHIND`] (routes, rules, the nftables table, the pins) and its TC programs.
+fn kg_state() -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    LEFT_BEHIND[..4].iter().chain(std::iter::once(&KG_PROGRAMS))
+}
 
 /// The Kilo source to build from, if there is one.
 pub(super) fn kilo_git() -> Option<PathBuf> {
@@ -463,16 +456,31 @@ impl Cluster {
         ))
     }
 
+    /// Sets (`label` `agent=kg`) or removes (`agent-`) the node's label and waits until `node`
+    /// runs a ready pod of `selector` and none of `gone`; returns the pod, when the label changed
+    /// and [`Cluster::pod_times`].
+    fn relabel(
+        &self,
+        node: &str,
+        label: &str,
+        selector: &str,
+        gone: &str,
+    ) -> Result<(String, f64, String)> {
+        let start = now();
+        self.kubectl(&["label", "node", node, &format!("kilo.squat.ai/{label}")])?;
+        let pod = self.await_switch(node, selector, gone)?;
+        let times = self.pod_times(&pod, start)?;
+        Ok((pod, start, times))
+    }
+
     /// docs/migrating.md, steps 2 and 3: label the node, check it.
     fn move_to_kg(&self, node: &str) -> Result<String> {
-        let start = now();
-        self.kubectl(&["label", "node", node, "kilo.squat.ai/agent=kg"])?;
-        let pod = self.await_switch(
+        let (pod, start, times) = self.relabel(
             node,
+            "agent=kg",
             "app.kubernetes.io/name=kilo-rs",
             "app.kubernetes.io/name=kilo",
         )?;
-        let times = self.pod_times(&pod, start)?;
         let path = format!("/api/v1/namespaces/kube-system/pods/{pod}:1107/proxy/check");
         let check = wait_for(Duration::from_secs(60), &format!("{pod}: /check"), || {
             let answer = self.kubectl(&["get", "--raw", &path])?;
@@ -487,16 +495,14 @@ impl Cluster {
 
     /// docs/migrating.md's rollback for one node: remove the label; kg cleans up.
     fn back_to_kilo(&self, node: &str) -> Result<String> {
-        let start = now();
-        self.kubectl(&["label", "node", node, "kilo.squat.ai/agent-"])?;
-        let pod = self.await_switch(
+        let (_, _, times) = self.relabel(
             node,
+            "agent-",
             "app.kubernetes.io/name=kilo",
             "app.kubernetes.io/name in (kilo-rs, kilo-wireguard)",
         )?;
-        let times = self.pod_times(&pod, start)?;
         let mut left = Vec::new();
-        for (what, cmd) in KG_STATE {
+        for (what, cmd) in kg_state() {
             let out = self.node_exec(node, &["sh", "-c", cmd]).unwrap_or_default();
             if !out.trim().is_empty() {
                 left.push(format!("{what}: {}", out.trim().replace('\n', "; ")));
