@@ -94,6 +94,10 @@ impl Cluster {
             || self.full_granularity(),
         );
         report.step(
+            "a node with FORWARD policy DROP: its pods cut off, then forwarded with --iptables-forward-rules (kg's args patched, rolled out, and back)",
+            || self.forward_drop(),
+        );
+        report.step(
             "a ClusterIP Service's endpoint in another location sees the client pod's address",
             || self.service_across_locations(),
         );

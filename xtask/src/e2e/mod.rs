@@ -35,6 +35,7 @@ mod allowed_location_ips;
 mod bench;
 mod checks;
 mod delete;
+mod forward;
 mod granularity;
 mod node_deleted;
 mod peer;
