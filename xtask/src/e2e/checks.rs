@@ -215,22 +215,31 @@ impl Cluster {
         Ok(seen.join("; "))
     }
 
-    /// One busybox pod per node; each address inside its node's pod CIDR.
-    pub(super) fn test_pods(&self) -> Result<String> {
+    /// One busybox pod per node, `APP-NODE` labelled `app: APP`; each pod's node, name and
+    /// address once it runs (120 s at most).
+    pub(super) fn pod_per_node(&self, app: &str) -> Result<Vec<(&'static str, String, String)>> {
         for (node, _) in NODES {
-            let name = format!("probe-{node}");
-            self.apply(&busybox_pod(&name, "probe", node, &["sleep", "86400"]))?;
+            let name = format!("{app}-{node}");
+            self.apply(&busybox_pod(&name, app, node, &["sleep", "86400"]))?;
         }
-        let mut seen = Vec::new();
+        let mut pods = Vec::new();
         for (node, _) in NODES {
-            let name = format!("probe-{node}");
+            let name = format!("{app}-{node}");
             let ip = wait_for(Duration::from_secs(120), &name, || {
                 let p = self.json(&["get", "pod", &name])?;
-                let running = p["status"]["phase"] == "Running";
-                Ok(running
+                Ok((p["status"]["phase"] == "Running")
                     .then(|| p["status"]["podIP"].as_str().map(str::to_owned))
                     .flatten())
             })?;
+            pods.push((*node, name, ip));
+        }
+        Ok(pods)
+    }
+
+    /// One busybox pod per node; each address inside its node's pod CIDR.
+    pub(super) fn test_pods(&self) -> Result<String> {
+        let mut seen = Vec::new();
+        for (node, name, ip) in self.pod_per_node("probe")? {
             let cidr = self.pod_cidr(node)?;
             if !in_cidr(&ip, &cidr) {
                 bail!("{name} has {ip}, outside {node}'s pod CIDR {cidr}");

@@ -202,21 +202,11 @@ impl Cluster {
 
     /// One pod per node, each reaching every other (given 120 s to converge).
     fn round_trip_pods(&self) -> Result<Vec<(String, String)>> {
-        for (node, _) in NODES {
-            let name = format!("trip-{node}");
-            self.apply(&busybox_pod(&name, "trip", node, &["sleep", "86400"]))?;
-        }
-        let mut pods = Vec::new();
-        for (node, _) in NODES {
-            let name = format!("trip-{node}");
-            let ip = wait_for(Duration::from_secs(120), &name, || {
-                let p = self.json(&["get", "pod", &name])?;
-                Ok((p["status"]["phase"] == "Running")
-                    .then(|| p["status"]["podIP"].as_str().map(str::to_owned))
-                    .flatten())
-            })?;
-            pods.push((name, ip));
-        }
+        let pods: Vec<(String, String)> = self
+            .pod_per_node("trip")?
+            .into_iter()
+            .map(|(_, name, ip)| (name, ip))
+            .collect();
         self.all_reach(&pods, Duration::from_secs(120))?;
         Ok(pods)
     }
