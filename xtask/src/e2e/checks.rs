@@ -286,10 +286,11 @@ impl Cluster {
                 .filter(|(to, _)| to != from)
                 .map(|(_, ip)| ip.as_str())
                 .collect();
-            // Prints the targets that did not answer `count` pings out of `count`.
+            // Prints the targets that did not answer `count` pings out of `count`, all pinged
+            // at once.
             let ping = |count: u32| {
                 let script = format!(
-                    "for ip in {}; do ping -q -c {count} -W 2 $ip >/dev/null || echo $ip; done",
+                    "for ip in {}; do (ping -q -c {count} -i 0.2 -W 2 $ip >/dev/null || echo $ip) & done; wait",
                     targets.join(" ")
                 );
                 self.kubectl(&["exec", from, "--", "sh", "-c", &script])
