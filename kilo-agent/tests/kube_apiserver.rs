@@ -357,3 +357,58 @@ fn the_webhook_refuses_what_the_agents_would_skip() {
     assert!(status.success(), "kg webhook: {status}\n{log}");
     assert!(log.contains("reviewed a Peer"), "{log}");
 }
+
+/// `kgctl check` lists the agents' pods from the API server and names each node it cannot vouch
+/// for: one without a running agent pod, and one whose pod does not answer through the pod proxy
+/// (no kubelet here); it fails unless every node is in sync. kg's own answers: the e2e.
+#[test]
+fn kgctl_check_names_each_node_it_cannot_vouch_for() {
+    if !support::apiserver::available("kgctl_check_names_each_node_it_cannot_vouch_for") {
+        return;
+    }
+    let server = ApiServer::start();
+    let kubeconfig = format!("--kubeconfig={}", server.kubeconfig().display());
+    let check = |nodes: &[&str]| {
+        Launch::kgctl()
+            .arg(&kubeconfig)
+            .arg("check")
+            .args(nodes)
+            .env_remove("KUBECONFIG")
+            .output()
+    };
+    let none = check(&[]);
+    assert!(!none.status.success());
+    let err = String::from_utf8_lossy(&none.stderr);
+    assert!(err.contains("no running agent pod"), "{err}");
+
+    let rt = runtime();
+    rt.block_on(async {
+        use k8s_openapi::api::core::v1::Pod;
+        let client = kubernetes::client(server.config()).unwrap();
+        let pods: Api<Pod> = Api::namespaced(client, "kube-system");
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "kilo-x", "labels": {"app.kubernetes.io/name": "kilo"}},
+            "spec": {"nodeName": "a", "containers": [{"name": "kilo", "image": "kilo-rs"}]},
+        }))
+        .unwrap();
+        pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+        pod.status = Some(serde_json::from_value(serde_json::json!({"phase": "Running"})).unwrap());
+        pods.replace_status("kilo-x", &PostParams::default(), &pod)
+            .await
+            .unwrap();
+    });
+    let out = check(&["a", "b"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("b: no running kg pod in kube-system"),
+        "{stdout}"
+    );
+    let a = stdout
+        .lines()
+        .find(|l| l.starts_with("a (kilo-x): "))
+        .unwrap_or_else(|| panic!("no line for a: {stdout}"));
+    assert!(!a.contains("in sync"), "{a}");
+    assert!(stderr.contains("2 of 2 nodes not in sync"), "{stderr}");
+}

@@ -1,4 +1,5 @@
-//! `kgctl`: inspect the mesh (graph, showconf) and join it as a peer (connect). Only I/O lives
+//! `kgctl`: inspect the mesh (graph, showconf), ask the agents whether their nodes match their
+//! plans (check) and join the mesh as a peer (connect). Only I/O lives
 //! here: reading the backend (a directory of objects, or the Kubernetes API), writing what
 //! `kilo_agent::kgctl` renders, and, for `connect`, the Peer object and the agent's reconcilers.
 use std::{
@@ -61,11 +62,23 @@ enum Command {
     Version,
     /// Show the WireGuard configuration of a node or peer.
     Showconf(Showconf),
+    /// Ask each node's kg (through the API server's pod proxy) whether its kernel matches its
+    /// plan; fails unless every one answers in sync.
+    Check(Check),
     /// Generate the autocompletion script for the specified shell.
     Completion {
         #[arg(value_enum)]
         shell: Shell,
     },
+}
+
+#[derive(clap::Args, Debug)]
+struct Check {
+    /// The nodes to check (default: every node running an agent's pod).
+    nodes: Vec<String>,
+    /// The agents' namespace.
+    #[arg(short, long, default_value = "kube-system")]
+    namespace: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -168,11 +181,15 @@ fn run(cli: Cli) -> Result<()> {
         }
         _ => {}
     }
-    if let Command::Connect(args) = &cli.command {
-        return tokio::runtime::Builder::new_current_thread()
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            .build()?
-            .block_on(connect(&cli, args));
+            .build()
+    };
+    match &cli.command {
+        Command::Connect(args) => return runtime()?.block_on(connect(&cli, args)),
+        Command::Check(args) => return runtime()?.block_on(check(&cli, args)),
+        _ => {}
     }
     let (snapshot, errors) = match cli.backend {
         Backend::File => {
@@ -226,9 +243,67 @@ fn run(cli: Cli) -> Result<()> {
             stdout.write_all(shown.stdout.as_bytes())?;
             stderr.write_all(shown.stderr.as_bytes())?;
         }
-        Command::Version | Command::Connect(_) | Command::Completion { .. } => {
+        Command::Version | Command::Connect(_) | Command::Check(_) | Command::Completion { .. } => {
             unreachable!("answered before reading the backend")
         }
+    }
+    Ok(())
+}
+
+/// `kgctl check`: each target's `/check` through the pod proxy, one line per node.
+async fn check(cli: &Cli, args: &Check) -> Result<()> {
+    use http_body_util::BodyExt as _;
+    use k8s_openapi::api::core::v1::Pod;
+    use kilo_agent::{backend::kubernetes::describe, kgctl::check};
+    if !matches!(cli.backend, Backend::Kubernetes) {
+        bail!("kgctl check asks the agents through the Kubernetes API: not with --backend file");
+    }
+    let (client, server) = kube_client(cli.kubeconfig.as_deref()).await?;
+    let lp = kube::api::ListParams::default().labels(check::AGENT_SELECTOR);
+    let pods = kube::Api::<Pod>::namespaced(client.clone(), &args.namespace)
+        .list(&lp)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(describe(
+                &format!("listing {}'s agent pods from {server}", args.namespace),
+                &e
+            ))
+        })?;
+    let (targets, missing) = check::targets(&pods.items, &args.nodes);
+    let mut failed = missing.len();
+    let mut stdout = std::io::stdout().lock();
+    for node in &missing {
+        writeln!(stdout, "{node}: no running kg pod in {}", args.namespace)?;
+    }
+    if targets.is_empty() && missing.is_empty() {
+        bail!(
+            "no running agent pod ({}) in {}",
+            check::AGENT_SELECTOR,
+            args.namespace
+        );
+    }
+    for t in &targets {
+        let path = format!(
+            "/api/v1/namespaces/{}/pods/{}:{}/proxy/check",
+            args.namespace, t.pod, t.port
+        );
+        let request = hyper::Request::get(&path).body(kube::client::Body::empty())?;
+        let answer = match client.send(request).await {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let body = response.into_body().collect().await?.to_bytes();
+                check::Answer::read(status, &String::from_utf8_lossy(&body))
+            }
+            Err(e) => check::Answer::NoAnswer(kilo_agent::backend::kubernetes::error_chain(&e)),
+        };
+        failed += usize::from(!answer.in_sync());
+        writeln!(stdout, "{}", answer.line(t))?;
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} nodes not in sync",
+            targets.len() + missing.len()
+        );
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
-//! kgctl's renderings (pure): `graph` (the topology kgctl sees, drawn by [`crate::graph`]) and
-//! `showconf` (WireGuard text in Kilo's `Conf.Bytes()` format, or a Peer object as JSON/YAML).
+//! kgctl's renderings (pure): `graph` (the topology kgctl sees, drawn by [`crate::graph`]),
+//! `showconf` (WireGuard text in Kilo's `Conf.Bytes()` format, or a Peer object as JSON/YAML)
+//! and `check` ([`check`]: the pod to ask per node, and its answer read).
 //! The `kgctl` binary only reads the backend and writes what these functions return.
 //!
 //! Deliberate differences from Kilo's kgctl (each has a test):
@@ -8,6 +9,7 @@
 //! - "is this node a leader" comes from the topology; Kilo looks for the node's key among all
 //!   WireGuard peers, so a Peer sharing a non-leader's key made Kilo treat it as a leader.
 //! - `--mesh-granularity` also accepts `cross`; `auto` accepts a `cross` annotation.
+pub mod check;
 mod connect;
 
 pub use connect::Connect;
