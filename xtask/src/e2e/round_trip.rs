@@ -1,16 +1,19 @@
 //! The e2e scenario: a cluster running Kilo 0.7 itself, from Kilo's own userspace manifest, moved
-//! to kg node by node as docs/migrating.md says (leaders first, each node checked), then rolled
-//! back to Kilo as its rollback section says, with pings between every pair of nodes' pods the
-//! whole time and the loss reported per step. At the end Kilo is removed (with its own clean-up)
-//! and the other checks deploy kg on the nodes it leaves.
+//! to kg as docs/migrating.md says, with pings between every pair of nodes' pods the whole time
+//! and the loss reported per step: step 1; the full rollback's commands from step 1's state (no
+//! node labelled, as every node's rollback leaves it) and step 1 again; each node labelled
+//! (leaders first) and checked; the last one rolled back to Kilo (nothing of kg's left) and
+//! moved again; step 4, each node handed from `kilo-rs` to kg's regular DaemonSet. The overlay's
+//! apply that ends step 4 is the other checks' deployment ([`Cluster::deploy`]).
 //!
 //! Kilo's image is built from its source (`xtask/scripts/kilo-image.sh`, cached), which none of
 //! the registries the tests install from serves: the scenario needs a clone of
 //! github.com/squat/kilo with its tags at `$KILO_GIT`, or at `kilo.git` in the cache directory,
 //! and is skipped, saying so, without one.
 //!
-//! Both agents run with `--encapsulate=never`: this kernel has no `ipip` module, which Kilo's
-//! default IPIP inside a location needs.
+//! Both agents run with `--encapsulate=never` until step 4's last apply: this kernel has no `ipip`
+//! module, which Kilo's default IPIP inside a location needs (kg's IPIP, the datapath's, needs
+//! none, and that apply brings it back).
 use std::path::Path;
 
 use super::*;
@@ -19,6 +22,9 @@ use super::*;
 const KILO_TAG: &str = "0.7.0";
 const KILO_MANIFEST: &str = "manifests/kilo-kubeadm-userspace.yaml";
 const KILO_CRDS: &str = "manifests/crds.yaml";
+
+/// docs/migrating.md, step 4's patch of `kilo-rs`.
+pub(super) const KEEP_STATE: &str = r#"[{"op":"test","path":"/spec/template/spec/containers/0/args/1","value":"--clean-up=true"},{"op":"replace","path":"/spec/template/spec/containers/0/args/1","value":"--clean-up=false"}]"#;
 
 /// The order docs/migrating.md asks for: each location's first node, annotated as its leader,
 /// then the others.
@@ -93,7 +99,9 @@ impl std::fmt::Display for Loss {
 }
 
 impl Cluster {
-    /// The round trip, one report step per stage; the cluster is left without Kilo or kg.
+    /// The round trip, one report step per stage, stopping at the first that fails; the cluster
+    /// is left with kg's `kilo` DaemonSet of `manifests/migrate/finish` on every node, for
+    /// [`Cluster::deploy`] to apply the overlay over it (step 4's last command).
     pub(super) fn round_trip(&self, report: &mut Report, git: &Path) {
         let kilo = |path: &str| -> Result<String> {
             output(
@@ -107,54 +115,68 @@ impl Cluster {
             "Kilo 0.7 from its own userspace manifest: its rules on every node",
             || self.kilo_up(&kilo(KILO_MANIFEST)?, &kilo(KILO_CRDS)?),
         );
-        if !up {
-            self.dump_state();
-            return;
-        }
         let mut pods = Vec::new();
-        let reached = report.step("Kilo's mesh: every pod reaches every other", || {
-            pods = self.round_trip_pods()?;
-            Ok(format!(
-                "{} pods, {} pairs",
-                pods.len(),
-                pods.len() * (pods.len() - 1)
-            ))
-        });
-        if !reached {
-            return;
-        }
-        let mut moved = report.step(
+        let mut ok = up
+            && report.step("Kilo's mesh: every pod reaches every other", || {
+                pods = self.round_trip_pods()?;
+                Ok(format!(
+                    "{} pods, {} pairs",
+                    pods.len(),
+                    pods.len() * (pods.len() - 1)
+                ))
+            });
+        let mut step = |name: &str, f: &dyn Fn() -> Result<String>| {
+            ok = ok && report.step(name, || self.under_pings(&pods, f));
+        };
+        step(
             "migration step 1: Kilo's DaemonSet confined (OnDelete), kilo-rs applied, no pod restarted",
-            || self.under_pings(&pods, || self.confine_kilo()),
+            &|| self.confine_kilo(),
+        );
+        step(
+            "full rollback from step 1's state (no node labelled): kg's DaemonSets deleted, Kilo's CRD restored, no pod restarted",
+            &|| self.restore_kilo(&kilo(KILO_CRDS)?),
+        );
+        step("migration step 1 again", &|| self.confine_kilo());
+        for node in MOVE_ORDER {
+            step(
+                &format!(
+                    "migration: {node} labelled for kg, Kilo's rules gone, its kg in sync (kgctl check)"
+                ),
+                &|| self.move_to_kg(node),
+            );
+        }
+        let last = MOVE_ORDER[MOVE_ORDER.len() - 1];
+        step(
+            &format!("rollback: {last} unlabelled, Kilo back, nothing of kg's left"),
+            &|| self.back_to_kilo(last),
+        );
+        step(
+            &format!("migration: {last} labelled for kg again, in sync"),
+            &|| self.move_to_kg(last),
+        );
+        step(
+            "migration step 4: kilo-rs rolled out with --clean-up=false",
+            &|| self.keep_state(),
+        );
+        step(
+            "migration step 4: Kilo's DaemonSet deleted, manifests/migrate/finish applied, no kg pod restarted",
+            &|| self.finish(),
         );
         for node in MOVE_ORDER {
-            if !moved {
-                break;
-            }
-            moved = report.step(
-                &format!("migration: {node} labelled for kg, its kg in sync (/check)"),
-                || self.under_pings(&pods, || self.move_to_kg(node)),
+            step(
+                &format!(
+                    "migration step 4: {node} unlabelled, kg's `kilo` took over from kilo-rs, in sync"
+                ),
+                &|| self.hand_over(node),
             );
         }
-        if !moved {
+        step("migration step 4: kilo-rs deleted", &|| {
+            self.kubectl(&["-n", "kube-system", "delete", "daemonset", "kilo-rs"])
+        });
+        if !ok {
             self.dump_state();
         }
-        let mut back = true;
-        for node in MOVE_ORDER.iter().rev() {
-            back &= report.step(
-                &format!("rollback: {node} unlabelled, Kilo back, nothing of kg's left"),
-                || self.under_pings(&pods, || self.back_to_kilo(node)),
-            );
-        }
-        if back {
-            report.step(
-                "rollback: kg's DaemonSets deleted, Kilo's strategy and CRD restored",
-                || self.under_pings(&pods, || self.restore_kilo(&kilo(KILO_CRDS)?)),
-            );
-        }
-        report.step("Kilo removed with its own clean-up", || {
-            self.kilo_down(&kilo(KILO_MANIFEST)?)
-        });
+        self.round_trip_down(ok);
     }
 
     fn kilo_up(&self, manifest: &str, crds: &str) -> Result<String> {
@@ -322,42 +344,45 @@ impl Cluster {
             "manifests/migrate/finish/not-kg.yaml",
         ])?;
         let applied = self.kubectl_in(&["apply", "-f", "-"], Some(&self.migrate_kustomized()?))?;
-        std::thread::sleep(Duration::from_secs(5));
+        let kept = self.kept(&before, "Kilo's")?;
         let ds = self.json(&["-n", "kube-system", "get", "daemonset", "kilo-rs"])?;
         let desired = ds["status"]["desiredNumberScheduled"].as_u64();
         if desired != Some(0) {
             bail!("kilo-rs wants {desired:?} pods before any node is labelled");
         }
-        if uids(&self.kilo_pods()?) != before {
-            bail!("Kilo's pods were replaced");
-        }
         Ok(format!(
-            "{} objects applied, Kilo's {} pods kept, kilo-rs 0 desired",
+            "{} objects applied, {kept}, kilo-rs 0 desired",
             applied.lines().count(),
-            before.len()
         ))
     }
 
     /// docs/migrating.md's `manifests/migrate`, with its `resources` set to the userspace
-    /// overlay as the document says to (in a copy of `manifests`), under the e2e's layer: the
-    /// image names of `xtask/e2e`, and `--encapsulate=never`.
+    /// overlay as the document says to (in a copy of `manifests`), under the e2e's layer.
     fn migrate_kustomized(&self) -> Result<String> {
+        self.kustomized_copy("migrate", "kilo-rs")
+    }
+
+    /// `manifests/DIR` rendered from a copy of `manifests` whose `DIR/kustomization.yaml` names
+    /// the userspace overlay instead of kubeadm's, as docs/migrating.md says to edit it, under the
+    /// e2e's layer: the image names of `xtask/e2e`, and `--encapsulate=never` for `daemonset`.
+    fn kustomized_copy(&self, dir: &str, daemonset: &str) -> Result<String> {
         let copy = self.work.join("manifests");
         let _ = std::fs::remove_dir_all(&copy);
         run(Command::new("cp")
             .arg("-r")
             .arg(root_dir().join("manifests"))
             .arg(&copy))?;
-        let k = copy.join("migrate/kustomization.yaml");
+        let k = copy.join(dir).join("kustomization.yaml");
         let text = std::fs::read_to_string(&k)?;
-        if !text.contains("- ../overlays/kubeadm\n") {
-            bail!("manifests/migrate names no ../overlays/kubeadm to change");
+        if !text.contains("overlays/kubeadm\n") {
+            bail!("manifests/{dir} names no overlays/kubeadm to change");
         }
         std::fs::write(
             &k,
-            text.replace("- ../overlays/kubeadm\n", "- ../overlays/userspace\n"),
+            text.replace("overlays/kubeadm\n", "overlays/userspace\n"),
         )?;
         let layer = self.work.join("migrate-e2e");
+        let _ = std::fs::remove_dir_all(&layer);
         std::fs::create_dir_all(&layer)?;
         let images = std::fs::read_to_string(root_dir().join("xtask/e2e/kustomization.yaml"))?;
         let images = images
@@ -367,7 +392,7 @@ impl Cluster {
         std::fs::write(
             layer.join("kustomization.yaml"),
             format!(
-                "resources:\n- ../manifests/migrate\npatches:\n- target: {{kind: DaemonSet, name: kilo-rs}}\n  \
+                "resources:\n- ../manifests/{dir}\npatches:\n- target: {{kind: DaemonSet, name: {daemonset}}}\n  \
                  patch: '[{{\"op\": \"add\", \"path\": \"/spec/template/spec/containers/0/args/-\", \
                  \"value\": \"--encapsulate=never\"}}]'\nimages:\n{images}"
             ),
@@ -477,15 +502,109 @@ impl Cluster {
             "app.kubernetes.io/name=kilo-rs",
             "app.kubernetes.io/name=kilo",
         )?;
-        let path = format!("/api/v1/namespaces/kube-system/pods/{pod}:1107/proxy/check");
-        let check = wait_for(Duration::from_secs(60), &format!("{pod}: /check"), || {
-            let answer = self.kubectl(&["get", "--raw", &path])?;
-            Ok(answer.starts_with("in sync").then_some(answer))
-        })?;
+        let kilo = self.node_exec(node, &["sh", "-c", "iptables-save | grep -c KILO || true"])?;
+        if kilo.trim() != "0" {
+            bail!("{node}: {} iptables lines of Kilo's left", kilo.trim());
+        }
+        let check = self.in_sync(node, &pod)?;
         Ok(format!(
-            "after the label: {times}, /check at +{:.0} s: {}",
+            "after the label: {times}, no KILO iptables line, kgctl check at +{:.0} s: {check}",
             now() - start,
-            check.trim()
+        ))
+    }
+
+    /// Waits (60 s) until `kgctl check NODE` (asking kg's `/check` through the API server's pod
+    /// proxy) says the node is in sync, the kernel matching kg's plan, and names `pod`.
+    fn in_sync(&self, node: &str, pod: &str) -> Result<String> {
+        let kgctl = root_dir().join(format!("target/{}/release/kgctl", pins::IMAGE_TARGET));
+        let mut check = Command::new("nsenter");
+        check
+            .arg("--net=/run/netns/krs-e2e-cp")
+            .arg(&kgctl)
+            .arg("--kubeconfig")
+            .arg(self.work.join("admin.kubeconfig"))
+            .args(["check", node]);
+        wait_for(
+            Duration::from_secs(60),
+            &format!("kgctl check {node}"),
+            || {
+                let answer = output(&mut check)?;
+                match answer.starts_with(&format!("{node} ({pod}): in sync")) {
+                    true => Ok(Some(answer.trim().to_owned())),
+                    false => bail!("kgctl check {node}: {answer}"),
+                }
+            },
+        )
+    }
+
+    /// docs/migrating.md, step 4's first command: `kilo-rs` rolled out with `--clean-up=false`
+    /// (the patch's `test` checks the argument it replaces), so that each node's hand-over to
+    /// kg's `kilo` keeps the node's state for the new pod to adopt.
+    fn keep_state(&self) -> Result<String> {
+        let before = uids(&self.pods("app.kubernetes.io/name=kilo-rs")?);
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "patch",
+            "daemonset",
+            "kilo-rs",
+            "--type=json",
+            "-p",
+            KEEP_STATE,
+        ])?;
+        self.rollout("kilo-rs")?;
+        let after = uids(&self.pods("app.kubernetes.io/name=kilo-rs")?);
+        let replaced = after.iter().filter(|u| !before.contains(u)).count();
+        if replaced != before.len() {
+            bail!("{replaced} of {} kilo-rs pods replaced", before.len());
+        }
+        Ok(format!("{replaced} kilo-rs pods replaced"))
+    }
+
+    /// docs/migrating.md, step 4's start: Kilo's DaemonSet (on no node any more) deleted, then
+    /// kg's regular DaemonSet applied, on no node until one is unlabelled. With the userspace
+    /// overlay, `kilo-wireguard` loses the migration's affinity here and rolls.
+    fn finish(&self) -> Result<String> {
+        let kg = uids(&self.pods("app.kubernetes.io/name=kilo-rs")?);
+        let wireguard = uids(&self.wireguard_pods()?);
+        self.kubectl(&["-n", "kube-system", "delete", "daemonset", "kilo"])?;
+        let applied = self.kubectl_in(
+            &["apply", "-f", "-"],
+            Some(&self.kustomized_copy("migrate/finish", "kilo")?),
+        )?;
+        self.rollout("kilo-wireguard")?;
+        let ds = self.json(&["-n", "kube-system", "get", "daemonset", "kilo"])?;
+        let desired = ds["status"]["desiredNumberScheduled"].as_u64();
+        if desired != Some(0) {
+            bail!("kg's `kilo` wants {desired:?} pods while every node is labelled");
+        }
+        if uids(&self.pods("app.kubernetes.io/name=kilo-rs")?) != kg {
+            bail!("kilo-rs's pods were replaced");
+        }
+        let rolled = uids(&self.wireguard_pods()?)
+            .iter()
+            .filter(|u| !wireguard.contains(u))
+            .count();
+        Ok(format!(
+            "{} objects applied, kilo-rs's {} pods kept, kg's `kilo` 0 desired; wireguard-go rolled on {rolled} nodes",
+            applied.lines().count(),
+            kg.len()
+        ))
+    }
+
+    /// docs/migrating.md, step 4, per node: the label removed, `kilo-rs` stops (leaving the node's
+    /// state), kg's `kilo` starts there, adopts it and converges.
+    fn hand_over(&self, node: &str) -> Result<String> {
+        let (pod, start, times) = self.relabel(
+            node,
+            "agent-",
+            "app.kubernetes.io/name=kilo",
+            "app.kubernetes.io/name=kilo-rs",
+        )?;
+        let check = self.in_sync(node, &pod)?;
+        Ok(format!(
+            "after the label's removal: {times}, kgctl check at +{:.0} s: {check}",
+            now() - start,
         ))
     }
 
@@ -512,8 +631,9 @@ impl Cluster {
         ))
     }
 
-    /// The end of docs/migrating.md's rollback: kg's DaemonSets deleted, Kilo's DaemonSet back to
-    /// rolling updates, Kilo's CRD re-applied.
+    /// The end of docs/migrating.md's rollback: kg's DaemonSets deleted, Kilo's CRD re-applied.
+    /// Kilo's DaemonSet keeps step 1's OnDelete: back on RollingUpdate, the controller would
+    /// replace every Kilo pod started before step 1 (its template lacks the affinity).
     fn restore_kilo(&self, crds: &str) -> Result<String> {
         let before = uids(&self.kilo_pods()?);
         self.kubectl(&[
@@ -525,43 +645,64 @@ impl Cluster {
             "kilo-wireguard",
             "--ignore-not-found",
         ])?;
-        self.kubectl(&[
-            "-n",
-            "kube-system",
-            "patch",
-            "daemonset",
-            "kilo",
-            "-p",
-            r#"{"spec":{"updateStrategy":{"type":"RollingUpdate"}}}"#,
-        ])?;
         self.kubectl_in(&["apply", "-f", "-"], Some(crds))?;
-        for node in ["n1", "n3", "n5"] {
-            self.kubectl(&["annotate", "node", node, "kilo.squat.ai/leader-"])?;
-        }
-        if uids(&self.kilo_pods()?) != before {
-            bail!("Kilo's pods were replaced");
-        }
-        Ok(format!("Kilo's {} pods kept", before.len()))
+        self.kept(&before, "Kilo's")
     }
 
-    fn kilo_down(&self, manifest: &str) -> Result<String> {
-        self.kubectl(&["delete", "pods", "-l", "app=trip", "--wait=false"])?;
-        self.kubectl_in(&["delete", "-f", "-"], Some(&kilo_manifest(manifest)?))?;
-        self.kubectl(&["-n", "kube-system", "delete", "configmap", "kube-proxy"])?;
-        wait_for(Duration::from_secs(120), "Kilo's pods gone", || {
-            Ok(self.kilo_pods()?.is_empty().then_some(()))
+    /// Fails if the pods of Kilo's DaemonSet are not `before`, once its controller has seen its
+    /// last change and had 5 s more to act on it.
+    fn kept(&self, before: &[String], whose: &str) -> Result<String> {
+        wait_for(Duration::from_secs(30), "Kilo's DaemonSet observed", || {
+            let ds = self.json(&["-n", "kube-system", "get", "daemonset", "kilo"])?;
+            let seen = ds["status"]["observedGeneration"].as_u64();
+            Ok((seen >= ds["metadata"]["generation"].as_u64()).then_some(()))
         })?;
-        let mut left = Vec::new();
-        for (node, _) in NODES {
-            let n = self.node_exec(node, &["sh", "-c", "iptables-save | grep -c KILO || true"])?;
-            if n.trim() != "0" {
-                left.push(format!("{node}: {} iptables lines", n.trim()));
+        std::thread::sleep(Duration::from_secs(5));
+        if uids(&self.kilo_pods()?) != before {
+            bail!("{whose} pods were replaced");
+        }
+        Ok(format!("{whose} {} pods kept", before.len()))
+    }
+
+    /// What the round trip leaves that the other steps do not expect: its pods, the leader
+    /// annotations and kube-proxy's ConfigMap; after a failure (`!done`), also every agent, so
+    /// that [`Cluster::deploy`] starts from nodes without one.
+    fn round_trip_down(&self, done: bool) {
+        let mut left = vec![
+            vec!["delete", "pods", "-l", "app=trip", "--wait=false"],
+            vec!["-n", "kube-system", "delete", "configmap", "kube-proxy"],
+        ];
+        for node in ["n1", "n3", "n5"] {
+            left.push(vec!["annotate", "node", node, "kilo.squat.ai/leader-"]);
+        }
+        if !done {
+            left.push(vec![
+                "-n",
+                "kube-system",
+                "delete",
+                "daemonset",
+                "--ignore-not-found",
+                "kilo",
+                "kilo-rs",
+                "kilo-wireguard",
+            ]);
+        }
+        for args in left {
+            if let Err(e) = self.kubectl(&args) {
+                eprintln!("e2e: the round trip's clean-up: {e:#}");
             }
         }
-        if !left.is_empty() {
-            bail!("Kilo's clean-up left: {}", left.join(", "));
+        if !done {
+            let gone = wait_for(Duration::from_secs(120), "the agents' pods gone", || {
+                Ok(self
+                    .pods("app.kubernetes.io/part-of=kilo")?
+                    .is_empty()
+                    .then_some(()))
+            });
+            if let Err(e) = gone {
+                eprintln!("e2e: the round trip's clean-up: {e:#}");
+            }
         }
-        Ok("no KILO iptables rule left on any node".into())
     }
 }
 
