@@ -166,8 +166,19 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
     /// or published is retried.
     async fn turn(&mut self) -> Result<Action, AgentError> {
         self.publish_failed = false;
+        let began = Instant::now();
         let report = self.pass().await?;
         self.failing = None;
+        if let Some(start) = self.start_up.filter(|_| report.problems.is_empty()) {
+            self.start_up = None;
+            tracing::info!(
+                target: super::START_UP,
+                after_ms = start.elapsed().as_millis() as u64,
+                pass_ms = began.elapsed().as_millis() as u64,
+                writes = %report.writes,
+                "the kernel matches the first plan"
+            );
+        }
         Ok(if report.problems.is_empty() && !self.publish_failed {
             Action::AwaitChange
         } else {

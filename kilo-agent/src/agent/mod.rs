@@ -189,7 +189,14 @@ pub struct Agent<P, K, W, D> {
     malformed: malformed::MalformedWatch,
     /// `/check`s to answer ([`Agent::answer_checks`]).
     checks: Option<tokio::sync::mpsc::Receiver<crate::telemetry::CheckRequest>>,
+    /// When the process started building the agent, until the first pass that left the kernel
+    /// matching the plan ([`Agent::timed_from`]).
+    start_up: Option<std::time::Instant>,
 }
+
+/// The log target of the two start-up lines: the phases of building the agent, then the first
+/// pass that leaves the kernel matching the plan.
+pub const START_UP: &str = "kilo_agent::start_up";
 
 /// Reads the local node's `cni-compatibility-ip` (`--compatibility=cilium`: `cilium_host`'s
 /// IPv4 address); an error keeps the last value.
@@ -232,7 +239,15 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             service_cidrs: None,
             malformed: Default::default(),
             checks: None,
+            start_up: None,
         }
+    }
+
+    /// Logs, at the first pass that leaves the kernel matching the plan, how long after `start`
+    /// that was.
+    pub fn timed_from(mut self, start: std::time::Instant) -> Self {
+        self.start_up = Some(start);
+        self
     }
 
     /// Answers the `/check`s that arrive on `checks` between passes (see [`Agent::check`]).

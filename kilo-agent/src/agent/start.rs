@@ -3,7 +3,12 @@
 //! detection, the datapath, the WireGuard and tunnel devices), then the lock-down before the
 //! loop ([`Started::run`]: capabilities dropped, seccomp); likewise for `kg webhook`
 //! ([`webhook`]). The functions that decide something from the flags are pure and tested here.
-use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use super::{
     Agent, AgentError, Local, LoopSettings, Planner, Stats, caps,
@@ -169,10 +174,11 @@ fn private_key(flags: &Flags) -> Result<Key, StartError> {
     })
 }
 
-/// The eBPF datapath, or none (see [`loads_datapath`]).
-fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathOps>, StartError> {
+/// The eBPF datapath loaded (its pins adopted, or the programs loaded and verified), or none
+/// (see [`loads_datapath`]).
+fn load_datapath(flags: &Flags) -> Result<Option<Datapath>, StartError> {
     if !loads_datapath(flags) {
-        return Ok(Box::new(NoDatapath));
+        return Ok(None);
     }
     kernel::check()?;
     let mut loaded = Datapath::open(DatapathConfig {
@@ -190,13 +196,46 @@ fn datapath(flags: &Flags, devices: Devices) -> Result<Box<dyn DatapathOps>, Sta
             .map_err(StartError::DatapathLogs)?;
         tokio::spawn(logs::forward(logger));
     }
-    Ok(Box::new(DatapathReconciler::new(
-        loaded,
-        devices,
-        &flags.datapath_interfaces,
-        flags.fast_path,
-    )))
+    Ok(Some(loaded))
 }
+
+/// How long each phase of [`start`] took, for its log line.
+struct Laps {
+    start: Instant,
+    last: Instant,
+    laps: Vec<(&'static str, Duration)>,
+}
+
+impl Laps {
+    fn new(start: Instant) -> Self {
+        Laps {
+            start,
+            last: start,
+            laps: Vec::new(),
+        }
+    }
+
+    /// Ends the phase `name`.
+    fn lap(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.laps.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Laps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, d)) in self.laps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{name} {:.1} ms", d.as_secs_f64() * 1e3)?;
+        }
+        Ok(())
+    }
+}
+
+/// How long the host name's lookup may hold start-up: getaddrinfo can block on a resolver that
+/// does not answer.
+const LOOKUP_BOUND: Duration = Duration::from_secs(2);
 
 async fn backend(flags: &Flags, metrics: &Metrics) -> Result<Arc<dyn Backend>, StartError> {
     Ok(match flags.backend {
@@ -225,27 +264,45 @@ pub struct Started<P> {
 }
 
 /// Builds the agent `flags` describe: reads the host name and the key, detects this node's
-/// addresses, starts the backend, opens the WireGuard device, the datapath and the netlink
-/// connection.
+/// addresses, starts the backend (whose first listing proceeds meanwhile), opens the WireGuard
+/// device, the datapath and the netlink connection. The host name's lookup runs beside all of
+/// these. Logs the time each phase took (target [`super::START_UP`]).
 pub async fn start(flags: &Flags) -> Result<Started<impl Planner + use<>>, StartError> {
+    let mut laps = Laps::new(Instant::now());
     warn_missing_capabilities(flags);
     prerequisites::warn_missing(flags);
     let hostname = hostname(flags)?;
+    // Before seccomp, threads are fine.
+    let name = hostname.clone();
+    let lookup = tokio::time::timeout(
+        LOOKUP_BOUND,
+        tokio::task::spawn_blocking(move || detect::resolve_hostname(&name)),
+    );
     let private_key = private_key(flags)?;
     let public_key = key_file::public_key(&private_key);
-
+    laps.lap("prerequisites and key");
     let host = detect::observe().await?;
+    laps.lap("addresses");
+    let metrics = Metrics::new();
+    let backend = backend(flags, &metrics).await?;
+    laps.lap("backend started");
+    let wireguard = if flags.create_interface {
+        WgControl::new(&flags.interface, WgApi::Kernel)?
+    } else {
+        WgControl::detect(&flags.interface)?
+    };
+    tracing::info!(api = ?wireguard.api(), interface = %flags.interface, "WireGuard device");
+    laps.lap("WireGuard device");
+    let loaded = load_datapath(flags)?;
+    laps.lap("datapath");
+    let mut kernel = NetlinkKernel::connect()?;
+    let changes = netlink::Changes::default();
+    kernel.follow(changes.clone());
+    laps.lap("netlink");
+    let hostname_ips = lookup.await.ok().and_then(Result::ok).unwrap_or_default();
+    laps.lap("host name lookup");
+
     let ignored = [flags.interface.as_str(), "tunl0", "kube-bridge"];
-    // getaddrinfo can block on an unreachable resolver: bound it (before seccomp, threads are fine).
-    let name = hostname.clone();
-    let hostname_ips = tokio::time::timeout(
-        Duration::from_secs(2),
-        tokio::task::spawn_blocking(move || detect::resolve_hostname(&name)),
-    )
-    .await
-    .ok()
-    .and_then(Result::ok)
-    .unwrap_or_default();
     let ips = detect::choose(&host, &hostname_ips, &ignored, &flags.internal_cidr);
     let local = local(flags, &hostname, public_key, &ips);
     tracing::info!(
@@ -259,24 +316,20 @@ pub async fn start(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
         Mtu::Auto => detect::auto_mtu(&host),
         Mtu::Fixed(m) => m,
     };
-
-    let metrics = Metrics::new();
-    let backend = backend(flags, &metrics).await?;
-    let wireguard = if flags.create_interface {
-        WgControl::new(&flags.interface, WgApi::Kernel)?
-    } else {
-        WgControl::detect(&flags.interface)?
-    };
-    tracing::info!(api = ?wireguard.api(), interface = %flags.interface, "WireGuard device");
     let devices = Devices {
         wireguard: flags.interface.clone(),
         private: ips.private.map(|a| a.interface),
         tunnel: tunnel_device(flags, host.mtus.contains_key("cilium_tunl")).map(str::to_string),
     };
-    let datapath = datapath(flags, devices.clone())?;
-    let mut kernel = NetlinkKernel::connect()?;
-    let changes = netlink::Changes::default();
-    kernel.follow(changes.clone());
+    let datapath: Box<dyn DatapathOps> = match loaded {
+        Some(loaded) => Box::new(DatapathReconciler::new(
+            loaded,
+            devices.clone(),
+            &flags.datapath_interfaces,
+            flags.fast_path,
+        )),
+        None => Box::new(NoDatapath),
+    };
     let reconciler = Reconciler::new(
         kernel,
         wireguard,
@@ -314,8 +367,15 @@ pub async fn start(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
             Box::pin(async move { cilium.address().await.map_err(|e| e.to_string()) })
         }));
     }
+    laps.lap("agent");
+    tracing::info!(
+        target: super::START_UP,
+        after_ms = laps.start.elapsed().as_millis() as u64,
+        phases = %laps,
+        "built"
+    );
     Ok(Started {
-        agent,
+        agent: agent.timed_from(laps.start),
         changes,
         listen: flags.listen,
         datapath: flags.datapath,

@@ -5,6 +5,7 @@
 use std::{
     fs::File,
     os::fd::AsRawFd,
+    path::Path,
     process::{Child, Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
     time::{Duration, Instant},
@@ -55,9 +56,20 @@ impl NetNs {
     }
 }
 
+impl NetNs {
+    /// The `/etc/hosts` of what `ip netns exec` runs in this namespace (it mounts
+    /// `/etc/netns/NAME/hosts` over it): `text`. Removed with the namespace.
+    pub fn hosts(&self, text: &str) {
+        let dir = Path::new("/etc/netns").join(&self.name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("hosts"), text).unwrap();
+    }
+}
+
 impl Drop for NetNs {
     fn drop(&mut self) {
         let _ = try_sh(&format!("ip netns del {}", self.name));
+        let _ = std::fs::remove_dir_all(Path::new("/etc/netns").join(&self.name));
     }
 }
 
