@@ -678,17 +678,6 @@ mod tests {
         assert!(ping_loss("no summary", 0.2).is_err());
     }
 
-    /// The round trip runs docs/migrating.md's step 4 patch as the document prints it.
-    #[test]
-    fn the_migration_document_gives_the_patch_the_e2e_runs() {
-        let doc = std::fs::read_to_string(root_dir().join("docs/migrating.md")).unwrap();
-        let command = format!(
-            "kubectl -n kube-system patch daemonset kilo-rs --type=json -p '{}'",
-            round_trip::KEEP_STATE
-        );
-        assert!(doc.contains(&command), "docs/migrating.md lacks {command}");
-    }
-
     #[test]
     fn cidr_containment() {
         assert!(in_cidr("10.42.3.7", "10.42.3.0/24"));

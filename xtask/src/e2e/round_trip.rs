@@ -23,9 +23,6 @@ const KILO_TAG: &str = "0.7.0";
 const KILO_MANIFEST: &str = "manifests/kilo-kubeadm-userspace.yaml";
 const KILO_CRDS: &str = "manifests/crds.yaml";
 
-/// docs/migrating.md, step 4's patch of `kilo-rs`.
-pub(super) const KEEP_STATE: &str = r#"[{"op":"test","path":"/spec/template/spec/containers/0/args/1","value":"--clean-up=true"},{"op":"replace","path":"/spec/template/spec/containers/0/args/1","value":"--clean-up=false"}]"#;
-
 /// The order docs/migrating.md asks for: each location's first node, annotated as its leader,
 /// then the others.
 const MOVE_ORDER: &[&str] = &["n1", "n3", "n5", "n2", "n4"];
@@ -155,17 +152,13 @@ impl Cluster {
             &|| self.move_to_kg(last),
         );
         step(
-            "migration step 4: kilo-rs rolled out with --clean-up=false",
-            &|| self.keep_state(),
-        );
-        step(
             "migration step 4: Kilo's DaemonSet deleted, manifests/migrate/finish applied, no kg pod restarted",
             &|| self.finish(),
         );
         for node in MOVE_ORDER {
             step(
                 &format!(
-                    "migration step 4: {node} unlabelled, kg's `kilo` took over from kilo-rs, in sync"
+                    "migration step 4: {node} unlabelled, kilo-rs cleaned up, kg's `kilo` in sync"
                 ),
                 &|| self.hand_over(node),
             );
@@ -537,30 +530,6 @@ impl Cluster {
         )
     }
 
-    /// docs/migrating.md, step 4's first command: `kilo-rs` rolled out with `--clean-up=false`
-    /// (the patch's `test` checks the argument it replaces), so that each node's hand-over to
-    /// kg's `kilo` keeps the node's state for the new pod to adopt.
-    fn keep_state(&self) -> Result<String> {
-        let before = uids(&self.pods("app.kubernetes.io/name=kilo-rs")?);
-        self.kubectl(&[
-            "-n",
-            "kube-system",
-            "patch",
-            "daemonset",
-            "kilo-rs",
-            "--type=json",
-            "-p",
-            KEEP_STATE,
-        ])?;
-        self.rollout("kilo-rs")?;
-        let after = uids(&self.pods("app.kubernetes.io/name=kilo-rs")?);
-        let replaced = after.iter().filter(|u| !before.contains(u)).count();
-        if replaced != before.len() {
-            bail!("{replaced} of {} kilo-rs pods replaced", before.len());
-        }
-        Ok(format!("{replaced} kilo-rs pods replaced"))
-    }
-
     /// docs/migrating.md, step 4's start: Kilo's DaemonSet (on no node any more) deleted, then
     /// kg's regular DaemonSet applied, on no node until one is unlabelled. With the userspace
     /// overlay, `kilo-wireguard` loses the migration's affinity here and rolls.
@@ -592,8 +561,8 @@ impl Cluster {
         ))
     }
 
-    /// docs/migrating.md, step 4, per node: the label removed, `kilo-rs` stops (leaving the node's
-    /// state), kg's `kilo` starts there, adopts it and converges.
+    /// docs/migrating.md, step 4, per node: the label removed, `kilo-rs` cleans up and stops,
+    /// kg's `kilo` starts there and converges.
     fn hand_over(&self, node: &str) -> Result<String> {
         let (pod, start, times) = self.relabel(
             node,
