@@ -195,6 +195,20 @@ fn list(kind: &str, items: serde_json::Value) -> Response<Body> {
         .unwrap()
 }
 
+/// The first snapshot may be published before the agent subscribes (kg starts the backend
+/// early, so that its first listing overlaps the rest of start-up): a later subscriber gets it.
+#[test]
+fn a_snapshot_published_before_anyone_subscribed_is_kept() {
+    let (tx, rx) = tokio::sync::watch::channel(Update::default());
+    drop(rx);
+    let mut s = State::default();
+    s.nodes.synced = true;
+    s.peers.synced = true;
+    s.service_cidrs.synced = true;
+    s.publish(&tx);
+    assert_eq!(tx.subscribe().borrow().generation, 1);
+}
+
 #[tokio::test]
 async fn watchers_list_then_watch_and_filter_heartbeats() {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();

@@ -143,7 +143,9 @@ impl State {
         }
         self.generation += 1;
         let (service_cidrs, errors) = service_cidrs(&self.service_cidrs.objects);
-        let _ = tx.send(Update {
+        // Kept for a later subscriber too (`send` drops it while there is none): the first
+        // snapshot may come before the agent subscribes.
+        tx.send_replace(Update {
             snapshot: Arc::new(Snapshot {
                 nodes: self.nodes.objects.clone(),
                 peers: self.peers.objects.clone(),
