@@ -327,6 +327,16 @@ impl Cluster {
         serde_json::from_str(&self.kubectl(&all)?).context("kubectl's JSON")
     }
 
+    /// This build's kgctl (the image's), in the control plane's namespace, on the cluster.
+    fn kgctl(&self) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg("--net=/run/netns/krs-e2e-cp")
+            .arg(root_dir().join(format!("target/{}/release/kgctl", pins::IMAGE_TARGET)))
+            .arg("--kubeconfig")
+            .arg(self.work.join("admin.kubeconfig"));
+        cmd
+    }
+
     /// Runs `cmd` in a node's network and mount namespaces.
     fn node_exec(&self, node: &str, cmd: &[&str]) -> Result<String> {
         let out = Command::new("bash")

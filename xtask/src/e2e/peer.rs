@@ -20,15 +20,7 @@ impl Cluster {
                 "allowedIPs": [ADDRESS], "publicKey": public.trim(), "persistentKeepalive": 10,
             },
         }))?;
-        let kgctl = root_dir().join(format!("target/{}/release/kgctl", pins::IMAGE_TARGET));
-        let conf = output(
-            Command::new("nsenter")
-                .arg("--net=/run/netns/krs-e2e-cp")
-                .arg(&kgctl)
-                .arg("--kubeconfig")
-                .arg(self.work.join("admin.kubeconfig"))
-                .args(["showconf", "peer", "ext"]),
-        )?;
+        let conf = output(self.kgctl().args(["showconf", "peer", "ext"]))?;
         if !conf.contains("[Peer]") {
             bail!("kgctl showconf peer ext printed {conf:?}");
         }

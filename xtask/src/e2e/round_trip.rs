@@ -509,14 +509,8 @@ impl Cluster {
     /// Waits (60 s) until `kgctl check NODE` (asking kg's `/check` through the API server's pod
     /// proxy) says the node is in sync, the kernel matching kg's plan, and names `pod`.
     fn in_sync(&self, node: &str, pod: &str) -> Result<String> {
-        let kgctl = root_dir().join(format!("target/{}/release/kgctl", pins::IMAGE_TARGET));
-        let mut check = Command::new("nsenter");
-        check
-            .arg("--net=/run/netns/krs-e2e-cp")
-            .arg(&kgctl)
-            .arg("--kubeconfig")
-            .arg(self.work.join("admin.kubeconfig"))
-            .args(["check", node]);
+        let mut check = self.kgctl();
+        check.args(["check", node]);
         wait_for(
             Duration::from_secs(60),
             &format!("kgctl check {node}"),
