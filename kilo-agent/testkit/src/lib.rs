@@ -31,6 +31,7 @@ pub mod netns;
 pub mod packets;
 pub mod reliability;
 pub mod report;
+pub mod stats;
 pub mod traffic;
 
 pub use kilo_common::median;

@@ -89,6 +89,16 @@ impl State {
         }
     }
 
+    /// [`State::interval`] once the rounds are spent: where the interval straddles the
+    /// threshold, the median decides (the figure beside it gives the interval); with too few
+    /// rounds for an interval (a `--quick` run), not judged.
+    pub fn judged(med: f64, lo: f64, hi: f64, ok: impl Fn(f64) -> bool) -> State {
+        match State::interval(lo, hi, &ok) {
+            State::NotJudged if med.is_finite() && lo.is_finite() => State::of(ok(med)),
+            s => s,
+        }
+    }
+
     /// The state of several parts of one target: not met if any part is, else not measured
     /// or not judged if any part is (in that order), else met; no part at all is not measured.
     pub fn all(parts: impl IntoIterator<Item = State>) -> State {
@@ -121,4 +131,22 @@ pub fn target(what: &str, figure: &str, state: State) {
 /// A fact about the run (a tool's version, a parameter).
 pub fn meta(key: &str, value: &str) {
     emit(json!({"type": "meta", "key": key, "value": value}));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::State;
+
+    #[test]
+    fn judged_on_the_interval_then_the_median() {
+        let ok = |v: f64| v <= 15.0;
+        assert_eq!(State::judged(10.0, 8.0, 12.0, ok), State::Met);
+        assert_eq!(State::judged(20.0, 18.0, 22.0, ok), State::NotMet);
+        assert_eq!(State::judged(14.0, 10.0, 18.0, ok), State::Met);
+        assert_eq!(State::judged(16.0, 10.0, 18.0, ok), State::NotMet);
+        assert_eq!(
+            State::judged(14.0, f64::NAN, f64::NAN, ok),
+            State::NotJudged
+        );
+    }
 }

@@ -1,5 +1,5 @@
 //! `cargo xtask bench [WHAT] [--quick] [--debug] [--no-run] [--out DIR] [-- ARGS]`: runs the benchmark
-//! examples (`kilo-agent/examples/bench_<what>.rs`, every one by default, and `e2e`: the figures
+//! examples (`kilo-agent/examples/bench_<what>.rs` or `bench_<what>/main.rs`, every one by default, and `e2e`: the figures
 //! `cargo xtask e2e --bench` measures on a real cluster, not with `--quick`) and renders what they
 //! measured into `DIR/BENCHMARKS.md` (DIR defaults to the repository root), SVG plots in
 //! `DIR/docs/bench/`, and the summary table between the `bench-summary` markers of
@@ -86,9 +86,10 @@ fn benchmarks() -> Result<Vec<String>> {
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            name.strip_prefix("bench_")
-                .and_then(|n| n.strip_suffix(".rs"))
-                .map(str::to_owned)
+            // `bench_<what>.rs`, or a directory `bench_<what>/` with its `main.rs`.
+            let what = name.strip_prefix("bench_")?;
+            let what = what.strip_suffix(".rs").unwrap_or(what);
+            (e.path().is_file() || e.path().join("main.rs").is_file()).then(|| what.to_owned())
         })
         .collect();
     // The e2e cluster's figures (`cargo xtask e2e --bench`): root only, not in `--quick`.

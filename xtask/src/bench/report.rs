@@ -135,7 +135,14 @@ pub(super) fn cell_text(c: Option<&Cell>) -> String {
 pub(super) fn intro(what: &str) -> String {
     let path = match what {
         E2E => root_dir().join("xtask/src/e2e/mod.rs"),
-        _ => root_dir().join(format!("kilo-agent/examples/bench_{what}.rs")),
+        _ => {
+            let file = root_dir().join(format!("kilo-agent/examples/bench_{what}.rs"));
+            if file.exists() {
+                file
+            } else {
+                root_dir().join(format!("kilo-agent/examples/bench_{what}/main.rs"))
+            }
+        }
     };
     let src = read(&path.to_string_lossy());
     let src = match what {
