@@ -369,11 +369,38 @@ fn report_part2(p: &Part2, ns_list: &[usize], modes: &[Mode]) {
             }
         }
     }
+    let id = "established-paired";
+    report::table(
+        id,
+        "Live: a packet of an established connection, ours - the others per round (router's \
+         softirq time)",
+        "ns per packet",
+    );
+    for (m, (mode, _, _)) in modes.iter().enumerate() {
+        for (i, &n) in ns_list.iter().enumerate() {
+            let col = n.to_string();
+            let ours = &p.established[&(i, m, FlowCase::Ours)];
+            for c in FlowCase::at(n) {
+                if c == FlowCase::Ours {
+                    continue;
+                }
+                let d = paired(ours, &p.established[&(i, m, c)], false);
+                let row = format!("ours - {} ({mode})", c.name());
+                report::cell(id, &row, &col, &d);
+                report::text(
+                    id,
+                    &format!("{row}: 95% interval of the median"),
+                    &col,
+                    &interval_text(&d, 1),
+                );
+            }
+        }
+    }
     report::note(
         id,
-        "The same rounds: packets of one flow set up just before (conntrack holds it), so no nat \
-         rule runs, Kilo's nor ours: netfilter looks at a connection's nat rules on its first \
-         packet only. What differs is the program at the router's ingress, which ours runs on \
-         every packet and Kilo's rules do not have.",
+        "Packets of one flow set up just before (conntrack holds it), in the same rounds as the \
+         new connections: no nat rule runs, Kilo's nor ours, as netfilter consults a \
+         connection's nat rules on its first packet only. What ours adds is the program at the \
+         router's ingress, which runs on every packet and which Kilo's rules do not have.",
     );
 }
