@@ -300,11 +300,8 @@ pub fn report_part1(p1: &Samples, prog: &Samples, modes: &[Mode]) {
     }
     report::note(
         id,
-        "Pod -> router -> receiver namespaces; the sender writes raw frames on CPU 0. Same-CPU: \
-         the router's softirq runs right after each frame on the sender's CPU; cross-CPU: RPS \
-         steers it to CPU 1, frames paced 10 us apart. Two raw-tracepoint programs sum the \
-         NET_RX softirq time of every CPU (the kernel measured on has no IRQ time accounting); the sink \
-         row is the cost of one veth delivery + softirq + drop, about the receiver's share.",
+        "The sink row is the cost of one veth delivery + softirq + drop, about the receiver's \
+         share.",
     );
     if !prog.is_empty() {
         let id = "prog";
@@ -357,9 +354,7 @@ pub fn report_part1(p1: &Samples, prog: &Samples, modes: &[Mode]) {
         id,
         "Per round, the NET_RX softirq time per packet with ours minus that with the empty \
          program in the same mode and round (the masquerade case against the empty program \
-         under NAT-all); the cell is the median and range of those differences, the interval a \
-         distribution-free 95% confidence interval of the median (order statistics). Rounds \
-         are added until every interval is narrower than 45 ns or the limit is reached. A \
+         under NAT-all). Rounds are added until every interval is narrower than 45 ns or the limit is reached. A \
          figure: the program's own cost is judged with BPF_PROG_TEST_RUN (the datapath \
          benchmark), where the clock reads are not shared with the rest of the stack.",
     );

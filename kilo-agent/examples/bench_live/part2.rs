@@ -341,9 +341,7 @@ fn report_part2(p: &Part2, ns_list: &[usize], modes: &[Mode]) {
         report::note(
             id,
             "Per round, the reference's NET_RX time per new connection over ours in the same \
-             mode and round (above 1: ours is faster); the cell is the median and range of those \
-             ratios, the interval a distribution-free 95% confidence interval of the median \
-             (order statistics). Rounds are added until every interval lies wholly on one side \
+             mode and round (above 1: ours is faster). Rounds are added until every interval lies wholly on one side \
              of its threshold or the limit is reached; an interval still astride then is judged \
              on its median, and says so.",
         );
