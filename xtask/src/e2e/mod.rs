@@ -590,7 +590,8 @@ fn uapi_get(socket: &Path) -> Result<String> {
 }
 
 /// Sent, received, and the longest run of unanswered pings in seconds, from a busybox `ping -i
-/// INTERVAL` log that ended with its summary.
+/// INTERVAL` log that ended with its summary. busybox prints the summary as soon as it is
+/// stopped, so the last ping sent may still be on its way: unanswered, it is not counted as sent.
 fn ping_loss(log: &str, interval: f64) -> Result<(u64, u64, f64)> {
     let summary = log
         .lines()
@@ -600,7 +601,7 @@ fn ping_loss(log: &str, interval: f64) -> Result<(u64, u64, f64)> {
         .split(|c: char| !c.is_ascii_digit())
         .filter_map(|w| w.parse().ok())
         .collect();
-    let (sent, received) = (nums[0], nums[1]);
+    let (mut sent, received) = (nums[0], nums[1]);
     // The answered sequence numbers, with the first and one past the last sent around them.
     let mut seqs = vec![-1i64];
     seqs.extend(
@@ -608,6 +609,9 @@ fn ping_loss(log: &str, interval: f64) -> Result<(u64, u64, f64)> {
             .skip(1)
             .filter_map(|r| r.split_whitespace().next()?.parse::<i64>().ok()),
     );
+    if sent > 0 && !seqs.contains(&(sent as i64 - 1)) {
+        sent -= 1;
+    }
     seqs.push(sent as i64);
     let gap = seqs.windows(2).map(|w| w[1] - w[0] - 1).max().unwrap_or(0);
     Ok((sent, received, gap.max(0) as f64 * interval))
@@ -682,10 +686,25 @@ mod tests {
 10 packets transmitted, 3 packets received, 70% packet loss
 ";
         let (sent, received, gap) = ping_loss(log, 0.2).unwrap();
-        assert_eq!((sent, received), (10, 3));
-        // seq 7, 8 and 9 unanswered at the end: the longest run.
+        // seq 9 was in flight when ping stopped; 3 to 5 unanswered: the longest run (7 and 8
+        // at the end are shorter).
+        assert_eq!((sent, received), (9, 3));
         assert!((gap - 0.6).abs() < 1e-9, "{gap}");
         assert!(ping_loss("no summary", 0.2).is_err());
+        // Only the last one unanswered: in flight, no loss.
+        let log = "64 bytes from 10.0.0.2: seq=0 ttl=64 time=0.1 ms
+64 bytes from 10.0.0.2: seq=1 ttl=64 time=0.1 ms
+3 packets transmitted, 2 packets received, 33% packet loss
+";
+        assert_eq!(ping_loss(log, 0.2).unwrap(), (2, 2, 0.0));
+        // The middle one unanswered: a loss.
+        let log = "64 bytes from 10.0.0.2: seq=0 ttl=64 time=0.1 ms
+64 bytes from 10.0.0.2: seq=2 ttl=64 time=0.1 ms
+3 packets transmitted, 2 packets received, 33% packet loss
+";
+        let (sent, received, gap) = ping_loss(log, 0.2).unwrap();
+        assert_eq!((sent, received), (3, 2));
+        assert!((gap - 0.2).abs() < 1e-9, "{gap}");
     }
 
     #[test]

@@ -305,10 +305,12 @@ impl Cluster {
                     self.kubectl(&["exec", from, "--", "cat", &format!("/tmp/ping-{ip}.log")])?;
                 let (sent, received, gap) = ping_loss(&log, 0.2)?;
                 loss.sent += sent;
-                loss.lost += sent - received;
+                loss.lost += sent.saturating_sub(received);
                 if received < sent {
-                    loss.pairs
-                        .push(format!("{from} -> {to}: {} ({gap:.1} s)", sent - received));
+                    loss.pairs.push(format!(
+                        "{from} -> {to}: {} ({gap:.1} s)",
+                        sent.saturating_sub(received)
+                    ));
                 }
             }
         }
