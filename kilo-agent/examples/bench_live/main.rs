@@ -15,7 +15,6 @@ use kilo_testkit::{self as support, report};
 use std::{net::Ipv4Addr, thread, time::Duration};
 
 use clap::Parser;
-use kilo_agent::{datapath::ifindex, plan::Device};
 
 mod clock;
 mod kilo;
@@ -204,12 +203,7 @@ fn main() {
     let mut stats = (!args.no_prog_stats)
         .then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF_ENABLE_STATS"));
     let mut router = Router::new(&lab.rtr);
-    let out0 = ifindex("out0").unwrap();
-    let resolver = move |d: Device| (d == Device::Private).then_some(out0);
-    router
-        .dp
-        .apply(&router::plan(1_000), &resolver)
-        .expect("apply");
+    router.apply_plan(1_000);
     router.lookups = Some(support::lookups(&mut router.dp));
 
     let mut checks = Vec::new();

@@ -3,7 +3,7 @@
 //! rules (nf_tables and legacy iptables), every case in every round.
 use std::collections::BTreeMap;
 
-use kilo_agent::{datapath::Decision, plan::Device};
+use kilo_agent::datapath::Decision;
 use kilo_testkit::{
     report,
     stats::{decides, interval_text, median_ci, paired},
@@ -120,14 +120,12 @@ pub fn run(
     (rounds, max_rounds): (usize, usize),
 ) -> Vec<String> {
     let kilo: Vec<KiloRouter> = Iptables::ALL.into_iter().map(KiloRouter::new).collect();
-    let out0 = kilo_agent::datapath::ifindex("out0").unwrap();
-    let resolver = move |d: Device| (d == Device::Private).then_some(out0);
     let mut p = Part2::default();
     let mut rounds_done = Vec::new();
     for (i, &n) in ns_list.iter().enumerate() {
         let mesh = plan(n);
         router.set(Prog::None, Nf::Off);
-        let w = router.dp.apply(&mesh, &resolver).expect("apply");
+        let writes = router.apply_plan(n);
         let cases = FlowCase::at(n);
         if n <= KILO_MAX_N {
             for k in &kilo {
@@ -136,7 +134,7 @@ pub fn run(
         }
         let masq0: Vec<u64> = kilo.iter().map(KiloRouter::masqueraded).collect();
         let mut new_rx = BTreeMap::<Iptables, u64>::new();
-        eprintln!("part 2: {n} entries ({} map writes)", w.total());
+        eprintln!("part 2: {n} entries ({writes} map writes)");
         let mut done = 0;
         let decided = |p: &Part2| {
             (0..modes.len()).all(|m| {

@@ -89,6 +89,14 @@ impl Router {
         Some((info.run_time().as_nanos() as u64, info.run_count()))
     }
 
+    /// Fills our tries with [`plan`]`(n)`, the mesh next hop on `out0`; the map writes it took.
+    pub fn apply_plan(&mut self, n: usize) -> u64 {
+        enter(&self.ns);
+        let out0 = ifindex("out0").expect("out0");
+        let resolver = move |d: Device| (d == Device::Private).then_some(out0);
+        self.dp.apply(&plan(n), &resolver).expect("apply").total()
+    }
+
     /// Attaches `prog` and sets up `nf` (from the router namespace, whatever the thread's).
     pub fn set(&mut self, prog: Prog, nf: Nf) {
         enter(&self.ns);
