@@ -179,6 +179,7 @@ fn main() {
             subnet: settings.subnet,
             service_cidrs: settings.service_cidrs.clone(),
             persistent_keepalive: 0,
+            kg_nodes: snap.kg_nodes.clone(),
         };
         let (tp_t, tp_ms, _) = time(runs, || {
             let t = Topology::new(&parsed.nodes, &parsed.peers, &opts).unwrap();

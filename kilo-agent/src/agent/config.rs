@@ -360,6 +360,11 @@ pub struct Flags {
     /// without one for 2 × this is down. 0 writes none and judges nodes by their Ready condition.
     #[arg(long, default_value = DEFAULT_PERIOD, value_parser = parse_duration)]
     pub check_in_period: Duration,
+    /// How often the node next in line after its location's leader probes that leader (kg's
+    /// leader failover; Kilo has none): three missed probes in a row demote the leader. 0 turns
+    /// failover off, as in Kilo.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub failover_probe_period: Duration,
     /// Use the private IP as the endpoint.
     #[arg(long, default_value_t = false)]
     pub prioritise_private_addresses: bool,
@@ -455,6 +460,11 @@ impl Flags {
     /// The resync period, `None` when disabled.
     pub fn resync(&self) -> Option<Duration> {
         (!self.resync_period.is_zero()).then_some(self.resync_period)
+    }
+
+    /// The failover probe's period, `None` when failover is off.
+    pub fn failover(&self) -> Option<Duration> {
+        (!self.failover_probe_period.is_zero()).then_some(self.failover_probe_period)
     }
 
     pub fn check_in(&self) -> Option<Duration> {

@@ -4,7 +4,8 @@
 //! ([`Action`]); failures go through an [`error_policy`](Agent::error_policy) that retries
 //! with backoff ([`Requeue`]).
 //!
-//! A `/check` ([`CheckRequest`]) is answered between passes, without a pass.
+//! A `/check` ([`CheckRequest`]) is answered between passes, without a pass; so is a failover
+//! probe's result ([`super::probe`]), whose write, if any, comes back as a backend change.
 //!
 //! Debounce: the first backend or kernel change after a quiet [`DEBOUNCE`](super::DEBOUNCE)
 //! starts a pass at once; what follows it within the window coalesces into one more pass. A
@@ -82,6 +83,7 @@ struct Triggers<S> {
     resync: Option<Interval>,
     check_in: Option<Interval>,
     checks: Option<mpsc::Receiver<CheckRequest>>,
+    probes: Option<mpsc::Receiver<super::probe::Probed>>,
     shutdown: Pin<Box<S>>,
     /// When the last backend or kernel change that asked for a pass arrived.
     last_change: Option<Instant>,
@@ -92,6 +94,7 @@ impl<S: Future<Output = ()>> Triggers<S> {
         updates: watch::Receiver<Update>,
         kernel: Option<mpsc::Receiver<()>>,
         checks: Option<mpsc::Receiver<CheckRequest>>,
+        probes: Option<mpsc::Receiver<super::probe::Probed>>,
         settings: &LoopSettings,
         shutdown: S,
     ) -> Self {
@@ -106,6 +109,7 @@ impl<S: Future<Output = ()>> Triggers<S> {
             resync: settings.resync.map(every),
             check_in: settings.check_in.map(every),
             checks,
+            probes,
             shutdown: Box::pin(shutdown),
             last_change: None,
         }
@@ -124,6 +128,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             self.backend.updates(),
             kernel_events,
             self.checks.take(),
+            self.probe.as_mut().and_then(|p| p.results.take()),
             &self.settings,
             shutdown,
         );
@@ -169,6 +174,7 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
         let began = Instant::now();
         let report = self.pass().await?;
         self.failing = None;
+        self.healthy = report.problems.is_empty();
         if let Some(start) = self.start_up.filter(|_| report.problems.is_empty()) {
             self.start_up = None;
             tracing::info!(
@@ -213,6 +219,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
                 (true, Trigger::Retry)
             }
             _ = tick(&mut t.check_in) => (self.check_in().await, Trigger::CheckIn),
+            Some(probed) = recv(&mut t.probes) => {
+                self.probed(probed).await;
+                return Some(Next::Wait);
+            }
             Some(reply) = recv(&mut t.checks) => {
                 let _ = reply.send(self.check().await);
                 return Some(Next::Wait);
@@ -271,6 +281,7 @@ impl<P, K, W, D> Agent<P, K, W, D> {
     /// debug line; the same planning failure is not counted again either.
     fn error_policy(&mut self, e: &AgentError) -> Action {
         let message = e.to_string();
+        self.healthy = false;
         let again = self.failing.as_ref() == Some(&message);
         self.failing = Some(message);
         let no_plan = matches!(e, AgentError::NoPlan(_));

@@ -22,12 +22,14 @@ mod clock;
 pub mod config;
 pub mod detect;
 mod event_loop;
+pub mod failover;
 pub mod key_file;
 pub mod liveness;
 mod malformed;
 mod pass;
 pub mod planner;
 pub mod prerequisites;
+pub mod probe;
 mod publish;
 pub mod seccomp;
 pub mod start;
@@ -87,6 +89,12 @@ pub struct PlanOutcome {
     pub peer_names: BTreeMap<Key, String>,
     /// The service CIDRs planned with: `--service-cidr`'s and the cluster's.
     pub service_cidrs: Vec<IpNet>,
+    /// What this node watches for a leader failover.
+    pub duty: failover::Duty,
+    /// Why the local location keeps Kilo's leader whatever is demoted.
+    pub failover_blocked: Option<String>,
+    /// Each location's leader, as (location, node).
+    pub location_leaders: Vec<(String, String)>,
 }
 
 /// Turns a snapshot into a plan (the topology/plan builder, injected).
@@ -192,6 +200,13 @@ pub struct Agent<P, K, W, D> {
     /// When the process started building the agent, until the first pass that left the kernel
     /// matching the plan ([`Agent::timed_from`]).
     start_up: Option<std::time::Instant>,
+    /// The failover probe ([`Agent::with_probe`]); none: this node never fails over a leader.
+    probe: Option<probe::Link>,
+    failover: failover::Tracker,
+    /// Why the local location cannot fail over, as last logged.
+    failover_blocked: Option<String>,
+    /// The last pass left the kernel matching the plan.
+    healthy: bool,
 }
 
 /// The log target of the two start-up lines: the phases of building the agent, then the first
@@ -240,6 +255,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             malformed: Default::default(),
             checks: None,
             start_up: None,
+            probe: None,
+            failover: failover::Tracker::default(),
+            failover_blocked: None,
+            healthy: false,
         }
     }
 

@@ -83,6 +83,8 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             self.metrics.leader.set(i64::from(outcome.leader));
             self.metrics.set_graph(outcome.graph.clone());
             self.metrics.set_peer_names(outcome.peer_names.clone());
+            self.metrics.set_location_leaders(&outcome.location_leaders);
+            self.set_duty(&outcome.duty, outcome.failover_blocked.as_ref());
         }
         let mut now = BTreeSet::new();
         for e in &outcome.errors {

@@ -58,7 +58,24 @@ pub fn outcome(planned: Planned) -> PlanOutcome {
             segments.chain(peers).collect()
         })
         .unwrap_or_default();
+    let location_leaders = topology
+        .filter(|t| t.granularity == crate::mesh::Granularity::Location)
+        .map(|t| {
+            t.segments
+                .iter()
+                .map(|s| {
+                    let location = super::failover::location_name(&s.location);
+                    (location.to_string(), s.leader_name().to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     PlanOutcome {
+        duty: topology.map(super::failover::duty).unwrap_or_default(),
+        failover_blocked: topology
+            .and_then(|t| t.local_segment())
+            .and_then(|s| s.failover_blocked.clone()),
+        location_leaders,
         // Set by `planner`, which knows the flags.
         service_cidrs: Vec::new(),
         peer_names,

@@ -1,6 +1,6 @@
 //! What the agent publishes about its own node: the annotations it wants ([`Local`]), the
-//! difference from what the backend shows ([`annotation_changes`]), the `last-seen` check-in,
-//! and the `cni-compatibility-ip` probe.
+//! difference from what the backend shows ([`annotation_changes`]), the `last-seen` check-in
+//! (with kg's copy, which tells kg's nodes from Kilo's), and the `cni-compatibility-ip` probe.
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc};
 
 use ipnet::IpNet;
@@ -153,8 +153,10 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
                 discovered_endpoints_json(&discovered),
             );
         }
-        if self.settings.check_in.is_some() && self.last_seen_due {
-            want.insert(annotations::LAST_SEEN.into(), self.unix_seconds());
+        if self.settings.check_in.is_none() {
+            want.insert(annotations::KG_LAST_SEEN.into(), "-".into());
+        } else if self.last_seen_due {
+            want.extend(self.heartbeat());
         }
         let current = snapshot
             .nodes
@@ -190,8 +192,14 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
         }
     }
 
-    fn unix_seconds(&self) -> String {
-        (self.settings.clock.now_ms() / 1000).to_string()
+    /// `last-seen` now, and kg's copy of it in the same patch: the mark of a node that runs kg
+    /// ([`annotations::runs_kg`]).
+    fn heartbeat(&self) -> BTreeMap<String, String> {
+        let now = (self.settings.clock.now_ms() / 1000).to_string();
+        BTreeMap::from([
+            (annotations::LAST_SEEN.into(), now.clone()),
+            (annotations::KG_LAST_SEEN.into(), now),
+        ])
     }
 
     /// A check-in on the way out (the mesh stays up): a restart, such as a rolling update, then
@@ -223,8 +231,11 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             self.last_seen_due = true;
             return true;
         }
-        let changes =
-            Annotations::from([(annotations::LAST_SEEN.into(), Some(self.unix_seconds()))]);
+        let changes = self
+            .heartbeat()
+            .into_iter()
+            .map(|(k, v)| (k, Some(v)))
+            .collect();
         match self.backend.publish(&self.local.hostname, &changes).await {
             Ok(wrote) => self.stats.publishes += u64::from(wrote),
             Err(e) => {

@@ -261,6 +261,7 @@ pub struct Started<P> {
     listen: SocketAddr,
     datapath: bool,
     seccomp: bool,
+    failover: Option<std::time::Duration>,
 }
 
 /// Builds the agent `flags` describe: reads the host name and the key, detects this node's
@@ -380,6 +381,7 @@ pub async fn start(flags: &Flags) -> Result<Started<impl Planner + use<>>, Start
         listen: flags.listen,
         datapath: flags.datapath,
         seccomp: flags.seccomp,
+        failover: flags.failover().filter(|_| !flags.dry_run),
     })
 }
 
@@ -403,6 +405,16 @@ impl<P: Planner> Started<P> {
         self.agent = self.agent.answer_checks(answers);
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let _watch = netlink::watch(self.agent.event_filter(), tx, self.changes)?;
+        if let Some(period) = self.failover {
+            // A raw socket needs NET_RAW: opened now, before the capabilities go.
+            match super::probe::Icmp::open() {
+                Ok(icmp) => self.agent = self.agent.with_probe(std::sync::Arc::new(icmp), period),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "no leader failover from this node: it cannot open an ICMP socket (a raw one needs NET_RAW)"
+                ),
+            }
+        }
         // Start-up is done (programs loaded, bpffs mounted, sockets bound): keep only what the
         // steady state uses.
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();

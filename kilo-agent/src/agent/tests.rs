@@ -9,9 +9,10 @@ use std::{
 use super::*;
 use crate::{
     backend::{Annotations, Update},
-    mesh::annotations::{CNI_COMPATIBILITY_IP, LAST_SEEN, WIREGUARD_IP},
+    mesh::annotations::{CNI_COMPATIBILITY_IP, KG_LAST_SEEN, LAST_SEEN, WIREGUARD_IP},
 };
 
+mod failover;
 mod kube_backend;
 
 #[test]
@@ -321,11 +322,11 @@ async fn nodes_expire_at_their_instant_not_at_resync_ticks() {
             .iter()
             .all(|(_, n)| n.contains(&"me".to_string()))
     );
-    // Check-ins at 10, 20, 30, 40 s wrote the heartbeat alone.
+    // Check-ins at 10, 20, 30, 40 s wrote the heartbeat alone (with kg's copy).
     let published = backend.published.lock().unwrap().clone();
     let beats_only = published
         .iter()
-        .filter(|a| a.len() == 1 && a.contains_key(LAST_SEEN))
+        .filter(|a| a.len() == 2 && a[LAST_SEEN] == a[KG_LAST_SEEN])
         .count();
     assert!(beats_only >= 4, "{published:?}");
     // Each reconcile counted under its cause: two expiries, the revival, the resync ticks;
@@ -571,7 +572,11 @@ async fn a_stop_without_clean_up_checks_in_on_the_way_out() {
     agent.run.await.unwrap();
     let published = backend.published.lock().unwrap().clone();
     let last = published.last().expect("published");
-    assert_eq!(last.len(), 1, "{published:?}");
+    assert_eq!(last.len(), 2, "{published:?}");
     let at_stop = (T0 + 47).to_string();
     assert_eq!(last[LAST_SEEN].as_deref(), Some(&*at_stop), "{published:?}");
+    assert_eq!(
+        last[KG_LAST_SEEN], last[LAST_SEEN],
+        "kg's copy in the same patch"
+    );
 }

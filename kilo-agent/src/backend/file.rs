@@ -188,6 +188,7 @@ impl Cache {
                 }
             }
         }
+        snapshot.kg_nodes = crate::mesh::annotations::kg_nodes(&snapshot.nodes);
         Update {
             last_seen: Arc::new(super::last_seen_of(&snapshot.nodes)),
             snapshot: Arc::new(snapshot),
@@ -324,7 +325,7 @@ async fn run(
             }
         };
         tx.send_if_modified(|last| match update {
-            // A heartbeat-only rewrite (kilo.squat.ai/last-seen) costs no plan: only the
+            // A heartbeat-only rewrite (kilo.squat.ai/last-seen and kg's copy) costs no plan: only the
             // heartbeats change, under the same generation.
             Some(u)
                 if u.errors == last.errors

@@ -104,7 +104,7 @@ pub trait Backend: Send + Sync {
 
 /// Whether `new` differs from `old` in a way the mesh cares about: a node added, removed or
 /// changed beyond its `last-seen` heartbeat (see [`kubernetes::node_changed`]), any Peer
-/// spec, or the service CIDRs. Heartbeats travel in [`Update::last_seen`] instead.
+/// spec, the service CIDRs, or which nodes run kg. Heartbeats travel in [`Update::last_seen`] instead.
 pub fn snapshot_changed(old: &Snapshot, new: &Snapshot) -> bool {
     old.nodes.len() != new.nodes.len()
         || new
@@ -117,6 +117,7 @@ pub fn snapshot_changed(old: &Snapshot, new: &Snapshot) -> bool {
             .iter()
             .any(|(name, p)| old.peers.get(name).map(|o| &o.spec) != Some(&p.spec))
         || old.service_cidrs != new.service_cidrs
+        || old.kg_nodes != new.kg_nodes
 }
 
 /// Applies `changes` to `current`; returns whether anything changed.

@@ -100,6 +100,8 @@ pub struct Cluster {
     pub port: u16,
     /// Invalid fields: a node's was ignored, a peer's left the peer out.
     pub errors: Vec<ObjectError>,
+    /// The nodes that run kg: their location leaders follow kg's failover, as kg's do.
+    pub kg_nodes: std::collections::BTreeSet<String>,
 }
 
 /// Resolves the cluster from a snapshot the way Kilo's kgctl does.
@@ -146,6 +148,7 @@ pub fn cluster(snapshot: &Snapshot, opts: &GlobalOptions) -> Result<Cluster, Kgc
         subnet,
         port: opts.port,
         errors,
+        kg_nodes: mesh::annotations::kg_nodes(&snapshot.nodes),
     })
 }
 
@@ -159,6 +162,7 @@ impl Cluster {
             subnet: self.subnet,
             service_cidrs: Vec::new(),
             persistent_keepalive: keepalive,
+            kg_nodes: self.kg_nodes.clone(),
         };
         Ok(Topology::new(&self.nodes, &self.peers, &opts)?)
     }

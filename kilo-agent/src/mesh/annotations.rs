@@ -29,11 +29,21 @@ pub const ALLOWED_LOCATION_IPS: &str = "kilo.squat.ai/allowed-location-ips";
 pub const GRANULARITY: &str = "kilo.squat.ai/granularity";
 pub const CNI_COMPATIBILITY_IP: &str = "kilo.squat.ai/cni-compatibility-ip";
 
+/// What kg's own annotations start with: Kilo reads none of them.
+pub const KG_PREFIX: &str = "kg.kilo.squat.ai/";
+/// kg's copy of `last-seen`, written in the same patch: a node whose `last-seen` differs from it
+/// (or that lacks it) runs Kilo, or ran kg without a heartbeat (`-` when `--check-in-period=0`).
+pub const KG_LAST_SEEN: &str = "kg.kilo.squat.ai/last-seen";
+/// On a location leader that stopped forwarding: the name of the node that demoted it. kg then
+/// chooses the location's leader among the other nodes (see `topology`); the demoted node
+/// removes it once it is healthy again.
+pub const DEMOTED: &str = "kg.kilo.squat.ai/demoted";
+
 /// Kilo's default `--topology-label`: a node's location when it has no `location` annotation.
 pub const DEFAULT_TOPOLOGY_LABEL: &str = "topology.kubernetes.io/region";
 
 /// Every annotation the agent writes on its own node (and removes on clean-up).
-pub const OWN: [&str; 8] = [
+pub const OWN: [&str; 10] = [
     KEY,
     ENDPOINT,
     INTERNAL_IP,
@@ -42,7 +52,28 @@ pub const OWN: [&str; 8] = [
     LAST_SEEN,
     DISCOVERED_ENDPOINTS,
     CNI_COMPATIBILITY_IP,
+    KG_LAST_SEEN,
+    DEMOTED,
 ];
+
+/// Whether a node with these annotations runs kg: its `kg.kilo.squat.ai/last-seen` is there and
+/// equals `kilo.squat.ai/last-seen`, or it has no `last-seen` (kg without a heartbeat). A Kilo
+/// agent refreshes only `last-seen`, so a node taken over by Kilo stops counting within one
+/// check-in.
+pub fn runs_kg(annotations: &BTreeMap<String, String>) -> bool {
+    annotations
+        .get(KG_LAST_SEEN)
+        .is_some_and(|kg| annotations.get(LAST_SEEN).is_none_or(|seen| seen == kg))
+}
+
+/// The nodes of `nodes` that run kg ([`runs_kg`]).
+pub fn kg_nodes(nodes: &BTreeMap<String, super::KubeNode>) -> std::collections::BTreeSet<String> {
+    nodes
+        .iter()
+        .filter(|(_, n)| n.metadata.annotations.as_ref().is_some_and(runs_kg))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
 
 /// `internal-ip`: one CIDR as Kilo reads it, or (kg's dual-stack form, which Kilo ignores) one
 /// IPv4 and one IPv6 CIDR separated by a comma; IPv4 first.

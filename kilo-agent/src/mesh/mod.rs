@@ -59,6 +59,9 @@ pub struct Snapshot {
     /// The cluster's service CIDRs as its `ServiceCIDR` objects give them (none where the API
     /// server does not serve them, and from the file backend).
     pub service_cidrs: Vec<ipnet::IpNet>,
+    /// The nodes that run kg ([`annotations::runs_kg`]), which alone may fail over their
+    /// location's leader.
+    pub kg_nodes: std::collections::BTreeSet<String>,
 }
 
 /// How finely the mesh is cut into WireGuard segments.

@@ -41,6 +41,8 @@ pub struct Node {
     pub discovered_endpoints: BTreeMap<Key, SocketAddr>,
     pub allowed_location_ips: Vec<IpNet>,
     pub granularity: Option<Granularity>,
+    /// `kg.kilo.squat.ai/demoted`: the node that demoted this one as its location's leader.
+    pub demoted_by: Option<String>,
 }
 
 /// The largest annotation value read: Kubernetes' limit on all of an object's annotations
@@ -302,6 +304,8 @@ impl Node {
                 .ok()
         });
 
+        let demoted_by = get(annotations::DEMOTED).map(str::to_string);
+
         let node = Node {
             name,
             endpoint,
@@ -318,6 +322,7 @@ impl Node {
             discovered_endpoints,
             allowed_location_ips,
             granularity,
+            demoted_by,
         };
         (node, errs)
     }

@@ -73,6 +73,7 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
             KeepaliveSource::LocalNode => local.persistent_keepalive,
             KeepaliveSource::Fixed(k) => k,
         },
+        kg_nodes: snapshot.kg_nodes.clone(),
     };
     match Topology::new(&nodes, &peers, &opts) {
         Ok(t) => out.topology = Some(t),

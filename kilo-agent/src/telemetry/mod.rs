@@ -61,6 +61,17 @@ pub struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LocationLabel {
+    pub location: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LeaderLabel {
+    pub location: String,
+    pub node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabel {
     cause: &'static str,
 }
@@ -111,6 +122,10 @@ const DURATION_BUCKETS: [f64; 13] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// Upper bounds of `kilo_leader_failover_seconds`' buckets: from the leader's last answer to its
+/// demotion written.
+const FAILOVER_BUCKETS: [f64; 9] = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 10.0, 30.0];
+
 /// The agent's metrics; cheap to clone (shared counters).
 #[derive(Clone)]
 pub struct Metrics {
@@ -126,6 +141,13 @@ pub struct Metrics {
     pub invalid_objects: Family<FieldLabel, Counter>,
     /// Failed attempts to reach the Kubernetes API server (the backend counts them).
     pub backend_retries: Counter,
+    /// Leaders this node demoted, by location.
+    pub failovers: Family<LocationLabel, Counter>,
+    /// Demotions this node lifted from itself, by location.
+    pub recoveries: Family<LocationLabel, Counter>,
+    pub failover_duration: Histogram,
+    /// 1 for the leader of each location, as the latest plan chose them.
+    location_leaders: Family<LeaderLabel, Gauge>,
     service_cidrs: Gauge,
     /// The service CIDRs of the last plan, for `/ready` (`None` before the first).
     service_cidr_list: Arc<Mutex<Option<Vec<IpNet>>>>,
@@ -180,6 +202,10 @@ impl Metrics {
             writes: Family::default(),
             invalid_objects: Family::default(),
             backend_retries: Counter::default(),
+            failovers: Family::default(),
+            recoveries: Family::default(),
+            failover_duration: Histogram::new(FAILOVER_BUCKETS),
+            location_leaders: Family::default(),
             service_cidrs: Gauge::default(),
             service_cidr_list: Arc::default(),
             ready: Arc::new(AtomicBool::new(false)),
@@ -244,6 +270,26 @@ impl Metrics {
             "Failed attempts to reach the Kubernetes API server, each made again after a backoff",
             m.backend_retries.clone(),
         );
+        r.register(
+            "kilo_leader_failovers",
+            "Location leaders this node demoted when they stopped answering its probes, by location",
+            m.failovers.clone(),
+        );
+        r.register(
+            "kilo_leader_recoveries",
+            "Demotions this node lifted from itself once healthy again, by location",
+            m.recoveries.clone(),
+        );
+        r.register(
+            "kilo_leader_failover_seconds",
+            "Time from a location leader's last answer to its demotion written",
+            m.failover_duration.clone(),
+        );
+        r.register(
+            "kilo_location_leader",
+            "The leader of each location as this node's latest plan chose it (1)",
+            m.location_leaders.clone(),
+        );
         r.register_collector(Box::new(datapath::Collector(m.datapath.clone())));
         r.register_collector(Box::new(wireguard::Collector(m.wireguard.clone())));
         r.register_collector(Box::new(process::ProcessCollector));
@@ -305,6 +351,19 @@ impl Metrics {
                     kind: kind.name().into(),
                 })
                 .inc_by(n);
+        }
+    }
+
+    /// The leader of each location, as (location, node) pairs.
+    pub fn set_location_leaders(&self, leaders: &[(String, String)]) {
+        self.location_leaders.clear();
+        for (location, node) in leaders {
+            self.location_leaders
+                .get_or_create(&LeaderLabel {
+                    location: location.clone(),
+                    node: node.clone(),
+                })
+                .set(1);
         }
     }
 

@@ -37,7 +37,7 @@ mod addresses;
 mod allowed_ips;
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     fmt::Write as _,
     net::{IpAddr, SocketAddr},
 };
@@ -64,6 +64,8 @@ pub struct Options {
     pub service_cidrs: Vec<IpNet>,
     /// Seconds the local node sends keepalives at (Kilo: its own annotation).
     pub persistent_keepalive: u16,
+    /// The nodes that run kg (see [`Segment::failover_blocked`]).
+    pub kg_nodes: BTreeSet<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,6 +86,8 @@ pub struct SegmentNode {
     pub endpoint: Option<Endpoint>,
     /// `kilo.squat.ai/cni-compatibility-ip` (Cilium's `cilium_host` address).
     pub cni_compatibility_ip: Option<IpNet>,
+    /// `kg.kilo.squat.ai/demoted`: the node that demoted this one.
+    pub demoted_by: Option<String>,
 }
 
 impl SegmentNode {
@@ -106,6 +110,12 @@ pub struct Segment {
     pub nodes: Vec<SegmentNode>,
     /// Index into `nodes`.
     pub leader: usize,
+    /// Index into `nodes`: who leads if the leader is demoted, and so watches it (none when
+    /// the segment cannot fail over).
+    pub successor: Option<usize>,
+    /// Why this location keeps Kilo's leader whatever is demoted (`location` granularity
+    /// only): a node of it, or another location's leader, runs Kilo, which would not follow.
+    pub failover_blocked: Option<String>,
     /// Pod CIDRs and internal IPs (/32, /128) of every node, then the WireGuard IP.
     pub allowed_ips: Vec<IpNet>,
     /// The leader's.
@@ -186,6 +196,33 @@ fn location_of(n: &Node, g: Granularity) -> Place<'_> {
     }
 }
 
+/// kg's failover of a location's leader: Kilo's `findLeader` over the members not demoted (all
+/// of them when every one is), and the next in that order without the leader, who watches it.
+fn leader_and_successor(members: &[&Node]) -> (usize, Option<usize>) {
+    let pick = |skip: &dyn Fn(usize) -> bool| {
+        let idx: Vec<usize> = (0..members.len()).filter(|i| !skip(*i)).collect();
+        let candidates: Vec<&Node> = idx.iter().map(|i| members[*i]).collect();
+        (!idx.is_empty()).then(|| idx[find_leader(&candidates)])
+    };
+    let demoted = |i: usize| members[i].demoted_by.is_some();
+    let leader = pick(&demoted).unwrap_or_else(|| find_leader(members));
+    (leader, pick(&|i| i == leader || demoted(i)))
+}
+
+/// Why a location must keep Kilo's leader: a member, or another location's Kilo leader, does
+/// not run kg (a Kilo agent would keep routing to the demoted leader).
+fn failover_blocked(
+    members: &[&Node],
+    kilo_leaders: &[&str],
+    kg_nodes: &BTreeSet<String>,
+) -> Option<String> {
+    if let Some(n) = members.iter().find(|n| !kg_nodes.contains(&n.name)) {
+        return Some(format!("node {} runs Kilo", n.name));
+    }
+    let leader = kilo_leaders.iter().find(|l| !kg_nodes.contains(**l))?;
+    Some(format!("the leader {leader} of another location runs Kilo"))
+}
+
 impl Topology {
     /// Kilo's `NewTopology`. `nodes` and `peers` should hold only ready objects.
     pub fn new(
@@ -218,10 +255,21 @@ impl Topology {
         }
         let location = location_of(local, g);
         let group = group_of(local, g);
+        let kilo_leaders: Vec<&str> = by_location
+            .values()
+            .map(|m| m[find_leader(m)].name.as_str())
+            .collect();
         let mut leader = false;
         let mut segments = Vec::with_capacity(by_location.len());
         for (loc, members) in &by_location {
-            let li = find_leader(members);
+            let failover_blocked = (g == Granularity::Location)
+                .then(|| failover_blocked(members, &kilo_leaders, &opts.kg_nodes))
+                .flatten();
+            let (li, successor) = if g == Granularity::Location && failover_blocked.is_none() {
+                leader_and_successor(members)
+            } else {
+                (find_leader(members), None)
+            };
             if *loc == location && members[li].name == opts.hostname {
                 leader = true;
             }
@@ -247,9 +295,12 @@ impl Topology {
                         internal_ips: n.internal_ips.clone(),
                         endpoint: n.endpoint.clone(),
                         cni_compatibility_ip: n.cni_compatibility_ip,
+                        demoted_by: n.demoted_by.clone(),
                     })
                     .collect(),
                 leader: li,
+                successor,
+                failover_blocked,
                 allowed_ips,
                 endpoint: l.endpoint.clone(),
                 key: l.key.unwrap_or(Key([0; 32])),

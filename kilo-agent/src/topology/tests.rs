@@ -89,6 +89,7 @@ fn out_of_addresses_is_an_error() {
         subnet: "10.4.0.0/31".parse().unwrap(),
         service_cidrs: vec![],
         persistent_keepalive: 0,
+        kg_nodes: Default::default(),
     };
     assert!(matches!(
         Topology::new(&nodes, &BTreeMap::new(), &opts),
@@ -347,4 +348,127 @@ proptest::proptest! {
             proptest::prop_assert_eq!(got, want);
         }
     }
+}
+
+/// A demoted leader is skipped by Kilo's order only where every node of the location and every
+/// other location's leader runs kg; the successor is the next in that order.
+#[test]
+fn failover_skips_the_demoted_leader_only_where_no_kilo_agent_disagrees() {
+    let (a, b, c, d) = (
+        node(
+            "a",
+            "eu",
+            "192.168.1.1/24",
+            "10.2.1.0/24",
+            "1.1.1.1:51820",
+            1,
+        ),
+        node(
+            "b",
+            "eu",
+            "192.168.1.2/24",
+            "10.2.2.0/24",
+            "1.1.1.2:51820",
+            2,
+        ),
+        node(
+            "c",
+            "eu",
+            "192.168.1.3/24",
+            "10.2.3.0/24",
+            "1.1.1.3:51820",
+            3,
+        ),
+        node(
+            "d",
+            "us",
+            "192.168.2.1/24",
+            "10.2.4.0/24",
+            "2.2.2.1:51820",
+            4,
+        ),
+    );
+    let mut demoted = a.clone();
+    demoted.demoted_by = Some("b".into());
+    let topology = |nodes: &[&Node], kg: &[&str], host: &str| {
+        let nodes = by_name(nodes.iter().map(|n| (*n).clone()).collect(), |n| {
+            n.name.clone()
+        });
+        Topology::new(
+            &nodes,
+            &BTreeMap::new(),
+            &Options {
+                granularity: Granularity::Location,
+                hostname: host.into(),
+                port: 51820,
+                subnet: "10.4.0.0/16".parse().unwrap(),
+                service_cidrs: Vec::new(),
+                persistent_keepalive: 0,
+                kg_nodes: kg.iter().map(|s| s.to_string()).collect(),
+            },
+        )
+        .unwrap()
+    };
+    let eu = |t: &Topology| {
+        let s = t.segments[0].clone();
+        (
+            s.leader_name().to_string(),
+            s.successor.map(|i| s.nodes[i].name.clone()),
+            s.failover_blocked,
+            s.key,
+        )
+    };
+    let all = ["a", "b", "c", "d"];
+    // Nothing demoted: Kilo's leader, and the next in line watches it.
+    let t = topology(&[&a, &b, &c, &d], &all, "a");
+    assert!(t.leader);
+    assert_eq!(eu(&t), ("a".into(), Some("b".into()), None, key(1)));
+    // a demoted: b leads with its key, c watches it; a is no leader, b is.
+    let t = topology(&[&demoted, &b, &c, &d], &all, "a");
+    assert!(!t.leader);
+    assert_eq!(t.wireguard_cidr, "10.4.0.0/16".parse().unwrap());
+    assert_eq!(eu(&t), ("b".into(), Some("c".into()), None, key(2)));
+    let t = topology(&[&demoted, &b, &c, &d], &all, "b");
+    assert!(t.leader);
+    assert_eq!(t.wireguard_cidr, "10.4.0.1/16".parse().unwrap());
+    // Seen from the other location: the same leader, endpoint and key.
+    let t = topology(&[&demoted, &b, &c, &d], &all, "d");
+    assert_eq!(eu(&t).0, "b");
+    assert_eq!(t.segments[0].endpoint, b.endpoint);
+    // A node of the location runs Kilo: Kilo's leader is kept and nobody watches it.
+    let t = topology(&[&demoted, &b, &c, &d], &["a", "b", "d"], "b");
+    assert!(!t.leader);
+    assert_eq!(
+        eu(&t),
+        ("a".into(), None, Some("node c runs Kilo".into()), key(1))
+    );
+    // Another location's leader runs Kilo: the same.
+    let t = topology(&[&demoted, &b, &c, &d], &["a", "b", "c"], "d");
+    assert_eq!(
+        eu(&t),
+        (
+            "a".into(),
+            None,
+            Some("the leader d of another location runs Kilo".into()),
+            key(1)
+        )
+    );
+    // Every node demoted: Kilo's order over all of them; no successor.
+    let mut b2 = b.clone();
+    b2.demoted_by = Some("a".into());
+    let t = topology(&[&demoted, &b2, &d], &all, "d");
+    assert_eq!(eu(&t), ("a".into(), None, None, key(1)));
+    // Other granularities have no location leader to fail over.
+    let t = topo(
+        &[demoted.clone(), b.clone()],
+        &[],
+        Granularity::Full,
+        "a",
+        "10.4.0.0/16",
+    );
+    assert!(
+        t.segments
+            .iter()
+            .all(|s| s.successor.is_none() && s.failover_blocked.is_none())
+    );
 }

@@ -38,6 +38,7 @@ pub fn node(name: &str, location: &str, internal: &str, pods: &str, endpoint: &s
         discovered_endpoints: BTreeMap::new(),
         allowed_location_ips: Vec::new(),
         granularity: None,
+        demoted_by: None,
     }
 }
 
@@ -73,6 +74,7 @@ pub fn topo(
             subnet: subnet.parse().unwrap(),
             service_cidrs: Vec::new(),
             persistent_keepalive: 0,
+            kg_nodes: Default::default(),
         },
     )
     .unwrap()

@@ -117,6 +117,7 @@ impl Cluster {
             "a rolling update of kg's DaemonSet under pod-to-pod traffic loses no packet; the new kg adopts the pinned datapath",
             || self.rolling_update(),
         );
+        self.failover(report);
         report.step(
             "a node deleted with kubectl leaves the others' routes and WireGuard peers",
             || self.node_deleted(),

@@ -35,6 +35,7 @@ mod allowed_location_ips;
 mod bench;
 mod checks;
 mod delete;
+mod failover;
 mod forward;
 mod granularity;
 mod node_deleted;
@@ -95,7 +96,12 @@ const GONE: &[(&str, &str)] = &[
 ];
 
 /// The capabilities the DaemonSet's kilo container adds (after `drop: [ALL]`).
-const KILO_CAPS: &[(&str, u32)] = &[("NET_ADMIN", 12), ("PERFMON", 38), ("BPF", 39)];
+const KILO_CAPS: &[(&str, u32)] = &[
+    ("NET_ADMIN", 12),
+    ("NET_RAW", 13),
+    ("PERFMON", 38),
+    ("BPF", 39),
+];
 
 /// kg's pins (`--clean-up=false` leaves them, see `deleted`).
 const PIN_DIR: &str = "/sys/fs/bpf/kilo";

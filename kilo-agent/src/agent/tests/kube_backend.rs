@@ -19,7 +19,7 @@ use crate::{
         testing::{self, Running},
     },
     backend::{Backend, kubernetes::KubeBackend},
-    mesh::annotations::LAST_SEEN,
+    mesh::annotations::{KG_LAST_SEEN, LAST_SEEN},
 };
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
@@ -165,6 +165,7 @@ fn idle_mesh(
     // What the agent publishes about `me`, so that only heartbeats change from here on.
     let mut mine = serde_json::to_value(testing::local().annotations(None)).unwrap();
     mine[LAST_SEEN] = t0.clone().into();
+    mine[KG_LAST_SEEN] = t0.clone().into();
     let nodes = vec![
         mesh_node("me", mine),
         mesh_node("a", serde_json::json!({LAST_SEEN: t0})),
@@ -214,7 +215,7 @@ async fn idle_heartbeats_are_patched_and_received_without_a_reconcile() {
             .iter()
             .filter(|p| {
                 let a = p["metadata"]["annotations"].as_object().unwrap();
-                a.len() == 1 && a.contains_key(LAST_SEEN)
+                a.len() == 2 && a[LAST_SEEN] == a[KG_LAST_SEEN]
             })
             .count();
         assert!(beats >= 6, "period {secs} s: {beats} heartbeat patches");

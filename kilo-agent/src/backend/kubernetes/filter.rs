@@ -1,5 +1,5 @@
 //! Which watch events matter: a Node update makes a new snapshot only when what the mesh reads
-//! of it changed (status heartbeats and `last-seen` refreshes do not), objects are trimmed on
+//! of it changed (status heartbeats and `last-seen` refreshes, kg's copy too, do not), objects are trimmed on
 //! arrival, and the ServiceCIDRs that still hold ClusterIPs.
 use std::collections::BTreeMap;
 
@@ -9,7 +9,10 @@ use k8s_openapi::api::{
     networking::v1::ServiceCIDR,
 };
 
-use crate::mesh::{KubeNode, annotations::LAST_SEEN};
+use crate::mesh::{
+    KubeNode,
+    annotations::{KG_LAST_SEEN, LAST_SEEN},
+};
 
 /// The parts of a Node the mesh depends on; an update that leaves them equal is dropped.
 #[derive(Debug, PartialEq, Eq)]
@@ -24,6 +27,7 @@ pub(super) struct NodeView {
 pub(super) fn view(n: &KubeNode) -> NodeView {
     let mut annotations = n.metadata.annotations.clone().unwrap_or_default();
     annotations.remove(LAST_SEEN);
+    annotations.remove(KG_LAST_SEEN);
     let spec = n.spec.as_ref();
     NodeView {
         labels: n.metadata.labels.clone().unwrap_or_default(),

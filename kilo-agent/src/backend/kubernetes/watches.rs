@@ -18,6 +18,7 @@ use super::{
     describe, error_chain,
     filter::{node_changed, service_cidr_changed, service_cidrs, trim_node},
 };
+use crate::mesh::annotations::kg_nodes;
 use crate::mesh::{KubeNode, Peer, Snapshot};
 
 /// Whether the API server can be reached, as an operator hears of it: one warning when it is
@@ -150,6 +151,7 @@ impl State {
                 nodes: self.nodes.objects.clone(),
                 peers: self.peers.objects.clone(),
                 service_cidrs,
+                kg_nodes: kg_nodes(&self.nodes.objects),
             }),
             errors,
             generation: self.generation,
@@ -224,9 +226,14 @@ impl State {
         }
     }
 
-    /// Sends the latest heartbeats and connection state if they changed, keeping the snapshot.
-    pub(super) fn refresh(&self, tx: &watch::Sender<Update>) {
+    /// Sends the latest heartbeats and connection state if they changed, keeping the snapshot;
+    /// a new snapshot when a heartbeat changed which nodes run kg.
+    pub(super) fn refresh(&mut self, tx: &watch::Sender<Update>) {
         if self.generation == 0 {
+            return;
+        }
+        if tx.borrow().snapshot.kg_nodes != kg_nodes(&self.nodes.objects) {
+            self.publish(tx);
             return;
         }
         let last_seen = last_seen_of(&self.nodes.objects);

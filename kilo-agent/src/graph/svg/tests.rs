@@ -56,6 +56,7 @@ fn mesh_dot(granularity: Granularity) -> String {
         subnet: "10.4.0.0/16".parse().unwrap(),
         service_cidrs: Vec::new(),
         persistent_keepalive: 0,
+        kg_nodes: Default::default(),
     };
     render_dot(&Topology::new(&parsed.nodes, &parsed.peers, &options).unwrap())
 }
