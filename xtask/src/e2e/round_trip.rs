@@ -141,6 +141,12 @@ impl Cluster {
                 ),
                 &|| self.move_to_kg(node),
             );
+            if *node == "n5" {
+                step(
+                    "mixed cluster: n1 demoted by hand while n2 (east) runs Kilo: kg keeps Kilo's leader",
+                    &|| self.mixed_keeps_kilos_leader(),
+                );
+            }
         }
         let last = MOVE_ORDER[MOVE_ORDER.len() - 1];
         step(
@@ -506,6 +512,43 @@ impl Cluster {
             "after the label: {times}, no KILO iptables line, kgctl check at +{:.0} s: {check}",
             now() - start,
         ))
+    }
+
+    /// With n1, n3 and n5 on kg and n2, n4 on Kilo: `kg.kilo.squat.ai/demoted` on the east leader
+    /// n1 (which Kilo's agent on n2 would ignore) changes nothing. n1's kg still leads, n3's kg
+    /// still peers with it, and n1's kg has said why once. The annotation is removed after.
+    fn mixed_keeps_kilos_leader(&self) -> Result<String> {
+        let kg_pod = |node: &str| -> Result<String> {
+            let pods = self.node_pods("app.kubernetes.io/name=kilo-rs", node)?;
+            pods.first()
+                .and_then(|p| p["metadata"]["name"].as_str())
+                .map(str::to_owned)
+                .with_context(|| format!("no kilo-rs pod on {node}"))
+        };
+        let (n1, n3) = (kg_pod("n1")?, kg_pod("n3")?);
+        self.kubectl(&["annotate", "node", "n1", "kg.kilo.squat.ai/demoted=n2"])?;
+        std::thread::sleep(Duration::from_secs(5));
+        let checked = (|| -> Result<String> {
+            let leader = metric(&self.metrics(&n1)?, "kilo_leader");
+            if leader != Some(1.0) {
+                bail!("n1's kg: kilo_leader {leader:?}");
+            }
+            let seen = r#"kilo_location_leader{location="east",node="n1"}"#;
+            if metric(&self.metrics(&n3)?, seen) != Some(1.0) {
+                bail!("n3's kg: no {seen} 1");
+            }
+            let log = self.kubectl(&["-n", "kube-system", "logs", &n1])?;
+            let why = log
+                .lines()
+                .find(|l| l.contains("keeps Kilo's choice of leader"))
+                .context("n1's kg never said why it keeps Kilo's leader")?;
+            if !why.contains("node n2 runs Kilo") {
+                bail!("n1's kg: {why}");
+            }
+            Ok("n1 still leads for n1's and n3's kg; n1's kg logged \"node n2 runs Kilo\"".into())
+        })();
+        self.kubectl(&["annotate", "node", "n1", "kg.kilo.squat.ai/demoted-"])?;
+        checked
     }
 
     /// Waits (60 s) until `kgctl check NODE` (asking kg's `/check` through the API server's pod
