@@ -118,6 +118,9 @@ pub struct LoopSettings {
     pub clean_up: bool,
     pub clean_up_interface: bool,
     pub clock: Clock,
+    /// Knock on new WireGuard peers ([`probe::knock`]): off where the kernel is a fake and
+    /// the packets would leave through the host's own routes.
+    pub knock: bool,
 }
 
 impl Default for LoopSettings {
@@ -130,6 +133,7 @@ impl Default for LoopSettings {
             clean_up: true,
             clean_up_interface: false,
             clock: Clock::default(),
+            knock: false,
         }
     }
 }

@@ -168,6 +168,9 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
             &report.handshaken_endpoints,
         )
         .await;
+        if self.settings.knock {
+            super::probe::knock(&report.new_peers).await;
+        }
         self.metrics.record_writes(&report.writes);
         // Counted at every pass, logged when it appears: a failure retried with backoff (or at
         // every resync) is one warning, not one per attempt.

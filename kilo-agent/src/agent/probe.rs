@@ -1,6 +1,8 @@
 //! The failover probe (I/O): one ICMP echo per `--failover-probe-period` to the address this
 //! node's [`Duty`] names, answered by the kernel that holds it, and what the agent writes when a
-//! run of results calls for it (the leader's demotion, or the lifting of its own).
+//! run of results calls for it (the leader's demotion, or the lifting of its own). And the knock
+//! ([`knock`]) that starts WireGuard's handshake with peers just added, so that a new leader, or a
+//! re-created device, carries traffic within a round trip.
 //!
 //! The echo goes through a datagram ICMP socket where `net.ipv4.ping_group_range` allows it,
 //! else a raw one, which needs NET_RAW: [`Icmp::open`] runs at start, before kg drops its
@@ -64,6 +66,25 @@ impl Prober for Icmp {
                 .is_ok()
         }
         .boxed()
+    }
+}
+
+/// Sends one datagram to each of `targets` (peers' WireGuard IPs, see
+/// [`crate::reconcile::handshake_target`]), so that WireGuard shakes hands with them now: the
+/// datagram itself goes to the discard port and is dropped.
+pub async fn knock(targets: &[IpAddr]) {
+    for ip in targets {
+        let bind: std::net::SocketAddr = match ip {
+            IpAddr::V4(_) => ([0, 0, 0, 0], 0).into(),
+            IpAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+        };
+        let sent = match tokio::net::UdpSocket::bind(bind).await {
+            Ok(s) => s.send_to(&[0], (*ip, 9)).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            tracing::debug!(%ip, error = %e, "no handshake started with a new peer");
+        }
     }
 }
 

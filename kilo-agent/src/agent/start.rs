@@ -96,6 +96,7 @@ pub fn loop_settings(flags: &Flags) -> LoopSettings {
         check_in: flags.check_in(),
         clean_up: flags.clean_up && !flags.dry_run,
         clean_up_interface: flags.clean_up_interface,
+        knock: true,
         ..LoopSettings::default()
     }
 }

@@ -30,6 +30,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use ipnet::IpNet;
 use kilo_common::KILO_REALM;
 
 #[cfg(any(test, feature = "testing"))]
@@ -109,6 +110,21 @@ pub struct Report {
     /// The endpoints WireGuard currently uses for peers that completed a handshake (what Kilo
     /// publishes as discovered endpoints for peers behind NAT).
     pub handshaken_endpoints: BTreeMap<Key, std::net::SocketAddr>,
+    /// The WireGuard IPs of the peers this pass added (see [`handshake_target`]).
+    pub new_peers: Vec<IpAddr>,
+}
+
+/// Where to send a packet so that WireGuard shakes hands with a peer just added at once: its
+/// WireGuard IP, the single address of its allowed IPs inside this node's WireGuard subnet.
+/// Without it a remote peer still holding a session with this device's previous life (the device
+/// re-created, a new leader) keeps sending into it until its rekey timer, 15 s later.
+pub fn handshake_target(allowed_ips: &BTreeSet<IpNet>, subnets: &[IpNet]) -> Option<IpAddr> {
+    allowed_ips
+        .iter()
+        .find(|n| {
+            n.prefix_len() == n.max_prefix_len() && subnets.iter().any(|s| s.contains(&n.addr()))
+        })
+        .map(IpNet::addr)
 }
 
 /// The differences between plan and kernel, as `--dry-run` prints them.
@@ -350,7 +366,14 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
                 if !d.is_empty() {
                     tracing::info!(changes = %d.to_string().trim_end(), "updating WireGuard device");
                     match self.wireguard.apply(&d) {
-                        Ok(w) => report.writes += w,
+                        Ok(w) => {
+                            report.writes += w;
+                            report.new_peers = (d.add.iter())
+                                .filter_map(|(_, p)| {
+                                    handshake_target(&p.allowed_ips, &plan.addresses)
+                                })
+                                .collect();
+                        }
                         Err(e) => report.problems.push(e.to_string()),
                     }
                 }

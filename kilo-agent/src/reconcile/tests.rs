@@ -94,6 +94,32 @@ fn converges_then_writes_nothing_then_cleans_up() {
     });
 }
 
+/// A pass that adds WireGuard peers names their WireGuard IPs (the single addresses of their
+/// allowed IPs inside the local WireGuard subnet), to start the handshakes; one that adds none
+/// names none.
+#[test]
+fn added_peers_are_named_by_their_wireguard_ip() {
+    block_on(async {
+        let mut r = reconciler();
+        let mut p = plan();
+        p.wireguard.peers[0].allowed_ips = ["10.2.1.0/24", "192.168.1.5/32", "10.4.0.2/32"]
+            .map(|c| c.parse().unwrap())
+            .to_vec();
+        assert_eq!(
+            r.reconcile(&p).await.unwrap().new_peers,
+            ["10.4.0.2".parse::<IpAddr>().unwrap()]
+        );
+        assert!(r.reconcile(&p).await.unwrap().new_peers.is_empty());
+        // A peer without one (a Peer's allowed IPs outside the subnet) is not knocked on.
+        p.wireguard.peers.push(WireGuardPeer {
+            public_key: Key([2; 32]),
+            allowed_ips: vec!["10.9.0.0/24".parse().unwrap()],
+            ..p.wireguard.peers[0].clone()
+        });
+        assert!(r.reconcile(&p).await.unwrap().new_peers.is_empty());
+    });
+}
+
 /// The plan's FORWARD accepts reach the rules' keeper at each reconcile (two rules each; none
 /// written when they are there), the dry run names the missing ones, clean-up removes them.
 #[test]
