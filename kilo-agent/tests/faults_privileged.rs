@@ -10,6 +10,11 @@
 //!   pod3's pings to pod2 resume. The outage (pings every 100 ms) is measured with a check-in
 //!   period (2 s and 4 s: Kilo's rule, 2 periods without a heartbeat) and with
 //!   `--check-in-period=0` (the node's Ready condition, set False in its file).
+//! - Leader failover: east's leader n1 fails (its kg killed; its link to the underlay cut; its
+//!   WireGuard device deleted) while pod3 (west) pings pod2 (east's other node), at probe periods
+//!   of 1 s and 0.5 s: the kg killed loses nothing and demotes nobody; otherwise n2 demotes n1
+//!   within seconds and leads, and n1, back, lifts its demotion and leads again, the fail-back's
+//!   outage under a second.
 //! - Topology change: nodes and Peers come and go while pod1 pings and streams to pod3: nothing
 //!   lost, and the n1–n3 WireGuard session is never reset.
 //!
@@ -481,7 +486,8 @@ fn leader_loss_hands_the_location_to_the_next_node() {
         let (mut outages, mut reactions) = (Vec::new(), Vec::new());
         let (mut lost, mut sent) = (0u64, 0u64);
         for _ in 0..n {
-            let loss = lose_leader(tag, &[flags], window);
+            // Failover off: the heartbeat's window alone, as in Kilo.
+            let loss = lose_leader(tag, &[flags, "--failover-probe-period=0"], window);
             outages.push(loss.outage.as_millis() as u64);
             reactions.extend(loss.after_window.map(|d| d.as_millis() as u64));
             let (l, s) = loss.lost.split_once('/').unwrap();
@@ -500,6 +506,168 @@ fn leader_loss_hands_the_location_to_the_next_node() {
                 "kg and wireguard-go of east's leader SIGKILLed and its Ready condition set False at once (in Kubernetes the node lifecycle controller sets it after its grace period, 40 s by default, 50 s since Kubernetes 1.32, which adds to the outage); outages {outages:?} ms"
             ),
         };
+    }
+}
+
+const FAILOVER_TEST: &str = "a_failed_leader_is_demoted_within_seconds";
+
+/// How east's leader fails in [`fail_leader`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Failure {
+    /// Its kg SIGKILLed, and started again a few probe periods later.
+    KgKilled,
+    /// Its link to the underlay down (on the bridge's side), then up.
+    Cut,
+    /// Its WireGuard device deleted (wireguard-go exits with it), then back.
+    Device,
+}
+
+/// What one failure cost: the longest outage while n1 was failed and after it was back, the
+/// pings lost/sent, and when n2 led (since the failure).
+struct Failed {
+    outage: Duration,
+    back: Duration,
+    lost: String,
+    led_after: Option<Duration>,
+}
+
+/// `failure` on n1 (east's leader) with failover probes every `period`, while pod3 pings pod2.
+fn fail_leader(tag: &str, period: &str, failure: Failure) -> Failed {
+    let mesh = DemoMesh::up(tag);
+    let bpffs = BpfFs::new();
+    let flag = format!("--failover-probe-period={period}");
+    let mut kg = start_agents(&mesh, &bpffs, &[&flag]);
+    eventually("pod3 reaches pod2", || mesh.pings("pod3", "10.42.2.2"));
+    let leads = |i: usize| {
+        mesh.metrics(i)
+            .is_some_and(|m| support::metrics::metric(&m, "kilo_leader") == Some(1))
+    };
+    let demoted = || {
+        std::fs::read_to_string(mesh.objects().join("node-n1.yaml"))
+            .unwrap()
+            .contains("kg.kilo.squat.ai/demoted")
+    };
+    let ping = Ping::start(&mesh.ns("pod3"), "10.42.2.2");
+    let began = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let failed = began.elapsed();
+    let mut wireguard = None;
+    let led_after = match failure {
+        Failure::KgKilled => {
+            kg[0].take().unwrap().kill();
+            std::thread::sleep(Duration::from_secs(5));
+            kg[0] = Some(mesh.start_kg(1, &bpffs, &[&flag]));
+            eventually("n1's kg is back and leads", || leads(1));
+            None
+        }
+        Failure::Cut | Failure::Device => {
+            if failure == Failure::Cut {
+                mesh.sh("under", "ip link set n1 down");
+            } else {
+                mesh.sh("n1", &format!("ip link del {}", mesh.wg(1)));
+            }
+            eventually("n2 demotes n1 and leads", || demoted() && leads(2));
+            let led = began.elapsed() - failed;
+            std::thread::sleep(Duration::from_secs(2));
+            restore(&mesh, failure, &mut wireguard);
+            Some(led)
+        }
+    };
+    let restored = began.elapsed();
+    eventually("n1 lifts its demotion and leads again", || {
+        !demoted() && leads(1)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let pinged = ping.stop();
+    drop(kg);
+    if let Some(mut w) = wireguard {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    let during = pinged.longest_gap_within(failed, restored);
+    let back = pinged.longest_gap_within(restored, Duration::MAX);
+    eprintln!(
+        "{period} {failure:?}: outage {during:?}, at the fail-back {back:?}, {} lost, led after {led_after:?}",
+        pinged.summary()
+    );
+    Failed {
+        outage: during,
+        back,
+        lost: pinged.summary(),
+        led_after,
+    }
+}
+
+/// Undoes `failure`: the link up, or wireguard-go started again (kept in `wireguard`) unless
+/// kg makes the kernel device itself.
+fn restore(mesh: &DemoMesh, failure: Failure, wireguard: &mut Option<std::process::Child>) {
+    if failure == Failure::Cut {
+        mesh.sh("under", "ip link set n1 up");
+    } else if std::env::var("KRS_WIREGUARD").as_deref() != Ok("kernel") {
+        *wireguard = Some(
+            std::process::Command::new("ip")
+                .args(["netns", "exec", &mesh.ns("n1"), "env"])
+                .arg("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1")
+                .args(["wireguard-go", "--foreground", &mesh.wg(1)])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("wireguard-go"),
+        );
+    }
+}
+
+#[test]
+fn a_failed_leader_is_demoted_within_seconds() {
+    if !support::require_root(FAILOVER_TEST) {
+        return;
+    }
+    let _serial = serial();
+    let n = tries(1, 5);
+    for (period, failure) in [
+        ("1s", Failure::KgKilled),
+        ("1s", Failure::Cut),
+        ("1s", Failure::Device),
+        ("500ms", Failure::Cut),
+    ] {
+        let what = match failure {
+            Failure::KgKilled => "its kg killed",
+            Failure::Cut => "cut from the underlay",
+            Failure::Device => "its WireGuard device deleted",
+        };
+        let mut outcome = Outcome::new(
+            FAILOVER_TEST,
+            &format!("leader failover, probe period {period}: {what}"),
+        );
+        let (mut outages, mut backs, mut leds) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut lost, mut sent) = (0u64, 0u64);
+        for _ in 0..n {
+            let f = fail_leader("fo", period, failure);
+            let (l, s) = f.lost.split_once('/').unwrap();
+            lost += l.parse::<u64>().unwrap();
+            sent += s.parse::<u64>().unwrap();
+            outages.push(f.outage.as_millis() as u64);
+            backs.push(f.back.as_millis() as u64);
+            leds.extend(f.led_after.map(|d| d.as_millis() as u64));
+        }
+        outcome.tries = n;
+        outcome.lost = format!("{lost}/{sent}");
+        outcome.outage_ms = outages.iter().max().map(|&m| m as f64);
+        outcome.notes = match failure {
+            Failure::KgKilled => format!(
+                "pod3 pings pod2 while n1's kg is SIGKILLed and started again 5 s later: the kernel answered n2's probes, nobody was demoted; outages {outages:?} ms"
+            ),
+            _ => format!(
+                "pod3 (west) pings pod2 (east's other node): n2 demoted n1 and led after {leds:?} ms; outages {outages:?} ms; n1 back, healthy for 10 periods, lifted its demotion and led again: fail-back outages {backs:?} ms (Kilo: 30–61 s, and the same again on return)"
+            ),
+        };
+        match failure {
+            Failure::KgKilled => assert_eq!(lost, 0, "{}", outcome.notes),
+            _ => {
+                assert!(outages.iter().all(|&o| o <= 5000), "{}", outcome.notes);
+                assert!(backs.iter().all(|&o| o <= 1000), "{}", outcome.notes);
+            }
+        }
     }
 }
 

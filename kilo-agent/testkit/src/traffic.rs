@@ -53,6 +53,28 @@ impl PingResult {
         PING_INTERVAL * longest
     }
 
+    /// The longest run of unanswered echoes that began between `from` and `to` after the start
+    /// (echo `n` is sent `n` intervals after it), as time.
+    pub fn longest_gap_within(&self, from: Duration, to: Duration) -> Duration {
+        let answered: std::collections::BTreeSet<u64> = self.replies.iter().copied().collect();
+        let (mut longest, mut run, mut began) = (0u32, 0u32, 0u64);
+        for seq in 0..self.sent {
+            if answered.contains(&seq) {
+                run = 0;
+                continue;
+            }
+            if run == 0 {
+                began = seq;
+            }
+            run += 1;
+            let at = PING_INTERVAL * began as u32;
+            if at >= from && at < to {
+                longest = longest.max(run);
+            }
+        }
+        PING_INTERVAL * longest
+    }
+
     /// `lost/sent`, as the reliability table shows it.
     pub fn summary(&self) -> String {
         format!("{}/{}", self.lost(), self.sent)
