@@ -584,7 +584,9 @@ fn fail_leader(tag: &str, period: &str, failure: Failure) -> Failed {
         let _ = w.kill();
         let _ = w.wait();
     }
-    let during = pinged.longest_gap_within(failed, restored);
+    // Before the failure the mesh was whole (pod3 reached pod2): what was lost before the restore
+    // is the failure's, whatever the ping's own start-up delay.
+    let during = pinged.longest_gap_within(Duration::ZERO, restored);
     let back = pinged.longest_gap_within(restored, Duration::MAX);
     eprintln!(
         "{period} {failure:?}: outage {during:?}, at the fail-back {back:?}, {} lost, led after {led_after:?}",

@@ -160,15 +160,18 @@ impl<P: Planner, K: Kernel, W: WireGuard, D: DatapathOps> Agent<P, K, W, D> {
 
     /// Takes the duty of the latest plan: a new one restarts the count and the probe.
     pub(super) fn set_duty(&mut self, duty: &Duty, blocked: Option<&String>) {
-        if blocked != self.failover_blocked.as_ref() {
-            if let Some(why) = blocked {
-                tracing::info!(
+        if blocked != self.failover_blocked.as_ref() && self.probe.is_some() {
+            match blocked {
+                Some(why) => tracing::info!(
                     reason = %why,
                     "this location keeps Kilo's choice of leader: no failover while a Kilo agent could disagree"
-                );
+                ),
+                None => tracing::info!(
+                    "every node of this location and every leader runs kg: failover is on"
+                ),
             }
-            self.failover_blocked = blocked.cloned();
         }
+        self.failover_blocked = blocked.cloned();
         let Some(link) = self.probe.as_mut() else {
             return;
         };

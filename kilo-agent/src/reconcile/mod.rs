@@ -3,8 +3,9 @@
 //! [`Kernel`] (links, addresses, routes, rules over rtnetlink), [`wireguard::WireGuard`]
 //! (the device, per peer), [`DatapathOps`] (the eBPF maps and NAT rule: the datapath
 //! module's trait; the datapath never imports this module) and, optionally, [`ForwardRules`]
-//! (`--iptables-forward-rules`, also the datapath module's). [`Reconciler`] runs them in order
-//! and returns the [`Writes`] it made.
+//! (`--iptables-forward-rules`, also the datapath module's). [`Reconciler`] runs them in the
+//! order a change needs (the datapath, then links, addresses and routes, then WireGuard) and
+//! returns the [`Writes`] it made.
 //!
 //! The writes are counted by kind ([`Write`](crate::writes::Write)); a reconcile of a node that
 //! matches its plan returns none.
@@ -349,6 +350,34 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
             .get(&devices.wireguard)
             .ok_or_else(|| KernelError::NoInterface(devices.wireguard.clone()))?;
 
+        // The datapath before the routes: what they send out of the private interface must find
+        // the encapsulation there already.
+        self.apply_datapath(plan, &observed.indexes, &mut report);
+
+        self.learn_realms(&observed.routes, &[]);
+        let d = self
+            .kernel_diff(plan, &observed, &link, &mut report.problems)
+            .await;
+        if !d.is_empty() {
+            tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
+            let (w, errors) = self.kernel.apply(&d).await;
+            report.writes += w;
+            report
+                .problems
+                .extend(errors.into_iter().map(|e| e.to_string()));
+            // Read back at once (rarely: until realms are known) so the datapath need not wait
+            // for the next pass, and so a kernel that drops them is never asked again.
+            if self.realms == Realms::Unknown && d.route_add.iter().any(|(r, _)| r.realm.is_some())
+            {
+                match self.kernel.observe(&devices).await {
+                    Ok(after) => self.learn_realms(&after.routes, &d.route_add),
+                    Err(e) => report.problems.push(e.to_string()),
+                }
+            }
+        }
+        // WireGuard after the routes: a peer answers handshakes as soon as it exists, and its
+        // answers must leave by the routes of this plan. A node that becomes its location's
+        // leader first drops the route that sent the new peer's endpoint through the old leader.
         match self.wireguard.observe() {
             Ok(dev) => {
                 let dev = dev.unwrap_or_default();
@@ -381,31 +410,6 @@ impl<K: Kernel, W: WireGuard, D: DatapathOps> Reconciler<K, W, D> {
             Err(e) => report.problems.push(e.to_string()),
         }
 
-        // The datapath before the routes: what they send out of the private interface must find
-        // the encapsulation there already.
-        self.apply_datapath(plan, &observed.indexes, &mut report);
-
-        self.learn_realms(&observed.routes, &[]);
-        let d = self
-            .kernel_diff(plan, &observed, &link, &mut report.problems)
-            .await;
-        if !d.is_empty() {
-            tracing::info!(changes = %d.to_string().trim_end(), "updating links, addresses, routes, rules");
-            let (w, errors) = self.kernel.apply(&d).await;
-            report.writes += w;
-            report
-                .problems
-                .extend(errors.into_iter().map(|e| e.to_string()));
-            // Read back at once (rarely: until realms are known) so the datapath need not wait
-            // for the next pass, and so a kernel that drops them is never asked again.
-            if self.realms == Realms::Unknown && d.route_add.iter().any(|(r, _)| r.realm.is_some())
-            {
-                match self.kernel.observe(&devices).await {
-                    Ok(after) => self.learn_realms(&after.routes, &d.route_add),
-                    Err(e) => report.problems.push(e.to_string()),
-                }
-            }
-        }
         match self.datapath.route_realm(self.realms == Realms::Hold) {
             Ok(w) => report.writes += w,
             Err(e) => report.problems.push(e.to_string()),

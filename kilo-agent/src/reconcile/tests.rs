@@ -349,3 +349,74 @@ fn missing_interface_without_create_is_a_problem() {
         assert!(report.writes.is_empty(), "{}", report.writes);
     });
 }
+
+/// What the kernel and the device were asked to write, in order.
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// A fake that logs its writes in a [`Log`] shared with the other fake.
+struct Logged<T>(T, Log);
+
+impl Kernel for Logged<FakeKernel> {
+    async fn observe(&mut self, d: &Devices) -> Result<KernelState, KernelError> {
+        self.0.observe(d).await
+    }
+    async fn create_wireguard(&mut self, name: &str) -> Result<Writes, KernelError> {
+        self.0.create_wireguard(name).await
+    }
+    async fn delete_link(&mut self, index: u32) -> Result<Writes, KernelError> {
+        self.0.delete_link(index).await
+    }
+    async fn apply(&mut self, d: &KernelDiff) -> (Writes, Vec<KernelError>) {
+        let dels = d.route_del.iter().map(|r| format!("- route {}", r.dst));
+        let adds = d
+            .route_add
+            .iter()
+            .map(|(r, _)| format!("+ route {}", r.dst));
+        self.1.lock().unwrap().extend(dels.chain(adds));
+        self.0.apply(d).await
+    }
+}
+
+impl WireGuard for Logged<FakeWireGuard> {
+    fn observe(&mut self) -> Result<Option<wireguard::DeviceState>, wireguard::WgError> {
+        self.0.observe()
+    }
+    fn apply(&mut self, d: &WgDiff) -> Result<Writes, wireguard::WgError> {
+        let adds = d.add.iter().map(|(k, _)| format!("+ peer {}", k.0[0]));
+        self.1.lock().unwrap().extend(adds);
+        self.0.apply(d)
+    }
+}
+
+/// A node that becomes its location's leader adds a peer whose endpoint its last plan routed
+/// elsewhere (through the old leader, or into the tunnel): the peer answers handshakes as soon
+/// as it exists, so that route goes first, else the answer takes it and is lost.
+#[test]
+fn a_new_peer_comes_after_the_routes_to_its_endpoint() {
+    block_on(async {
+        let log = Log::default();
+        let r = reconciler();
+        let mut r = Reconciler::new(
+            Logged(FakeKernel::default(), log.clone()),
+            Logged(FakeWireGuard::default(), log.clone()),
+            NoDatapath,
+            r.settings,
+        );
+        let mut before = plan();
+        before.routes.push(Route {
+            dst: "198.51.100.7/32".parse().unwrap(),
+            ..before.routes[0].clone()
+        });
+        r.reconcile(&before).await.unwrap();
+        log.lock().unwrap().clear();
+
+        let mut after = plan();
+        after.wireguard.peers[0].public_key = Key([3; 32]);
+        after.wireguard.peers[0].endpoint = Some("198.51.100.7:51820".parse().unwrap());
+        r.reconcile(&after).await.unwrap();
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["- route 198.51.100.7/32", "+ peer 3"]
+        );
+    });
+}
