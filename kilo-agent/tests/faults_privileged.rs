@@ -577,7 +577,9 @@ fn fail_leader(tag: &str, period: &str, failure: Failure) -> Failed {
     eventually("n1 lifts its demotion and leads again", || {
         !demoted() && leads(1)
     });
-    std::thread::sleep(Duration::from_secs(2));
+    // Longer than WireGuard's 5 s between handshake attempts: a handshake lost at the switch
+    // shows whole.
+    std::thread::sleep(Duration::from_secs(6));
     let pinged = ping.stop();
     drop(kg);
     if let Some(mut w) = wireguard {
@@ -667,7 +669,9 @@ fn a_failed_leader_is_demoted_within_seconds() {
             Failure::KgKilled => assert_eq!(lost, 0, "{}", outcome.notes),
             _ => {
                 assert!(outages.iter().all(|&o| o <= 5000), "{}", outcome.notes);
-                assert!(backs.iter().all(|&o| o <= 1000), "{}", outcome.notes);
+                // Each node applies the switch when it sees it: the last to do so may cost a
+                // second or so; a lost handshake costs 5 s.
+                assert!(backs.iter().all(|&o| o <= 2000), "{}", outcome.notes);
             }
         }
     }
