@@ -190,19 +190,16 @@ fn kg_against_the_api_server_publishes_and_cleans_up() {
     );
     assert_eq!(published["kilo.squat.ai/location"], "here");
     // One merge patch of kg's own keys only, the WireGuard IP of this (lone, so leading) node
-    // included; heartbeats (`last-seen` alone) aside.
+    // included; heartbeats (`last-seen` and kg's copy alone) aside.
     std::thread::sleep(Duration::from_secs(2));
     let patches = lab.server.node_patches("kgtest");
     let own: Vec<_> = patches
         .iter()
-        .filter(|p| p["metadata"]["annotations"].as_object().unwrap().len() > 1)
+        .filter(|p| not_heartbeat(&p["metadata"]["annotations"]))
         .collect();
     assert_eq!(own.len(), 1, "{patches:#?}");
     let keys = own[0]["metadata"]["annotations"].as_object().unwrap();
-    assert!(
-        keys.keys().all(|k| k.starts_with("kilo.squat.ai/")),
-        "{keys:?}"
-    );
+    assert!(keys.keys().all(|k| is_kgs(k)), "{keys:?}");
     assert_eq!(
         keys["kilo.squat.ai/wireguard-ip"], "10.4.0.1/16",
         "{keys:?}"
@@ -246,7 +243,7 @@ fn kg_against_the_api_server_publishes_and_cleans_up() {
     let left = lab.annotations();
     assert!(
         left.keys()
-            .all(|k| !k.starts_with("kilo.squat.ai/") || k == "kilo.squat.ai/location"),
+            .all(|k| !is_kgs(k) || k == "kilo.squat.ai/location"),
         "{left:?}"
     );
     assert_eq!(left["other/annotation"], "x");
@@ -517,20 +514,16 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
         "{handshakes}"
     );
     // Each kg published its node in one merge patch of its own keys, WireGuard IP included;
-    // after that, heartbeats (`last-seen` alone) only.
+    // after that, heartbeats (`last-seen` and kg's copy) only.
     for (name, wireguard_ip) in [("n1", "10.4.0.1/16"), ("n2", ""), ("n3", "10.4.0.2/16")] {
         let patches = server.node_patches(name);
         let own: Vec<_> = patches
             .iter()
-            .filter(|p| {
-                p["metadata"]["annotations"]
-                    .as_object()
-                    .is_some_and(|a| a.keys().any(|k| k != "kilo.squat.ai/last-seen"))
-            })
+            .filter(|p| not_heartbeat(&p["metadata"]["annotations"]))
             .collect();
         assert_eq!(own.len(), 1, "{name}: {patches:#?}");
         let a = own[0]["metadata"]["annotations"].as_object().unwrap();
-        assert!(a.keys().all(|k| k.starts_with("kilo.squat.ai/")), "{a:?}");
+        assert!(a.keys().all(|k| is_kgs(k)), "{a:?}");
         for key in [
             "key",
             "endpoint",
@@ -636,4 +629,17 @@ fn kg_mesh_on_the_api_server_rides_out_an_outage() {
     assert!(!addresses.contains("10.4.0.1"), "{addresses}");
     assert!(!bpffs.pin_dir("n1").exists(), "the datapath's pins stay");
     stop(&mut kg[1]);
+}
+
+/// An annotation kg writes: Kilo's, or kg's own (`kg.kilo.squat.ai/`).
+fn is_kgs(key: &str) -> bool {
+    key.starts_with("kilo.squat.ai/") || key.starts_with("kg.kilo.squat.ai/")
+}
+
+/// Whether a patch's annotations hold more than a heartbeat (`last-seen` and kg's copy).
+fn not_heartbeat(annotations: &serde_json::Value) -> bool {
+    annotations.as_object().is_some_and(|a| {
+        a.keys()
+            .any(|k| k != "kilo.squat.ai/last-seen" && k != "kg.kilo.squat.ai/last-seen")
+    })
 }
