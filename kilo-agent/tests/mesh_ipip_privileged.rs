@@ -161,6 +161,9 @@ impl Mesh {
                     "--listen=127.0.0.1:1107".into(),
                     "--resync-period=5s".into(),
                     "--log-format=text".into(),
+                    // The failover probe's echoes to the leader are wrapped too: these meshes
+                    // count the encapsulation's packets exactly.
+                    "--failover-probe-period=0".into(),
                 ])
                 .args(flags)
                 .log_file(work.path().join(format!("{}.log", s.name)))
