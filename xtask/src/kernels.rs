@@ -10,9 +10,10 @@
 use std::{
     fmt::Write as _,
     fs,
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::Command,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -483,11 +484,22 @@ fn guest_script(
     Ok(path)
 }
 
-/// Boots `kernel` and runs `script`: with KVM first, then TCG when KVM fails at once (as it
-/// does under nested virtualisation that cannot set the host CPU's MSRs).
+/// Set once KVM failed here: the later kernels boot with TCG at once.
+static KVM_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How long a KVM guest may take to print its kernel's banner; a working one takes seconds.
+const KVM_BOOT: Duration = Duration::from_secs(60);
+
+/// Boots `kernel` and runs `script`: with KVM first, then TCG when KVM fails, at once (as it
+/// does under nested virtualisation that cannot set the host CPU's MSRs) or by hanging before
+/// the kernel starts (as other nested hosts do).
 fn boot(vm: &Vm, kernel: &Kernel, script: &Path, out: &Path) -> Result<()> {
+    use std::sync::atomic::Ordering::Relaxed;
     let console = out.join("console.log");
     for kvm in [true, false] {
+        if kvm && KVM_FAILED.load(Relaxed) {
+            continue;
+        }
         let mut cmd = Command::new(&vm.vng);
         let path = std::env::join_paths(
             std::iter::once(vm.vng.parent().unwrap().to_path_buf()).chain(std::env::split_paths(
@@ -526,12 +538,27 @@ fn boot(vm: &Vm, kernel: &Kernel, script: &Path, out: &Path) -> Result<()> {
             if kvm { "KVM" } else { "TCG" }
         );
         let started = Instant::now();
-        let status = cmd.status().context("start vng")?;
+        // Its own process group, so that a hung guest's qemu goes with vng.
+        let mut child = cmd.process_group(0).spawn().context("start vng")?;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            let banner = fs::read_to_string(&console).is_ok_and(|c| c.contains("Linux version"));
+            if kvm && !banner && started.elapsed() > KVM_BOOT {
+                let group = format!("-{}", child.id());
+                let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        };
         if out.join("results").exists() {
             return Ok(());
         }
-        if kvm && started.elapsed().as_secs() < 60 {
-            eprintln!("xtask kernels: KVM did not boot ({status}); trying TCG");
+        if kvm && (status.is_none() || started.elapsed() < KVM_BOOT) {
+            eprintln!("xtask kernels: KVM did not boot ({status:?}); trying TCG");
+            KVM_FAILED.store(true, Relaxed);
             continue;
         }
         break;
