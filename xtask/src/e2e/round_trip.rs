@@ -538,9 +538,10 @@ impl Cluster {
                 bail!("n3's kg: no {seen} 1");
             }
             let log = self.kubectl(&["-n", "kube-system", "logs", &n1])?;
+            // The latest reason: at its start kg may not yet see its own node's kg last-seen.
             let why = log
                 .lines()
-                .find(|l| l.contains("keeps Kilo's choice of leader"))
+                .rfind(|l| l.contains("keeps Kilo's choice of leader"))
                 .context("n1's kg never said why it keeps Kilo's leader")?;
             if !why.contains("node n2 runs Kilo") {
                 bail!("n1's kg: {why}");
