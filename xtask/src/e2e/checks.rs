@@ -184,21 +184,7 @@ impl Cluster {
                 bail!("{name}: capabilities {}", sc["capabilities"]);
             }
             // The process itself, found through its node's containerd.
-            let id = pod["status"]["containerStatuses"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["name"] == "kilo"))
-                .and_then(|c| c["containerID"].as_str())
-                .and_then(|id| id.strip_prefix("containerd://"))
-                .with_context(|| format!("{name}: no containerd container ID"))?
-                .to_owned();
-            let tasks = self.node_exec(node, &["ctr", "-n", "k8s.io", "tasks", "ls"])?;
-            let pid = tasks
-                .lines()
-                .find_map(|l| {
-                    let mut f = l.split_whitespace();
-                    (f.next() == Some(id.as_str())).then(|| f.next()).flatten()
-                })
-                .with_context(|| format!("{name}: no task {id} on {node}"))?;
+            let (_, pid) = self.kilo_task(&pod, node)?;
             let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
             let cap = |key: &str| -> Result<u64> {
                 let hex = status

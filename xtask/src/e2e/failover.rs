@@ -364,21 +364,7 @@ impl Cluster {
         let pod = on_node(self.kilo_pods()?, node)?;
         let name = pod["metadata"]["name"].as_str().unwrap_or_default();
         let (restarts, _) = container_state(&pod, "kilo");
-        let id = pod["status"]["containerStatuses"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["name"] == "kilo"))
-            .and_then(|c| c["containerID"].as_str())
-            .and_then(|id| id.strip_prefix("containerd://"))
-            .with_context(|| format!("{name}: no containerd container ID"))?
-            .to_owned();
-        let tasks = self.node_exec(node, &["ctr", "-n", "k8s.io", "tasks", "ls"])?;
-        let pid = tasks
-            .lines()
-            .find_map(|l| {
-                let mut f = l.split_whitespace();
-                (f.next() == Some(id.as_str())).then(|| f.next()).flatten()
-            })
-            .with_context(|| format!("{name}: no task {id} on {node}"))?;
+        let (id, pid) = self.kilo_task(&pod, node)?;
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))?;
         if comm.trim() != "kg" {
             bail!("{name}: task {id}'s process {pid} is {comm:?}, not kg");

@@ -343,6 +343,27 @@ impl Cluster {
         cmd
     }
 
+    /// `pod`'s `kilo` container (kg) on `node`: its containerd ID and its host PID, through the
+    /// node's containerd.
+    fn kilo_task(&self, pod: &Value, node: &str) -> Result<(String, String)> {
+        let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+        let id = pod["status"]["containerStatuses"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == "kilo"))
+            .and_then(|c| c["containerID"].as_str())
+            .and_then(|id| id.strip_prefix("containerd://"))
+            .with_context(|| format!("{name}: no containerd container ID"))?;
+        let tasks = self.node_exec(node, &["ctr", "-n", "k8s.io", "tasks", "ls"])?;
+        let pid = tasks
+            .lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(id)).then(|| f.next()).flatten()
+            })
+            .with_context(|| format!("{name}: no task {id} on {node}"))?;
+        Ok((id.to_owned(), pid.to_owned()))
+    }
+
     /// Runs `cmd` in a node's network and mount namespaces.
     fn node_exec(&self, node: &str, cmd: &[&str]) -> Result<String> {
         let out = Command::new("bash")
