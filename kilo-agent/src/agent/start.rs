@@ -85,6 +85,7 @@ pub fn plan_settings(flags: &Flags, hostname: &str) -> plan::Settings {
         topology_label: flags.topology_label.clone(),
         // Liveness is the agent's (see `agent::liveness`), applied before planning.
         now: None,
+        runs_kg: true,
         ..plan::Settings::default()
     }
 }

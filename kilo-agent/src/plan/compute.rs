@@ -73,7 +73,13 @@ pub fn topology_for(snapshot: &Snapshot, settings: &Settings) -> Planned {
             KeepaliveSource::LocalNode => local.persistent_keepalive,
             KeepaliveSource::Fixed(k) => k,
         },
-        kg_nodes: snapshot.kg_nodes.clone(),
+        kg_nodes: {
+            let mut kg = snapshot.kg_nodes.clone();
+            if settings.runs_kg {
+                kg.insert(settings.hostname.clone());
+            }
+            kg
+        },
     };
     match Topology::new(&nodes, &peers, &opts) {
         Ok(t) => out.topology = Some(t),

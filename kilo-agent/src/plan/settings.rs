@@ -113,6 +113,9 @@ pub struct Settings {
     /// `discoverNATEndpoints`); they replace the local node's `discovered-endpoints`
     /// annotation. `None` uses the annotation.
     pub discovered_endpoints: Option<BTreeMap<mesh::Key, SocketAddr>>,
+    /// The local node runs kg, whether or not the snapshot shows its heartbeat yet (the
+    /// agent: true; `kgctl`, which plans for any node: false).
+    pub runs_kg: bool,
 }
 
 impl Default for Settings {
@@ -132,6 +135,7 @@ impl Default for Settings {
             persistent_keepalive: KeepaliveSource::LocalNode,
             now: None,
             discovered_endpoints: None,
+            runs_kg: false,
         }
     }
 }

@@ -460,10 +460,8 @@ proptest! {
     }
 }
 
-/// The agent's live-observed endpoints replace the local node's annotation (Kilo's
-/// `discoverNATEndpoints`), for NAT-ed segments only.
-#[test]
-fn discovered_endpoints_from_settings() {
+/// Nodes a (location 1, keepalive 0) and b (location 2, keepalive 25), as Kilo annotates them.
+fn two_locations() -> crate::mesh::Snapshot {
     use crate::mesh::{KubeNode, Snapshot, annotations};
     let kn = |name: &str, loc: &str, ip: &str, pod: &str, ep: &str, k: u8, ka: &str| KubeNode {
         metadata: kube::api::ObjectMeta {
@@ -513,6 +511,14 @@ fn discovered_endpoints_from_settings() {
             "25",
         ),
     );
+    snap
+}
+
+/// The agent's live-observed endpoints replace the local node's annotation (Kilo's
+/// `discoverNATEndpoints`), for NAT-ed segments only.
+#[test]
+fn discovered_endpoints_from_settings() {
+    let snap = two_locations();
     let s = Settings {
         hostname: "a".into(),
         ..Settings::default()
@@ -533,4 +539,24 @@ fn discovered_endpoints_from_settings() {
         ..s
     };
     assert_eq!(ep(&plan_for(&snap, &s)), "5.5.5.5:4000");
+}
+
+/// The agent counts its own node as kg's before the snapshot shows its heartbeat, so its
+/// first plans do not blame its own node for keeping Kilo's leader; a plan for any node (as
+/// `kgctl` makes) goes by the heartbeats alone.
+#[test]
+fn the_agent_counts_its_own_node_as_kg() {
+    let mut snap = two_locations();
+    snap.kg_nodes = set(&["b"]);
+    let blocked = |runs_kg| {
+        let s = Settings {
+            hostname: "a".into(),
+            runs_kg,
+            ..Settings::default()
+        };
+        let t = topology_for(&snap, &s).topology.unwrap();
+        t.local_segment().unwrap().failover_blocked.clone()
+    };
+    assert_eq!(blocked(false).as_deref(), Some("node a runs Kilo"));
+    assert_eq!(blocked(true), None);
 }
