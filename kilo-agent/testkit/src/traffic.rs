@@ -79,6 +79,21 @@ impl PingResult {
     pub fn summary(&self) -> String {
         format!("{}/{}", self.lost(), self.sent)
     }
+
+    /// Parses busybox ping's output. The last echo, unanswered, was in flight at SIGINT and
+    /// is not counted; a run of unanswered echoes at the end is.
+    pub fn parse(text: &str) -> Option<PingResult> {
+        let sent: u64 = text
+            .lines()
+            .find_map(|l| l.split(" packets transmitted").next()?.parse().ok())?;
+        let replies: Vec<u64> = text
+            .lines()
+            .filter_map(|l| l.split("seq=").nth(1)?.split(' ').next()?.parse().ok())
+            .collect();
+        let answered = replies.iter().max().map_or(0, |&s| s + 1);
+        let sent = if sent == answered + 1 { answered } else { sent };
+        Some(PingResult { sent, replies })
+    }
 }
 
 impl Ping {
@@ -108,19 +123,7 @@ impl Ping {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let _ = self.child.wait();
         let text = std::fs::read_to_string(&self.out).unwrap();
-        let sent = text
-            .lines()
-            .find_map(|l| l.strip_suffix(" packets transmitted")?.parse().ok())
-            .or_else(|| {
-                text.lines()
-                    .find_map(|l| l.split(" packets transmitted").next()?.parse().ok())
-            })
-            .unwrap_or_else(|| panic!("no summary from ping:\n{text}"));
-        let replies = text
-            .lines()
-            .filter_map(|l| l.split("seq=").nth(1)?.split(' ').next()?.parse().ok())
-            .collect();
-        PingResult { sent, replies }
+        PingResult::parse(&text).unwrap_or_else(|| panic!("no summary from ping:\n{text}"))
     }
 }
 
@@ -233,4 +236,32 @@ fn run_client(conn: TcpStream, stop: Arc<AtomicBool>, echoed: &AtomicU64) -> Res
         return Err(format!("{sent} sent, {read} echoed"));
     }
     Ok(read)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PingResult;
+
+    fn output(answered: &[u64], sent: u64) -> String {
+        let mut text = String::from("PING 10.2.2.2 (10.2.2.2): 56 data bytes\n");
+        for s in answered {
+            text += &format!("64 bytes from 10.2.2.2: seq={s} ttl=62 time=0.512 ms\n");
+        }
+        text + &format!(
+            "\n--- 10.2.2.2 ping statistics ---\n{sent} packets transmitted, {} packets received, 0% packet loss\n",
+            answered.len()
+        )
+    }
+
+    #[test]
+    fn the_echo_in_flight_at_the_end_is_not_a_loss() {
+        let r = PingResult::parse(&output(&[0, 1, 2], 4)).unwrap();
+        assert_eq!((r.sent, r.lost()), (3, 0));
+        // Two unanswered at the end, or one in the middle: losses.
+        let r = PingResult::parse(&output(&[0, 1], 4)).unwrap();
+        assert_eq!((r.sent, r.lost()), (4, 2));
+        let r = PingResult::parse(&output(&[0, 2, 3], 4)).unwrap();
+        assert_eq!((r.sent, r.lost()), (4, 1));
+        assert!(PingResult::parse("ping: sendto: Network unreachable").is_none());
+    }
 }
