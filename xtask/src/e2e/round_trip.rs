@@ -538,7 +538,7 @@ impl Cluster {
                 bail!("n3's kg: no {seen} 1");
             }
             let log = self.kubectl(&["-n", "kube-system", "logs", &n1])?;
-            // The latest reason: at its start kg may not yet see its own node's kg last-seen.
+            // The reason kg gave last, which stands until it logs another.
             let why = log
                 .lines()
                 .rfind(|l| l.contains("keeps Kilo's choice of leader"))
